@@ -1,0 +1,299 @@
+"""The Plan: a frozen, versioned value that says how to split one training step over a cluster.
+
+It round-trips exactly through JSON (`Plan.from_json(p.to_json()) == p`), is validated when built or
+loaded, and carries its own explanation: predicted step time split into compute / communication /
+bubble / optimizer, memory per rank split into parameters / gradients / optimizer states /
+activations, MFU, and provenance. No pickle: files are plain JSON, written atomically.
+
+Batch arithmetic: global_batch = microbatch_size * num_microbatches * dp (sequences per step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from autoplan.cluster import ClusterSpec
+from autoplan.errors import PlanError
+from autoplan.mesh import MeshShape
+from autoplan.placement import Placement, check_axis, parse_placement
+
+PLAN_VERSION = 1
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
+DTYPES = ("bfloat16", "float16", "float32")
+
+AxisPlacements = tuple[tuple[str, Placement], ...]  # ((axis, placement), ...) for axes that matter
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    name: str
+    fingerprint: str
+    num_layers: int
+    num_parameters: int
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Layers [first_layer, last_layer) run on pipeline stage `stage` (virtual chunk `chunk`)."""
+
+    stage: int
+    first_layer: int
+    last_layer: int
+    chunk: int = 0
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    compute_s: float
+    communication_s: float  # exposed (not overlapped) communication
+    bubble_s: float
+    optimizer_s: float
+
+    def total_s(self) -> float:
+        return self.compute_s + self.communication_s + self.bubble_s + self.optimizer_s
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    parameters_bytes: float
+    gradients_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    temporary_bytes: float = 0.0
+
+    def total_bytes(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+@dataclass(frozen=True)
+class Predicted:
+    step_time_s: float
+    mfu: float
+    tokens_per_s: float
+    peak_memory_bytes: float  # the largest rank
+    memory: MemoryBreakdown
+    time: TimeBreakdown
+
+    def to_json(self) -> dict:
+        return {
+            "step_time_s": self.step_time_s,
+            "mfu": self.mfu,
+            "tokens_per_s": self.tokens_per_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "memory_breakdown": asdict(self.memory),
+            "time_breakdown": asdict(self.time),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Predicted":
+        _check_keys("predicted", data, {"step_time_s", "mfu", "tokens_per_s", "peak_memory_bytes", "memory_breakdown", "time_breakdown"})
+        return cls(
+            step_time_s=data["step_time_s"],
+            mfu=data["mfu"],
+            tokens_per_s=data["tokens_per_s"],
+            peak_memory_bytes=data["peak_memory_bytes"],
+            memory=MemoryBreakdown(**data["memory_breakdown"]),
+            time=TimeBreakdown(**data["time_breakdown"]),
+        )
+
+
+@dataclass(frozen=True)
+class OpPlacement:
+    """The strategy chosen for one captured node and its output's placement per mesh axis."""
+
+    node: str
+    strategy: str
+    output: AxisPlacements = ()
+
+
+@dataclass(frozen=True)
+class ParamPlacement:
+    name: str
+    placements: AxisPlacements
+
+
+@dataclass(frozen=True)
+class Provenance:
+    autoplan_version: str
+    search_time_s: float
+    solver: str = ""
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelRef
+    cluster: ClusterSpec
+    mesh: MeshShape
+    microbatch_size: int
+    num_microbatches: int
+    global_batch: int
+    seq_len: int
+    zero_stage: int
+    recompute: str
+    schedule: str
+    stages: tuple[StageSpec, ...]
+    params: tuple[ParamPlacement, ...]
+    ops: tuple[OpPlacement, ...]
+    predicted: Predicted
+    provenance: Provenance
+    dtype: str = "bfloat16"
+    version: int = PLAN_VERSION
+    _index: dict = field(default=None, init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        index = {"params": {p.name: p for p in self.params}, "ops": {o.node: o for o in self.ops}}
+        object.__setattr__(self, "_index", index)
+
+    # ---------------------------------------------------------------- lookups
+    def param_placement(self, name: str, axis: str) -> Placement:
+        """Placement of parameter `name` on mesh `axis` (Replicate when the plan does not say)."""
+        from autoplan.placement import Replicate
+
+        entry = self._index["params"].get(name)
+        return dict(entry.placements).get(axis, Replicate()) if entry else Replicate()
+
+    def op(self, node: str) -> OpPlacement | None:
+        return self._index["ops"].get(node)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    # ---------------------------------------------------------------- JSON
+    def to_json(self) -> dict:
+        return {
+            "version": self.version,
+            "model": asdict(self.model),
+            "cluster": self.cluster.to_json(),
+            "mesh": self.mesh.to_json(),
+            "microbatch_size": self.microbatch_size,
+            "num_microbatches": self.num_microbatches,
+            "global_batch": self.global_batch,
+            "seq_len": self.seq_len,
+            "dtype": self.dtype,
+            "zero_stage": self.zero_stage,
+            "recompute": self.recompute,
+            "schedule": self.schedule,
+            "stages": [asdict(s) for s in self.stages],
+            "placements": {
+                "parameters": {p.name: _axis_json(p.placements) for p in self.params},
+                "ops": {o.node: {"strategy": o.strategy, "output": _axis_json(o.output)} for o in self.ops},
+            },
+            "predicted": self.predicted.to_json(),
+            "provenance": {**asdict(self.provenance), "notes": list(self.provenance.notes)},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Plan":
+        if not isinstance(data, dict):
+            raise PlanError(f"a plan must be a JSON object, got {type(data).__name__}")
+        version = data.get("version")
+        if version != PLAN_VERSION:
+            raise PlanError(f"plan version {version!r} is not supported; this autoplan reads version {PLAN_VERSION}. Re-run `autoplan search` to make a new plan.")
+        allowed = {"version", "model", "cluster", "mesh", "microbatch_size", "num_microbatches", "global_batch", "seq_len", "dtype",
+                   "zero_stage", "recompute", "schedule", "stages", "placements", "predicted", "provenance"}
+        _check_keys("plan", data, allowed)
+        missing = sorted(allowed - {"dtype"} - set(data))
+        if missing:
+            raise PlanError(f"plan is missing keys {missing}")
+        placements = data["placements"]
+        prov = data["provenance"]
+        return cls(
+            model=ModelRef(**data["model"]),
+            cluster=ClusterSpec.from_json(data["cluster"]),
+            mesh=MeshShape.from_json(data["mesh"]),
+            microbatch_size=data["microbatch_size"],
+            num_microbatches=data["num_microbatches"],
+            global_batch=data["global_batch"],
+            seq_len=data["seq_len"],
+            dtype=data.get("dtype", "bfloat16"),
+            zero_stage=data["zero_stage"],
+            recompute=data["recompute"],
+            schedule=data["schedule"],
+            stages=tuple(StageSpec(**s) for s in data["stages"]),
+            params=tuple(ParamPlacement(n, _axis_from_json(p)) for n, p in placements.get("parameters", {}).items()),
+            ops=tuple(OpPlacement(n, o["strategy"], _axis_from_json(o.get("output", {}))) for n, o in placements.get("ops", {}).items()),
+            predicted=Predicted.from_json(data["predicted"]),
+            provenance=Provenance(**{**prov, "notes": tuple(prov.get("notes", ()))}),
+        )
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically: a crash mid-write never leaves a truncated plan at `path`."""
+        path = Path(path)
+        text = self.dumps() + "\n"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        path = Path(path)
+        if not path.is_file():
+            raise PlanError(f"plan file {str(path)!r} does not exist")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan file {str(path)!r} is not valid JSON: {exc}") from exc
+        return cls.from_json(data)
+
+
+def _axis_json(placements: AxisPlacements) -> dict:
+    return {axis: str(p) for axis, p in placements}
+
+
+def _axis_from_json(data: dict) -> AxisPlacements:
+    return tuple((check_axis(axis), parse_placement(text)) for axis, text in data.items())
+
+
+def _check_keys(what: str, data: dict, allowed: set[str]) -> None:
+    unknown = set(data) - allowed
+    if unknown:
+        raise PlanError(f"{what} has unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
+def _validate(plan: Plan) -> None:
+    """Cross-field checks; each message names the values that disagree."""
+    if plan.mesh.world_size != plan.cluster.world_size:
+        raise PlanError(f"mesh {plan.mesh} has {plan.mesh.world_size} ranks but the cluster {plan.cluster.describe()} has {plan.cluster.world_size}")
+    if plan.microbatch_size * plan.num_microbatches * plan.mesh.dp != plan.global_batch:
+        raise PlanError(f"global_batch {plan.global_batch} != microbatch_size {plan.microbatch_size} x num_microbatches {plan.num_microbatches} x dp {plan.mesh.dp}")
+    if plan.zero_stage not in (0, 1, 2, 3):
+        raise PlanError(f"zero_stage {plan.zero_stage!r} must be 0, 1, 2 or 3")
+    if plan.recompute not in RECOMPUTE_POLICIES:
+        raise PlanError(f"recompute {plan.recompute!r} must be one of {RECOMPUTE_POLICIES}")
+    if plan.schedule not in SCHEDULES:
+        raise PlanError(f"schedule {plan.schedule!r} must be one of {SCHEDULES}")
+    if plan.dtype not in DTYPES:
+        raise PlanError(f"dtype {plan.dtype!r} must be one of {DTYPES}")
+    _validate_stages(plan)
+
+
+def _validate_stages(plan: Plan) -> None:
+    """Stages, in (chunk, stage) order, must tile [0, num_layers) without gaps or overlaps."""
+    ordered = sorted(plan.stages, key=lambda s: (s.chunk, s.stage))
+    stages_per_chunk = {s.stage for s in plan.stages}
+    if stages_per_chunk != set(range(plan.mesh.pp)):
+        raise PlanError(f"stages name pipeline stages {sorted(stages_per_chunk)}, expected 0..{plan.mesh.pp - 1} for pp={plan.mesh.pp}")
+    cursor = 0
+    for stage in ordered:
+        if stage.first_layer != cursor or stage.last_layer < stage.first_layer:
+            raise PlanError(f"stage {stage} does not continue from layer {cursor}: stages must tile the layers in order")
+        cursor = stage.last_layer
+    if cursor != plan.model.num_layers:
+        raise PlanError(f"stages cover layers [0, {cursor}) but the model has {plan.model.num_layers} layers")

@@ -1,0 +1,1 @@
+"""Analytic cost model: roofline compute, alpha-beta communication, memory per rank."""

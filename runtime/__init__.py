@@ -1,0 +1,1 @@
+"""Runtime: turns a Plan into per-rank programs with collectives and runs them on torch.distributed."""
