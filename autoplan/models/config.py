@@ -1,0 +1,187 @@
+"""Model shape descriptions and the preset zoo.
+
+A `ModelConfig` holds every number that determines the parameter and activation shapes of one of
+the three built-in families (gpt, llama, moe). Parameter counts, exact (tested against the modules):
+
+    attention (per layer)  h*(Hq*d) + 2*h*(Hkv*d) + (Hq*d)*h   (gpt: + Hq*d + 2*Hkv*d + h biases)
+    gpt mlp                h*f + f + f*h + h;  two LayerNorms 2*2h
+    llama mlp              3*h*f;              two RMSNorms 2*h
+    moe mlp                h*E (router) + 3*E*h*f; two RMSNorms 2*h
+    embeddings             V*h (gpt: + max_seq*h positions); final norm; lm_head h*V (untied)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from autoplan.errors import ConfigError
+
+FAMILIES = ("gpt", "llama", "moe")
+_SHAPE_FIELDS = ("family", "num_layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
+                 "max_seq", "experts", "top_k", "norm_eps", "rope_theta")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes of a decoder-only transformer; validated at construction."""
+
+    name: str
+    family: str  # "gpt" | "llama" | "moe"
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int  # == heads for gpt
+    ffn_hidden: int
+    vocab: int
+    max_seq: int = 2048  # learned positions (gpt) / longest RoPE sequence (llama, moe)
+    experts: int = 0  # moe only (>= 2)
+    top_k: int = 0  # moe only (1..experts)
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ConfigError(f"model {self.name!r}: family={self.family!r} is unknown; "
+                              f"expected one of {list(FAMILIES)}")
+        for key in ("num_layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "max_seq"):
+            _check_positive_int(self.name, key, getattr(self, key))
+        if self.hidden % self.heads:
+            raise ConfigError(f"model {self.name!r}: hidden={self.hidden} is not divisible by "
+                              f"heads={self.heads}; choose hidden as a multiple of heads")
+        if self.heads % self.kv_heads:
+            raise ConfigError(f"model {self.name!r}: heads={self.heads} is not divisible by "
+                              f"kv_heads={self.kv_heads}; choose kv_heads dividing heads")
+        if self.family == "gpt" and self.kv_heads != self.heads:
+            raise ConfigError(f"model {self.name!r}: gpt needs kv_heads == heads, got "
+                              f"kv_heads={self.kv_heads}, heads={self.heads}; use family 'llama' "
+                              f"for grouped-query attention")
+        self._check_moe_fields()
+        if not (self.norm_eps > 0 and self.rope_theta > 0):
+            raise ConfigError(f"model {self.name!r}: norm_eps={self.norm_eps} and rope_theta="
+                              f"{self.rope_theta} must both be > 0")
+
+    def _check_moe_fields(self) -> None:
+        if self.family != "moe":
+            if self.experts or self.top_k:
+                raise ConfigError(f"model {self.name!r}: experts={self.experts}, top_k="
+                                  f"{self.top_k} are only for family 'moe'; set them to 0")
+            return
+        if not (isinstance(self.experts, int) and self.experts >= 2):
+            raise ConfigError(f"model {self.name!r}: family 'moe' needs experts >= 2, "
+                              f"got experts={self.experts!r}")
+        if not (isinstance(self.top_k, int) and 1 <= self.top_k <= self.experts):
+            raise ConfigError(f"model {self.name!r}: top_k={self.top_k!r} must be in "
+                              f"1..experts={self.experts}")
+
+    @property
+    def head_dim(self) -> int:
+        """d = hidden / heads."""
+        return self.hidden // self.heads
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> ModelConfig:
+        allowed = [f.name for f in fields(cls)]
+        unknown = sorted(set(d) - set(allowed))
+        if unknown:
+            raise ConfigError(f"model config has unknown keys {unknown}; allowed keys: {allowed}")
+        return cls(**d)
+
+    def fingerprint(self) -> str:
+        """First 16 hex chars of sha256 over the canonical (sorted-key) JSON of the shape fields."""
+        shape = {k: getattr(self, k) for k in _SHAPE_FIELDS}
+        text = json.dumps(shape, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def num_parameters(self) -> int:
+        """Exact parameter count of `build_model(self)` (formulas in the module docstring)."""
+        h, f, v, d = self.hidden, self.ffn_hidden, self.vocab, self.head_dim
+        q, kv = self.heads * d, self.kv_heads * d
+        attn = h * q + 2 * h * kv + q * h
+        if self.family == "gpt":
+            attn += q + 2 * kv + h
+            block = attn + (h * f + f + f * h + h) + 2 * 2 * h
+            return v * h + self.max_seq * h + self.num_layers * block + 2 * h + h * v
+        mlp = 3 * h * f if self.family == "llama" else h * self.experts + 3 * self.experts * h * f
+        block = attn + mlp + 2 * h
+        return v * h + self.num_layers * block + h + h * v
+
+
+def _check_positive_int(name: str, key: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"model {name!r}: {key}={value!r} must be a positive integer")
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """Read a model config from JSON (.json) or YAML (.yaml/.yml); `layers` aliases `num_layers`
+    and `name` defaults to the file stem."""
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml  # lazy: only YAML files need it
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+    data = dict(data)
+    if "layers" in data:
+        if "num_layers" in data:
+            raise ConfigError(f"{path}: give either 'layers' or 'num_layers', not both")
+        data["num_layers"] = data.pop("layers")
+    data.setdefault("name", path.stem)
+    return ModelConfig.from_json(data)
+
+
+def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200,
+         max_seq: int = 2048) -> ModelConfig:
+    return ModelConfig(name, "gpt", layers, hidden, heads, heads, 4 * hidden, vocab, max_seq)
+
+
+def known_models() -> dict[str, ModelConfig]:
+    """A fresh dict of the preset configs, keyed by name."""
+    presets = [
+        # GPT-2 (Radford et al. 2019, table 2); vocab 50257 padded to 50304 as in nanoGPT; 1024 ctx.
+        _gpt("gpt2-small", 12, 768, 12, 50304, 1024),
+        _gpt("gpt2-medium", 24, 1024, 16, 50304, 1024),
+        _gpt("gpt2-large", 36, 1280, 20, 50304, 1024),
+        _gpt("gpt2-xl", 48, 1600, 25, 50304, 1024),
+        # GPT-3 (Brown et al. 2020, table 2.1); vocab padded to 51200 as in Megatron-LM.
+        _gpt("gpt3-1.3b", 24, 2048, 16),
+        _gpt("gpt3-2.7b", 32, 2560, 32),
+        _gpt("gpt3-6.7b", 32, 4096, 32),
+        _gpt("gpt3-13b", 40, 5120, 40),
+        _gpt("gpt3-175b", 96, 12288, 96),
+        # Llama 3 (Dubey et al. 2024, "The Llama 3 Herd of Models", table 3; HF config.json).
+        ModelConfig("llama3-8b", "llama", 32, 4096, 32, 8, 14336, 128256, 8192,
+                    rope_theta=500000.0),
+        ModelConfig("llama3-70b", "llama", 80, 8192, 64, 8, 28672, 128256, 8192,
+                    rope_theta=500000.0),
+        ModelConfig("llama3-405b", "llama", 126, 16384, 128, 8, 53248, 128256, 8192,
+                    rope_theta=500000.0),
+        # Mixtral (Jiang et al. 2024, "Mixtral of Experts", table 1; HF config.json).
+        ModelConfig("mixtral-8x7b", "moe", 32, 4096, 32, 8, 14336, 32000, 32768, experts=8,
+                    top_k=2, rope_theta=1e6),
+        ModelConfig("mixtral-8x22b", "moe", 56, 6144, 48, 8, 16384, 32768, 65536, experts=8,
+                    top_k=2, rope_theta=1e6),
+        # Tiny models for tests.
+        ModelConfig("tiny-gpt", "gpt", 2, 64, 4, 4, 256, 128, 64),
+        ModelConfig("tiny-llama", "llama", 2, 64, 4, 2, 128, 128, 64),
+        ModelConfig("tiny-moe", "moe", 2, 64, 4, 2, 96, 128, 64, experts=4, top_k=2),
+    ]
+    return {c.name: c for c in presets}
+
+
+def get_model_config(name: str) -> ModelConfig:
+    """The preset called `name`; the error lists every known name."""
+    models = known_models()
+    if name not in models:
+        raise ConfigError(f"unknown model {name!r}; known models: {', '.join(sorted(models))}; "
+                          f"or pass a config file (JSON/YAML) to load_model_config")
+    return models[name]

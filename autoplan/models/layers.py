@@ -1,0 +1,171 @@
+"""Building blocks shared by the model families.
+
+The classes in `LEAF_MODULE_TYPES` are leaves for capture: each appears as one `call_module` node,
+with its own FLOP formula, and its body is never traced. `CausalAttention` and `MoEFeedForward` read
+their head / expert counts from the tensor widths they are given, so the same module runs unchanged
+on the 1/tp slice of the heads that tensor parallelism hands it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autoplan.errors import ConfigError
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2, -1) + eps) * weight, computed in fp32 and cast back to x's dtype."""
+
+    def __init__(self, hidden: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (T, d): angle[t, i] = t * theta^(-2i/d) for i < d/2, repeated twice."""
+    even = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)  # (d/2,)
+    inv_freq = theta ** (-even / head_dim)
+    t = torch.arange(seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(t, inv_freq)  # (T, d/2)
+    emb = torch.cat((angles, angles), dim=-1)  # (T, d)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x (B, H, T, d): x*cos + rotate_half(x)*sin, rotate_half([a, b]) = [-b, a]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+class CausalAttention(nn.Module):
+    """Causal scaled-dot-product attention on already-projected q, k, v; no parameters or buffers.
+
+    q: (B, T, Hq*d), k and v: (B, T, Hkv*d) -> (B, T, Hq*d). Local head counts come from the widths,
+    so a tensor-parallel shard that holds heads [i*Hq/tp, (i+1)*Hq/tp) and the matching kv heads
+    gives exactly that slice of the full output. `heads` / `kv_heads` record the global counts.
+    """
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, rope: bool, max_seq: int,
+                 rope_theta: float = 10000.0) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.rope, self.max_seq, self.rope_theta = rope, max_seq, rope_theta
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.heads}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
+                f"rope={self.rope}, max_seq={self.max_seq}, rope_theta={self.rope_theta}")
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, T, _ = q.shape
+        if T > self.max_seq:
+            raise ConfigError(f"sequence length {T} exceeds max_seq={self.max_seq}; use a shorter "
+                              f"sequence or a config with a larger max_seq")
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hq, T, d)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, d)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, d)
+        if q.shape[1] % k.shape[1]:
+            raise ConfigError(f"local q heads {q.shape[1]} not divisible by local kv heads "
+                              f"{k.shape[1]}; shard q and kv heads by the same degree")
+        if self.rope:
+            cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, q.device)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        n_rep = q.shape[1] // k.shape[1]  # q head j uses kv head j // n_rep
+        k = k.repeat_interleave(n_rep, dim=1)  # (B, Hq, T, d)
+        v = v.repeat_interleave(n_rep, dim=1)  # (B, Hq, T, d)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, Hq, T, d)
+        return y.transpose(1, 2).reshape(B, T, -1)  # (B, T, Hq*d)
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+           ) -> torch.Tensor:
+    """(silu(x @ w_gate) * (x @ w_up)) @ w_down; x (N, h), w_gate/w_up (h, f), w_down (f, h)."""
+    return (F.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+class MoEFeedForward(nn.Module):
+    """Mixtral-style mixture of SwiGLU experts, exact (no capacity, no dropped tokens).
+
+    For token x: l = router(x) (E logits); (v, i) = top_k(l); w = softmax(v);
+    y = sum_j w_j * swiglu(x, w_gate[i_j], w_up[i_j], w_down[i_j]).
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.w_gate = nn.Parameter(torch.empty(experts, hidden, ffn_hidden))
+        self.w_up = nn.Parameter(torch.empty(experts, hidden, ffn_hidden))
+        self.w_down = nn.Parameter(torch.empty(experts, ffn_hidden, hidden))
+        for w, fan_in in ((self.w_gate, hidden), (self.w_up, hidden), (self.w_down, ffn_hidden)):
+            nn.init.normal_(w, std=fan_in ** -0.5)
+
+    def extra_repr(self) -> str:
+        experts, hidden, ffn = self.w_gate.shape
+        return f"hidden={hidden}, ffn_hidden={ffn}, experts={experts}, top_k={self.top_k}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # (N, h)
+        top_logits, top_idx = self.router(flat).topk(self.top_k, dim=-1)  # (N, k), (N, k)
+        weights = F.softmax(top_logits.float(), dim=-1).to(x.dtype)  # (N, k)
+        if x.device.type == "meta":  # data-dependent routing has no meta kernel: dense equivalent
+            return self._dense(flat, top_idx, weights).view(shape)
+        out = torch.zeros_like(flat)  # (N, h)
+        for e in range(self.w_gate.shape[0]):
+            token, slot = torch.where(top_idx == e)  # tokens routed to expert e, and their slot
+            if token.numel() == 0:
+                continue
+            y = swiglu(flat.index_select(0, token), self.w_gate[e], self.w_up[e], self.w_down[e])
+            out.index_add_(0, token, y * weights[token, slot].unsqueeze(-1))
+        return out.view(shape)
+
+    def _dense(self, flat: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor
+               ) -> torch.Tensor:
+        """Every expert on every token, weighted by a dense (N, E) gate that is 0 off the top_k."""
+        rows, experts = flat.shape[0], self.w_gate.shape[0]
+        gate = torch.zeros(rows, experts, dtype=flat.dtype, device=flat.device)
+        gate = gate.scatter(1, top_idx, weights)  # (N, E)
+        hid = F.silu(torch.einsum("nh,ehf->enf", flat, self.w_gate))
+        hid = hid * torch.einsum("nh,ehf->enf", flat, self.w_up)  # (E, N, f)
+        y = torch.einsum("enf,efh->enh", hid, self.w_down)  # (E, N, h)
+        return torch.einsum("enh,ne->nh", y, gate)  # (N, h)
+
+
+class LMLoss(nn.Module):
+    """Mean token cross-entropy in fp32: logits (B, T, V), targets (B, T) -> scalar."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        return F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
+
+
+class Attention(nn.Module):
+    """Projections around `CausalAttention`: o_proj(core(q_proj(x), k_proj(x), v_proj(x)))."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, bias: bool, rope: bool,
+                 max_seq: int, rope_theta: float) -> None:
+        super().__init__()
+        head_dim = hidden // heads
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.core = CausalAttention(heads, kv_heads, head_dim, rope, max_seq, rope_theta)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.core(self.q_proj(x), self.k_proj(x), self.v_proj(x))  # (B, T, Hq*d)
+        return self.o_proj(y)  # (B, T, h)
+
+
+LEAF_MODULE_TYPES = (nn.Linear, nn.Embedding, nn.LayerNorm, RMSNorm, CausalAttention,
+                     MoEFeedForward, LMLoss)
