@@ -1,0 +1,366 @@
+"""Costs of per-op tensor-parallel strategies, as an `IntraOpProblem` for the solver.
+
+For one tp degree and microbatch size, every captured node v gets its strategies S_v
+(`autoplan.strategies`) and, per strategy s, per microbatch:
+
+    node cost   c_v[s] = t_fwd + t_bwd                     (roofline, `compute.op_time_s`, on s's share
+                        + sum of s.fwd_comm and s.bwd_comm  of FLOPs; collectives on the tp axis,
+                                                            `comm.collective_time_s`)
+    node memory m_v[s] = (weight + grad + optimizer) bytes of v's parameters at s's tp sharding
+
+and every tensor edge u -> v (v's input i) a matrix C[s_u, s_v] = resharding time from s_u.output to
+s_v.inputs[i] (`reshard_collectives`):
+
+    same placement        fwd -          bwd -            (grad_partial: bwd all-reduce)
+    R -> S(d)             fwd slice      bwd all-gather
+    S(d) -> R             fwd all-gather bwd -            (grad_partial: bwd reduce-scatter; Megatron SP)
+    S(a) -> S(b)          fwd all-to-all bwd all-to-all
+    P -> R / S(d)         fwd all-reduce / reduce-scatter; bwd as from R
+
+Tensors without gradients (token ids, targets) have no backward term. The graph is captured once at
+a small batch; FLOPs and activation bytes scale by microbatch / capture batch, parameter bytes do not.
+
+Folding (first TAPAS version): when every layer holds the same sequence of nodes (op kind, target,
+shapes, parameter shapes, in-layer input positions), the problem keeps the nodes outside the layers
+plus layer 0 only. A representative node's weight counts the nodes it stands for; a representative
+edge's weight counts the edges mapping onto it (layer i -> layer i+1 edges land on layer 0 -> layer 0
+pairs). For every choice in which all layers pick the same strategies the weighted objective equals the
+unfolded one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping, NamedTuple
+
+import numpy as np
+
+from autoplan.cluster import ClusterSpec
+from autoplan.cost_model.comm import AxisGroup, group_collective_time_s
+from autoplan.cost_model.compute import Efficiency, op_time_s
+from autoplan.cost_model.memory import (StateBytes, comm_tensor_nbytes, local_nbytes, param_placements,
+                                        scaled_nbytes, selective_recompute_nodes, state_bytes_for)
+from autoplan.errors import AutoplanError
+from autoplan.mesh import MeshShape
+from autoplan.placement import Partial, Placement, Replicate, Shard
+from autoplan.solver.problem import IntraOpProblem
+from autoplan.strategies import InputSpec, Strategy, StrategyRegistry
+
+if TYPE_CHECKING:
+    from autoplan.capture import CapturedGraph, NodeInfo, TensorMeta
+
+FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+Collectives = tuple[tuple[str, bool], ...]  # (kind, acts on the 1/tp shard rather than the full tensor)
+
+
+@dataclass(frozen=True)
+class CostContext:
+    """Everything a per-op price depends on besides the op: hardware, mesh, dtype, batch scaling."""
+
+    cluster: ClusterSpec
+    mesh: MeshShape
+    dtype: str
+    efficiency: Efficiency
+    capture_batch: int
+    batch_scale: float  # microbatch size / capture batch
+    axis: str = "tp"
+    group: AxisGroup = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "group", AxisGroup.of(self.mesh, self.axis, self.cluster.gpus_per_node))
+
+    @property
+    def degree(self) -> int:
+        return self.mesh.degree(self.axis)
+
+    def collective_s(self, kind: str, nbytes: float) -> float:
+        return group_collective_time_s(kind, nbytes, self.cluster, self.group)
+
+
+def make_context(graph: "CapturedGraph", cluster: ClusterSpec, mesh: MeshShape, microbatch_size: int,
+                 dtype: str = "bfloat16", efficiency: Efficiency | None = None) -> CostContext:
+    if microbatch_size < 1:
+        raise AutoplanError(f"microbatch_size must be >= 1, got {microbatch_size}")
+    return CostContext(cluster, mesh, dtype, efficiency or Efficiency(), graph.batch_size,
+                       microbatch_size / graph.batch_size)
+
+
+# ---------------------------------------------------------------------------------- node costs
+
+
+def _traffic_param_bytes(node: "NodeInfo") -> float:
+    """Parameter bytes inside the node's fwd_bytes (embeddings read only their gathered rows)."""
+    if node.op_kind in ("embedding", "placeholder", "output", "other"):
+        return 0.0
+    return float(sum(meta.nbytes for _, meta in node.params))
+
+
+def node_compute_s(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tuple[float, float]:
+    """(forward, backward) roofline seconds of the node's share under `strategy` at the microbatch."""
+    if node.fwd_flops == 0 and node.fwd_bytes == 0:
+        return 0.0, 0.0
+    param_bytes = _traffic_param_bytes(node)
+    local_params = sum(local_nbytes(m.nbytes, p, ctx.degree) for _, m, p in param_placements(node, strategy))
+    local_params = local_params if param_bytes else 0.0
+    fwd_bytes = (node.fwd_bytes - param_bytes) * ctx.batch_scale * strategy.compute_fraction + local_params
+    bwd_ratio = node.bwd_bytes / node.fwd_bytes if node.fwd_bytes else 0.0
+    share = ctx.batch_scale * strategy.compute_fraction
+    device = ctx.cluster.device
+    fwd = op_time_s(node.fwd_flops * share, fwd_bytes, device, ctx.dtype, ctx.efficiency)
+    bwd = op_time_s(node.bwd_flops * share, fwd_bytes * bwd_ratio, device, ctx.dtype, ctx.efficiency)
+    return fwd, bwd
+
+
+def node_comm_s(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tuple[float, float]:
+    """(forward, backward) seconds of the collectives the strategy itself issues on the tp axis."""
+    def total(comms) -> float:
+        return sum(ctx.collective_s(c.kind, comm_tensor_nbytes(node, c, ctx.capture_batch, ctx.batch_scale))
+                   for c in comms)
+    return total(strategy.fwd_comm), total(strategy.bwd_comm)
+
+
+def node_state_bytes(node: "NodeInfo", strategy: Strategy, tp: int, state: StateBytes) -> float:
+    """Weights + gradients + optimizer states of the node's parameters at the strategy's tp sharding."""
+    per_param = state.weight + state.grad + state.optimizer
+    return per_param * sum(local_nbytes(m.numel, p, tp) for _, m, p in param_placements(node, strategy))
+
+
+# ---------------------------------------------------------------------------------- resharding
+
+
+def reshard_collectives(src: Placement, dst: InputSpec, differentiable: bool = True) -> tuple[Collectives, Collectives]:
+    """(forward, backward) collectives to turn a tensor placed `src` into `dst` (module docstring)."""
+    want = dst.placement
+    if src == want:
+        fwd: Collectives = ()
+    elif isinstance(src, Partial):
+        fwd = (("all_reduce" if isinstance(want, Replicate) else "reduce_scatter", False),)
+    elif isinstance(src, Replicate):
+        fwd = ()  # each rank slices its shard
+    elif isinstance(want, Replicate):
+        fwd = (("all_gather", False),)
+    else:
+        fwd = (("all_to_all", False),)
+    if not differentiable:
+        return fwd, ()
+    target = Replicate() if isinstance(src, Partial) else src  # the gradient the producer needs
+    return fwd, _grad_collectives(want, target, dst.grad_partial)
+
+
+def _grad_collectives(have: Placement, target: Placement, partial: bool) -> Collectives:
+    """Collectives that turn the gradient arriving in `have` (a partial sum if `partial`) into `target`."""
+    if partial and isinstance(have, Replicate):
+        return (("all_reduce" if isinstance(target, Replicate) else "reduce_scatter", False),)
+    first: Collectives = (("all_reduce", True),) if partial else ()  # a partial shard: reduce it in place
+    if have == target or (isinstance(have, Replicate) and isinstance(target, Shard)):
+        return first
+    return first + ((("all_gather" if isinstance(target, Replicate) else "all_to_all"), False),)
+
+
+def reshard_s(meta: "TensorMeta", src: Placement, dst: InputSpec, ctx: CostContext) -> tuple[float, float]:
+    """(forward, backward) seconds to reshard one tensor edge at the microbatch."""
+    full = scaled_nbytes(meta, ctx.capture_batch, ctx.batch_scale)
+    fwd, bwd = reshard_collectives(src, dst, meta.dtype in FLOAT_DTYPES)
+
+    def total(collectives: Collectives) -> float:
+        return sum(ctx.collective_s(kind, full / ctx.degree if on_shard else full) for kind, on_shard in collectives)
+    return total(fwd), total(bwd)
+
+
+def edge_cost_matrix(meta: "TensorMeta", producer: list[Strategy], consumer: list[Strategy], index: int,
+                     ctx: CostContext) -> np.ndarray:
+    """C[i, j] = fwd + bwd seconds to feed input `index` of consumer strategy j from producer strategy i."""
+    cache: dict[tuple, float] = {}
+    matrix = np.zeros((len(producer), len(consumer)))
+    for i, s_u in enumerate(producer):
+        for j, s_v in enumerate(consumer):
+            key = (s_u.output, s_v.inputs[index])
+            if key not in cache:
+                cache[key] = sum(reshard_s(meta, s_u.output, s_v.inputs[index], ctx))
+            matrix[i, j] = cache[key]
+    return matrix
+
+
+# ---------------------------------------------------------------------------------- folding
+
+
+def _node_signature(node: "NodeInfo", index: dict[str, int], prefix: str) -> tuple | None:
+    if not node.module_path.startswith(prefix) or any(not name.startswith(prefix) for name, _ in node.params):
+        return None
+    cut = len(prefix)
+    return (node.op_kind, node.target, node.module_path[cut:],
+            tuple(("in", index[u]) if u in index else ("out",) for u in node.inputs),
+            node.input_metas, node.output, tuple((name[cut:], meta) for name, meta in node.params),
+            node.fwd_flops, node.bwd_flops, node.fwd_bytes, node.bwd_bytes)
+
+
+def fold_mapping(graph: "CapturedGraph") -> dict[str, str] | None:
+    """Each node's representative (itself outside the layers, its layer-0 twin inside), or None
+    when the layers differ (then the problem is built unfolded)."""
+    layers = graph.layers()
+    if len(layers) < 2:
+        return None
+    groups = {i: graph.nodes_of_layer(i) for i in layers}
+    signatures = {}
+    for i, nodes in groups.items():
+        index = {n.name: k for k, n in enumerate(nodes)}
+        signatures[i] = tuple(_node_signature(n, index, f"layers.{i}") for n in nodes)
+        if None in signatures[i]:
+            return None
+    first = layers[0]
+    if any(signatures[i] != signatures[first] for i in layers):
+        return None
+    mapping = {n.name: n.name for n in graph.nodes if n.layer is None}
+    for i, nodes in groups.items():
+        mapping.update({n.name: rep.name for n, rep in zip(nodes, groups[first])})
+    return mapping
+
+
+# ---------------------------------------------------------------------------------- the problem
+
+
+class BuiltProblem(NamedTuple):
+    problem: IntraOpProblem
+    strategies: list[list[Strategy]]  # per problem node
+    mapping: dict[str, int]  # every graph node -> its problem node
+
+
+def build_intra_op_problem(graph: "CapturedGraph", registry: StrategyRegistry, info: Mapping, tp: int,
+                           cluster: ClusterSpec, mesh: MeshShape, microbatch_size: int, dtype: str = "bfloat16",
+                           fold: bool = True, *, efficiency: Efficiency | None = None,
+                           memory_budget_bytes: float | None = None,
+                           fold_map: Mapping[str, str] | None = None) -> BuiltProblem:
+    """The intra-op problem of `graph` on a tp axis of degree `tp` (module docstring); `fold_map`
+    passes a `fold_mapping(graph)` computed before, when building many problems of one graph."""
+    if mesh.tp != tp:
+        raise AutoplanError(f"tp={tp} disagrees with the mesh {mesh} (tp={mesh.tp})")
+    ctx = make_context(graph, cluster, mesh, microbatch_size, dtype, efficiency)
+    rep_of = ((fold_map if fold_map is not None else fold_mapping(graph)) if fold else None) or {
+        n.name: n.name for n in graph.nodes}
+    reps = [n for n in graph.nodes if rep_of[n.name] == n.name]
+    position = {n.name: k for k, n in enumerate(reps)}
+    mapping = {n.name: position[rep_of[n.name]] for n in graph.nodes}
+    by_name = graph_strategies(graph, registry, info, tp, reps)
+    strategies = [by_name[n.name] for n in reps]
+    weights = np.bincount(list(mapping.values()), minlength=len(reps)).astype(float)
+    state = state_bytes_for(dtype)
+    costs = [np.array([sum(node_compute_s(n, s, ctx)) + sum(node_comm_s(n, s, ctx)) for s in ss])
+             for n, ss in zip(reps, strategies)]
+    memory = [np.array([node_state_bytes(n, s, tp, state) for s in ss]) for n, ss in zip(reps, strategies)]
+    edges, matrices, edge_weights = [], [], []
+    for (u, v, k), count in _edge_counts(graph, mapping).items():
+        matrix = edge_cost_matrix(reps[v].input_metas[k], strategies[u], strategies[v], k, ctx)
+        if not matrix.any():
+            continue
+        if u == v:  # a layer feeding its own twin: both ends pick the same strategy
+            costs[v] = costs[v] + count * np.diag(matrix) / weights[v]
+            continue
+        edges.append((u, v))
+        matrices.append(matrix)
+        edge_weights.append(float(count))
+    problem = IntraOpProblem(tuple(n.name for n in reps), tuple(costs), tuple(memory), tuple(weights),
+                             tuple(edges), tuple(matrices), tuple(edge_weights), memory_budget_bytes)
+    return BuiltProblem(problem, strategies, mapping)
+
+
+def _edge_counts(graph: "CapturedGraph", mapping: Mapping[str, int]) -> dict[tuple[int, int, int], int]:
+    """(problem producer, problem consumer, input index) -> how many graph edges map onto it."""
+    counts: dict[tuple[int, int, int], int] = {}
+    for node in graph.nodes:
+        for k, producer in enumerate(node.inputs):
+            key = (mapping[producer], mapping[node.name], k)
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def assignment_from_choice(built: BuiltProblem, choice) -> dict[str, str]:
+    """Graph node name -> chosen strategy name, for every node (folded choices spread to every layer)."""
+    return {name: built.strategies[k][choice[k]].name for name, k in built.mapping.items()}
+
+
+def _rule_key(node: "NodeInfo") -> tuple:
+    """What a strategy rule may read of a node, the layer index aside: equal keys, equal strategies."""
+    prefix = node.module_path + "." if node.module_path else ""
+    params = tuple((name[len(prefix):] if name.startswith(prefix) else name, meta) for name, meta in node.params)
+    path = re.sub(r"^layers\.\d+", "layers.*", node.module_path)
+    return node.op_kind, node.target, path, node.input_metas, node.output, params
+
+
+def graph_strategies(graph: "CapturedGraph", registry: StrategyRegistry, info: Mapping, tp: int,
+                     nodes=None) -> dict[str, list[Strategy]]:
+    """Valid strategies of every node (or of `nodes`), asking the registry once per distinct node shape."""
+    cache: dict[tuple, list[Strategy]] = {}
+    found = {}
+    for node in graph.nodes if nodes is None else nodes:
+        key = _rule_key(node)
+        if key not in cache:
+            cache[key] = registry.strategies(node, tp, info)
+        found[node.name] = cache[key]
+    return found
+
+
+def resolve_strategies(graph: "CapturedGraph", registry: StrategyRegistry, info: Mapping, tp: int,
+                       assignment: Mapping[str, str]) -> dict[str, Strategy]:
+    """The Strategy objects of an assignment (node name -> strategy name); missing nodes replicate."""
+    unknown = sorted(set(assignment) - {n.name for n in graph.nodes})
+    if unknown:
+        raise AutoplanError(f"assignment names nodes that are not in the graph: {unknown[:5]}")
+    resolved = {}
+    for name, options in graph_strategies(graph, registry, info, tp).items():
+        wanted = assignment.get(name, "replicate")
+        match = [s for s in options if s.name == wanted]
+        if not match:
+            raise AutoplanError(f"node {name!r} has no strategy {wanted!r} at tp={tp}; valid: {[s.name for s in options]}")
+        resolved[name] = match[0]
+    return resolved
+
+
+# ---------------------------------------------------------------------------------- pricing
+
+
+@dataclass(frozen=True)
+class AssignmentCost:
+    """Seconds per microbatch of one assignment over the unfolded graph, split for the step model."""
+
+    fwd_compute_s: float
+    bwd_compute_s: float
+    fwd_comm_s: float  # tp collectives of the ops and of resharding, forward
+    bwd_comm_s: float
+    layer_fwd_compute_s: float  # the layers' forward: what full recompute re-runs
+    layer_fwd_comm_s: float
+    selective_fwd_compute_s: float  # the ops selective recompute re-runs
+
+    @property
+    def total_s(self) -> float:
+        """Equals the (unfolded) intra-op objective of the same choice."""
+        return self.fwd_compute_s + self.bwd_compute_s + self.fwd_comm_s + self.bwd_comm_s
+
+
+def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy], ctx: CostContext) -> AssignmentCost:
+    """Per-microbatch compute and tp communication of `strategies` (node name -> Strategy)."""
+    selective = set(selective_recompute_nodes(graph))
+    node_memo: dict[tuple, tuple[float, float, float, float]] = {}
+    edge_memo: dict[tuple, tuple[float, float]] = {}
+    sums = dict.fromkeys(("fc", "bc", "fm", "bm", "lfc", "lfm", "sel"), 0.0)
+    for node in graph.nodes:
+        strategy = strategies[node.name]
+        key = (_rule_key(node), node.fwd_flops, node.bwd_flops, node.fwd_bytes, node.bwd_bytes, strategy)
+        if key not in node_memo:
+            node_memo[key] = node_compute_s(node, strategy, ctx) + node_comm_s(node, strategy, ctx)
+        fwd, bwd, comm_f, comm_b = node_memo[key]
+        for producer, meta, spec in zip(node.inputs, node.input_metas, strategy.inputs):
+            edge = (meta, strategies[producer].output, spec)
+            if edge not in edge_memo:
+                edge_memo[edge] = reshard_s(meta, strategies[producer].output, spec, ctx)
+            comm_f, comm_b = comm_f + edge_memo[edge][0], comm_b + edge_memo[edge][1]
+        sums["fc"] += fwd
+        sums["bc"] += bwd
+        sums["fm"] += comm_f
+        sums["bm"] += comm_b
+        if node.layer is not None:
+            sums["lfc"] += fwd
+            sums["lfm"] += comm_f
+        if node.name in selective:
+            sums["sel"] += fwd
+    return AssignmentCost(sums["fc"], sums["bc"], sums["fm"], sums["bm"], sums["lfc"], sums["lfm"], sums["sel"])

@@ -1,0 +1,200 @@
+"""Cost model: communication formulas and links, roofline, memory, resharding and folding (tier 1)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from autoplan.capture import capture
+from autoplan.cluster import ClusterSpec, LinkSpec, parse_cluster, preset
+from autoplan.cost_model import comm
+from autoplan.cost_model.compute import Efficiency, op_time_s
+from autoplan.cost_model.intra_op import (InputSpec, assignment_from_choice, build_intra_op_problem, fold_mapping,
+                                          make_context, price_assignment, reshard_collectives, resolve_strategies)
+from autoplan.cost_model.memory import (activation_bytes, memory_breakdown, model_state_bytes, saved_tensors,
+                                        state_bytes_for)
+from autoplan.errors import ConfigError
+from autoplan.mesh import MeshShape
+from autoplan.models import build_model, get_model_config
+from autoplan.placement import Partial, Replicate, Shard
+from autoplan.planner import megatron_assignment, model_info
+from autoplan.solver.ilp import solve_ilp
+from autoplan.strategies import default_registry
+
+
+def tiny_graph(name: str, layers: int | None = None, seq: int = 16):
+    cfg = get_model_config(name)
+    cfg = dataclasses.replace(cfg, num_layers=layers) if layers else cfg
+    return cfg, capture(build_model(cfg, "meta", torch.bfloat16), cfg, 1, seq)
+
+
+def zero_latency(nodes: int = 1) -> ClusterSpec:
+    """H100s with latency-free links, so that tiny models have something to shard."""
+    h100 = preset("h100")
+    return ClusterSpec(nodes, 8, h100.device, LinkSpec(450e9, 0.0), LinkSpec(50e9, 0.0), "zero-latency")
+
+
+# ------------------------------------------------------------------------------ communication
+
+
+def test_ring_formulas_on_hand_computed_numbers():
+    gb, bw, alpha = 1e9, 100e9, 1e-6
+    assert comm.all_reduce_time_s(gb, 8, bw, alpha) == pytest.approx(2 * 7 / 8 * 0.01 + 14e-6)  # 17.514 ms
+    assert comm.all_gather_time_s(gb, 8, bw, alpha) == pytest.approx(0.00875 + 7e-6)
+    assert comm.reduce_scatter_time_s(gb, 8, bw, alpha) == pytest.approx(0.00875 + 7e-6)
+    assert comm.all_to_all_time_s(gb, 8, bw, alpha) == pytest.approx(7 / 8 * 0.00125 + 7e-6)
+    assert comm.p2p_time_s(gb, bw, alpha) == pytest.approx(0.01 + 1e-6)
+    for kind in comm.COLLECTIVE_KINDS:
+        assert comm.collective_formula(kind)(gb, 1, bw, alpha) == 0.0
+    with pytest.raises(ConfigError, match="unknown"):
+        comm.collective_formula("broadcast")
+    with pytest.raises(ConfigError):
+        comm.all_reduce_time_s(-1, 2, bw, alpha)
+
+
+def test_link_choice_inside_and_across_nodes():
+    cluster = parse_cluster("2x8xh100")  # NVLink 450 GB/s, 5 us; NDR 50 GB/s per GPU, 10 us
+    nbytes = 1e9
+    mesh = MeshShape(dp=2, tp=8)
+    assert comm.link_for_axis(cluster, mesh, "tp") == cluster.intra_node
+    assert comm.link_for_axis(cluster, mesh, "dp") == cluster.inter_node
+    assert comm.collective_time_s("all_reduce", nbytes, cluster, mesh, "tp") == pytest.approx(
+        comm.all_reduce_time_s(nbytes, 8, 450e9, 5e-6))
+    # one rank per node: a flat ring over the NICs
+    assert comm.collective_time_s("all_reduce", nbytes, cluster, mesh, "dp") == pytest.approx(
+        comm.all_reduce_time_s(nbytes, 2, 50e9, 10e-6))
+    # 8 ranks per node drive 8 NICs: min(450, 8 * 50) = 400 GB/s; latency 1 inter + 7 intra hops per pass
+    wide = MeshShape(dp=16, tp=1)
+    expected = 2 * 15 / 16 * nbytes / 400e9 + 2 * (10e-6 + 7 * 5e-6)
+    assert comm.collective_time_s("all_reduce", nbytes, cluster, wide, "dp") == pytest.approx(expected)
+    assert comm.collective_time_s("all_gather", nbytes, cluster, wide, "dp") == pytest.approx(
+        15 / 16 * nbytes / 400e9 + 10e-6 + 7 * 5e-6)
+    assert comm.collective_time_s("all_reduce", nbytes, cluster, wide, "tp") == 0.0
+
+
+# ------------------------------------------------------------------------------ compute
+
+
+def test_roofline_picks_the_binding_side():
+    device = preset("h100").device  # 989.4 TFLOP/s bf16, 3.35 TB/s
+    eff = Efficiency(matmul=0.75, memory=0.8)
+    assert op_time_s(1e12, 1e6, device, "bfloat16", eff) == pytest.approx(1e12 / (989.4e12 * 0.75))
+    assert op_time_s(1e6, 1e9, device, "bfloat16", eff) == pytest.approx(1e9 / (3.35e12 * 0.8))
+    with pytest.raises(ConfigError):
+        Efficiency(matmul=1.5)
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+@pytest.mark.parametrize("stage, expected", [
+    (0, (2e9, 2e9, 12e9)), (1, (2e9, 2e9, 1.5e9)), (2, (2e9, 0.25e9, 1.5e9)), (3, (0.25e9, 0.25e9, 1.5e9))])
+def test_model_states_under_each_zero_stage(stage, expected):
+    state = state_bytes_for("bfloat16")  # 2 + 2 + 12 bytes per parameter
+    assert model_state_bytes(1e9, 8, stage, state) == pytest.approx(expected)
+
+
+def test_parameter_bytes_match_the_config_count():
+    cfg, graph = tiny_graph("tiny-gpt")
+    registry = default_registry()
+    replicated = resolve_strategies(graph, registry, model_info(cfg), 1, {})
+    mem = memory_breakdown(graph, replicated, 1, 1, 1, 0, "none")
+    assert mem.parameters_bytes == 2 * cfg.num_parameters()
+    assert mem.optimizer_bytes == 12 * cfg.num_parameters()
+
+
+def test_saved_activations_of_one_layer_by_hand():
+    """tiny-gpt, B=1, T=16, h=64, f=256, 4 heads, bf16 (2 B); one layer at tp 1, everything replicated:
+    ln_1 in 2048 + stats 128, ln_1 out 2048 (shared by q, k, v), q k v 6144, attention out 2048 and
+    log-sum-exp 4*16*4 = 256, o_proj in 2048, ln_2 in 2048 + 128, ln_2 out 2048, fc out 8192, gelu out
+    8192 = 35328 B. Selective drops attention's out, lse, o_proj's input and gelu's output: 12544 B."""
+    cfg, graph = tiny_graph("tiny-gpt", layers=3)
+    registry, info = default_registry(), model_info(cfg)
+    replicated = resolve_strategies(graph, registry, info, 1, {})
+    layer1 = [t for t in saved_tensors(graph, replicated, 1, info) if t.layer == 1]
+    assert sum(t.nbytes for t in layer1) == 35328
+    assert sum(t.nbytes for t in layer1 if not t.recomputable) == 35328 - 12544
+    # Megatron tp=2: q k v, attention internals, o_proj in, fc out, gelu out are halved -> 21888 B
+    megatron = resolve_strategies(graph, registry, info, 2, megatron_assignment(graph, registry, 2, info))
+    layer1 = [t for t in saved_tensors(graph, megatron, 2, info) if t.layer == 1]
+    assert sum(t.nbytes for t in layer1) == 21888
+
+
+def test_activation_policies_order_and_scale_with_the_microbatch():
+    cfg, graph = tiny_graph("tiny-gpt", layers=4, seq=64)
+    strategies = resolve_strategies(graph, default_registry(), model_info(cfg), 1, {})
+    sizes = {r: activation_bytes(graph, strategies, 1, 1, r) for r in ("none", "selective", "full")}
+    assert sizes["none"] > sizes["selective"] > sizes["full"] > 0
+    for policy in sizes:
+        assert activation_bytes(graph, strategies, 1, 4, policy) == pytest.approx(4 * sizes[policy])
+    with pytest.raises(ConfigError, match="recompute"):
+        activation_bytes(graph, strategies, 1, 1, "some")
+
+
+# ------------------------------------------------------------------------------ resharding
+
+
+@pytest.mark.parametrize("src, dst, fwd, bwd", [
+    (Replicate(), InputSpec(Replicate()), (), ()),
+    (Replicate(), InputSpec(Shard(2)), (), (("all_gather", False),)),
+    (Shard(2), InputSpec(Replicate()), (("all_gather", False),), ()),
+    (Shard(1), InputSpec(Shard(2)), (("all_to_all", False),), (("all_to_all", False),)),
+    (Replicate(), InputSpec(Replicate(), grad_partial=True), (), (("all_reduce", False),)),
+    (Shard(1), InputSpec(Replicate(), grad_partial=True), (("all_gather", False),), (("reduce_scatter", False),)),
+    (Partial(), InputSpec(Replicate()), (("all_reduce", False),), ()),
+])
+def test_reshard_rules(src, dst, fwd, bwd):
+    assert reshard_collectives(src, dst) == (fwd, bwd)
+
+
+def test_integer_tensors_have_no_backward_resharding():
+    assert reshard_collectives(Replicate(), InputSpec(Shard(1)), differentiable=False) == ((), ())
+
+
+def test_column_linear_costs_a_tp_th_of_replicate():
+    cfg, graph = tiny_graph("tiny-gpt")
+    cluster, mesh = zero_latency(), MeshShape(dp=2, tp=4)
+    built = build_intra_op_problem(graph, default_registry(), model_info(cfg), 4, cluster, mesh, 64)
+    fc = built.mapping["layers_0_mlp_fc"]
+    names = [s.name for s in built.strategies[fc]]
+    costs = built.problem.node_costs_s[fc]
+    assert costs[names.index("column")] == pytest.approx(costs[names.index("replicate")] / 4, rel=0.05)
+
+
+# ------------------------------------------------------------------------------ folding
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt", "tiny-llama"])
+@pytest.mark.parametrize("layers", [2, 3, 4])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_folded_objective_equals_unfolded(name, layers, tp):
+    cfg, graph = tiny_graph(name, layers=layers, seq=32)
+    registry, info, cluster, mesh = default_registry(), model_info(cfg), zero_latency(), MeshShape(dp=8 // tp, tp=tp)
+    assert fold_mapping(graph) is not None
+    for microbatch in (1, 64):
+        folded = build_intra_op_problem(graph, registry, info, tp, cluster, mesh, microbatch, fold=True)
+        unfolded = build_intra_op_problem(graph, registry, info, tp, cluster, mesh, microbatch, fold=False)
+        assert sum(folded.problem.node_weights) == len(graph.nodes) == unfolded.problem.num_nodes
+        assert folded.problem.num_nodes < unfolded.problem.num_nodes
+        solution = solve_ilp(folded.problem)
+        assignment = assignment_from_choice(folded, solution.choice)
+        spread = [[s.name for s in unfolded.strategies[k]].index(assignment[n]) for n, k in unfolded.mapping.items()]
+        # the identity folding promises: same objective for every layer-uniform choice
+        assert unfolded.problem.objective_s(spread) == pytest.approx(solution.objective, rel=1e-9)
+        # and the unfolded optimum can only be lower (layer 0 may differ at the boundary), by little
+        best_unfolded = solve_ilp(unfolded.problem).objective
+        assert best_unfolded <= solution.objective * (1 + 1e-9)
+        assert best_unfolded >= solution.objective * 0.99
+        # pricing the assignment op by op gives the same total as the ILP
+        ctx = make_context(graph, cluster, mesh, microbatch)
+        strategies = resolve_strategies(graph, registry, info, tp, assignment)
+        assert price_assignment(graph, strategies, ctx).total_s == pytest.approx(solution.objective, rel=1e-9)
+
+
+def test_layers_that_differ_are_not_folded():
+    cfg, graph = tiny_graph("tiny-gpt", layers=2)
+    nodes = [dataclasses.replace(n, fwd_flops=n.fwd_flops + 1) if n.layer == 1 and n.op_kind == "linear" else n
+             for n in graph.nodes]
+    assert fold_mapping(dataclasses.replace(graph, nodes=tuple(nodes))) is None
