@@ -1,0 +1,31 @@
+# Two entry points for a fresh machine; both create .venv and install what they need.
+#   make demo   plan GPT-3 175B on 1024 H100s and show the plan (writes plan.json)
+#   make test   run the test suite
+# torch is pinned at install time (a CPU wheel here); the project itself only asks for a range,
+# so pip never resolves an unpinned torch (which would pull gigabytes of CUDA packages).
+
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.autoplan-installed
+
+.PHONY: demo test setup clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/autoplan search --model gpt3-175b --cluster 128x8xh100 --global-batch 1536 --seq 2048 -o plan.json
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,114 @@
+"""The `autoplan` command line.
+
+    autoplan search --model gpt3-175b --cluster 128x8xh100 --global-batch 1536 --seq 2048 -o plan.json
+    autoplan search --model-config my_model.yaml --cluster cluster.yaml --global-batch 64 --seq 4096 --json
+    autoplan show plan.json
+    autoplan models
+
+Bad input exits with status 2 and a message on stderr that says what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from autoplan.errors import AutoplanError
+
+
+def _search_parser(sub) -> None:
+    p = sub.add_parser("search", help="find the fastest plan for a model on a cluster and write it")
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", help="a known model name (see `autoplan models`)")
+    model.add_argument("--model-config", metavar="FILE", help="a model-config file (JSON or YAML)")
+    p.add_argument("--cluster", required=True, help="NODESxGPUSxDEVICE (e.g. 128x8xh100) or a cluster YAML/JSON file")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("-o", "--output", metavar="FILE", help="write the plan JSON here")
+    p.add_argument("--json", action="store_true", help="print the plan JSON to stdout instead of the tables")
+    p.add_argument("--no-fold", action="store_true", help="solve the unfolded graph (slower; for comparison)")
+    p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit per solve, seconds")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autoplan", description="Automatic parallelism planner for PyTorch training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _search_parser(sub)
+    show = sub.add_parser("show", help="print a saved plan")
+    show.add_argument("plan", help="a plan JSON file written by `autoplan search`")
+    show.add_argument("--json", action="store_true", help="print the validated plan JSON")
+    sub.add_parser("models", help="list the known model names and their shapes")
+    return parser
+
+
+def _load_model_config(args):
+    from autoplan.models import get_model_config, load_model_config
+
+    return load_model_config(args.model_config) if args.model_config else get_model_config(args.model)
+
+
+def cmd_search(args) -> int:
+    from autoplan.cluster import parse_cluster
+    from autoplan.planner import search
+
+    config = _load_model_config(args)
+    cluster = parse_cluster(args.cluster)
+    if args.global_batch < 1 or args.seq < 1:
+        raise AutoplanError(f"--global-batch ({args.global_batch}) and --seq ({args.seq}) must be positive integers")
+    plan = search(config, cluster, args.global_batch, args.seq, dtype=args.dtype, fold=not args.no_fold, time_limit_s=args.time_limit)
+    if args.output:
+        plan.save(args.output)
+    if args.json:
+        print(plan.dumps())
+    else:
+        from autoplan.report import render_plan
+
+        render_plan(plan)
+        if args.output:
+            print(f"plan written to {args.output}")
+    return 0
+
+
+def cmd_show(args) -> int:
+    from autoplan.plan import Plan
+
+    plan = Plan.load(args.plan)
+    if args.json:
+        print(plan.dumps())
+    else:
+        from autoplan.report import render_plan
+
+        render_plan(plan)
+    return 0
+
+
+def cmd_models(args) -> int:
+    from rich.table import Table
+
+    from autoplan.models import known_models
+    from autoplan.report import make_console
+
+    table = Table(title="known models")
+    for col in ("name", "family", "layers", "hidden", "heads", "kv heads", "ffn", "vocab", "experts", "parameters"):
+        table.add_column(col, justify="left" if col in ("name", "family") else "right", no_wrap=True)
+    for name, c in sorted(known_models().items()):
+        experts = f"{c.experts} (top {c.top_k})" if c.experts else "-"
+        table.add_row(name, c.family, str(c.num_layers), str(c.hidden), str(c.heads), str(c.kv_heads), str(c.ffn_hidden),
+                      str(c.vocab), experts, f"{c.num_parameters() / 1e9:,.2f} B")
+    make_console().print(table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"search": cmd_search, "show": cmd_show, "models": cmd_models}
+    try:
+        return handlers[args.command](args)
+    except AutoplanError as exc:
+        print(f"autoplan {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The `autoplan` command line: search writes a valid plan, show reads it, bad input exits 2 with a hint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autoplan.cli import main
+from autoplan.plan import Plan
+
+
+def test_search_writes_a_plan_and_show_reads_it(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["search", "--model", "tiny-gpt", "--cluster", "1x4xh100", "--global-batch", "8", "--seq", "32", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "step time" in printed and "MFU" in printed and "memory per GPU" in printed
+    plan = Plan.load(out)
+    assert plan.mesh.world_size == 4 and plan.global_batch == 8 and plan.seq_len == 32
+    assert main(["show", str(out)]) == 0
+    assert "tiny-gpt" in capsys.readouterr().out
+
+
+def test_search_json_goes_to_stdout(capsys):
+    assert main(["search", "--model", "tiny-llama", "--cluster", "2xh100", "--global-batch", "4", "--seq", "16", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert Plan.from_json(data).model.name == "tiny-llama"
+
+
+def test_model_config_file(tmp_path, capsys):
+    path = tmp_path / "mine.yaml"
+    path.write_text("family: llama\nlayers: 2\nhidden: 64\nheads: 4\nkv_heads: 2\nffn_hidden: 128\nvocab: 256\nmax_seq: 64\n")
+    assert main(["search", "--model-config", str(path), "--cluster", "2xh100", "--global-batch", "4", "--seq", "32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["name"] == "mine"
+
+
+def test_unknown_model_lists_known_ones(capsys):
+    assert main(["search", "--model", "gpt5", "--cluster", "8xh100", "--global-batch", "8", "--seq", "128"]) == 2
+    err = capsys.readouterr().err
+    assert "gpt5" in err and "gpt3-175b" in err and "llama3-8b" in err
+
+
+def test_malformed_cluster_shows_the_form(capsys):
+    assert main(["search", "--model", "tiny-gpt", "--cluster", "eight-h100s", "--global-batch", "8", "--seq", "32"]) == 2
+    assert "128x8xh100" in capsys.readouterr().err
+
+
+def test_model_too_big_says_by_how_much(capsys):
+    assert main(["search", "--model", "gpt3-175b", "--cluster", "1x8xa100", "--global-batch", "8", "--seq", "2048"]) == 2
+    err = capsys.readouterr().err
+    assert "GB" in err and "ZeRO" in err
+
+
+def test_show_refuses_a_corrupt_plan(tmp_path, capsys):
+    path = tmp_path / "bad.json"
+    path.write_text('{"version": 1}')
+    assert main(["show", str(path)]) == 2
+    assert "missing keys" in capsys.readouterr().err
+
+
+def test_models_lists_presets(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "gpt3-175b" in out and "mixtral-8x7b" in out
+
+
+def test_console_script_runs_as_module():
+    result = subprocess.run([sys.executable, "-m", "autoplan", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "search" in result.stdout
+
+
+@pytest.mark.parametrize("argv", [["search"], ["show"]])
+def test_missing_arguments_are_usage_errors(argv):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
