@@ -4,6 +4,7 @@
     autoplan search --model-config my_model.yaml --cluster cluster.yaml --global-batch 64 --seq 4096 --json
     autoplan show plan.json
     autoplan models
+    autoplan profile -o profile.json          # measure this machine (under torchrun: collectives too)
 
 Bad input exits with status 2 and a message on stderr that says what to change.
 """
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("plan", help="a plan JSON file written by `autoplan search`")
     show.add_argument("--json", action="store_true", help="print the validated plan JSON")
     sub.add_parser("models", help="list the known model names and their shapes")
+    from autoplan.profiler.cli import add_profile_parser
+
+    add_profile_parser(sub)
     return parser
 
 
@@ -102,7 +106,9 @@ def cmd_models(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"search": cmd_search, "show": cmd_show, "models": cmd_models}
+    from autoplan.profiler.cli import cmd_profile
+
+    handlers = {"search": cmd_search, "show": cmd_show, "models": cmd_models, "profile": cmd_profile}
     try:
         return handlers[args.command](args)
     except AutoplanError as exc:

@@ -1,4 +1,5 @@
 """Hardware profiler: measures GEMMs, memory bandwidth and collectives on the local machine.
 
-Empty until the profiler issue lands; the cost model uses the device presets of autoplan.cluster.
+`autoplan profile` (see `profiler.cli`) writes a `HardwareProfile` JSON file; the cost model's
+`calibration` module turns it into shape-dependent GEMM efficiencies and fitted link costs.
 """

@@ -1,0 +1,197 @@
+"""Calibration: what a hardware profile (or, lacking one, a stated default) tells the cost model.
+
+GEMM time is modelled as
+
+    time_s = 2 * m * n * k / (efficiency(m, n, k, dtype) * peak_flops(dtype)),
+
+with `peak_flops` the DeviceSpec's datasheet peak for the dtype (for a device without one, such as
+the CPU, the best rate the profile measured) and efficiency in (0, 1].
+
+**From a profile** (`GemmEfficiency.from_profile`): each sample gives efficiency = achieved FLOP/s /
+peak (capped at 1). The samples of a dtype span a grid over the distinct measured log2 m, log2 n,
+log2 k; grid points the sweep did not measure are filled by inverse-distance-squared weighting of the
+measured samples (distance in log2 space). A query is clamped to the grid's box per axis (no
+extrapolation: a GEMM larger than any measured one gets the efficiency of the largest, a smaller one
+that of the smallest) and interpolated trilinearly in (log2 m, log2 n, log2 k). Along each axis this
+is piecewise linear between neighbouring samples, so efficiencies that rise with size still do.
+A dtype the profile did not measure falls back to the default curve below.
+
+**Default** (`GemmEfficiency.from_device_default`): a saturating curve in the ideal time
+t_ideal = 2mnk / peak,
+
+    efficiency = E_MAX * (1 - exp(-t_ideal / TAU0_S)),
+
+E_MAX = 0.80: large bf16 GEMMs on the H200 reach about 789 of 989 TFLOP/s (ENVIRONMENT.md, torch
+2.11). TAU0_S = 18.4 us: that sweep's low of about 325 TFLOP/s, taken to be at its smallest shape
+(2048 x 1536 x 1536, 9.66 GFLOP, t_ideal 9.77 us), solves 0.80 (1 - exp(-9.77 / tau0)) = 325 / 989.
+Measuring time rather than FLOPs lets one constant serve devices of any peak. As t_ideal -> 0 the
+modelled time tends to TAU0_S / E_MAX = 23 us, a pessimistic floor for tiny GEMMs: profile to do better.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from autoplan.cluster import DeviceSpec
+from autoplan.errors import ConfigError
+from autoplan.profiler.profile import HardwareProfile, ProfileError, same_device
+
+E_MAX = 0.80
+TAU0_S = 18.4e-6
+DEFAULT_SOURCE = "default curve E_MAX=0.80, TAU0_S=18.4us (H200 bf16 sweep, ENVIRONMENT.md)"
+
+
+@dataclass(frozen=True, eq=False)
+class _Grid:
+    """Efficiencies on a full grid over log2 m x log2 n x log2 k (axes ascending)."""
+
+    axes: tuple[np.ndarray, np.ndarray, np.ndarray]
+    values: np.ndarray  # (len m, len n, len k)
+
+    def at(self, point: tuple[float, float, float]) -> float:
+        """Trilinear interpolation at `point` (log2 m, log2 n, log2 k), clamped to the box."""
+        corners = []  # per axis: ((index, weight), (index, weight))
+        for axis, q in zip(self.axes, point):
+            q = min(max(q, axis[0]), axis[-1])
+            if len(axis) == 1:
+                corners.append(((0, 1.0),))
+                continue
+            i = min(int(np.searchsorted(axis, q, side="right")) - 1, len(axis) - 2)
+            w = (q - axis[i]) / (axis[i + 1] - axis[i])
+            corners.append(((i, 1.0 - w), (i + 1, w)))
+        total = 0.0
+        for (i, wi), (j, wj), (k, wk) in itertools.product(*corners):
+            total += wi * wj * wk * self.values[i, j, k]
+        return float(total)
+
+
+def _build_grid(points: dict[tuple[float, float, float], float]) -> _Grid:
+    """A full grid over the distinct coordinates of `points` ((log2 m, log2 n, log2 k) -> efficiency);
+    unmeasured grid points get the inverse-distance-squared mean of the measured ones."""
+    axes = tuple(np.array(sorted({p[d] for p in points})) for d in range(3))
+    coords = np.array(list(points))  # (samples, 3)
+    effs = np.array(list(points.values()))  # (samples,)
+    values = np.empty(tuple(len(a) for a in axes))
+    for index in itertools.product(*(range(len(a)) for a in axes)):
+        here = np.array([axes[d][index[d]] for d in range(3)])
+        key = tuple(float(c) for c in here)
+        if key in points:
+            values[index] = points[key]
+            continue
+        weights = 1.0 / np.sum((coords - here) ** 2, axis=1)
+        values[index] = float(np.sum(weights * effs) / np.sum(weights))
+    return _Grid(axes, values)
+
+
+class GemmEfficiency:
+    """efficiency(m, n, k, dtype) in (0, 1] and the peak it multiplies; see the module docstring."""
+
+    def __init__(self, device: DeviceSpec | None, grids: dict[str, _Grid], peaks: dict[str, float], source: str) -> None:
+        self.device = device
+        self._grids = grids
+        self._peaks = peaks  # peaks of the measured dtypes, as used to form their efficiencies
+        self.source = source
+
+    @classmethod
+    def from_profile(cls, profile: HardwareProfile, device: DeviceSpec | None = None) -> "GemmEfficiency":
+        """Efficiencies from the profile's GEMM samples, against `device`'s datasheet peak per dtype
+        where it lists one and the best measured rate of that dtype otherwise. Pass the DeviceSpec the
+        cost model multiplies by (e.g. `device_spec_from_profile(profile, base)`)."""
+        if device is not None:
+            check_profile_device(profile, device)
+        peaks, grids = {}, {}
+        for dtype in sorted({s.dtype for s in profile.gemm}):
+            samples = [s for s in profile.gemm if s.dtype == dtype]
+            listed = dict(device.peak_flops) if device is not None else {}
+            peaks[dtype] = listed.get(dtype) or max(s.flops_per_s for s in samples)
+            sums: dict[tuple[float, float, float], list[float]] = {}
+            for s in samples:  # repeated shapes are averaged
+                key = (math.log2(s.m), math.log2(s.n), math.log2(s.k))
+                sums.setdefault(key, []).append(min(1.0, s.flops_per_s / peaks[dtype]))
+            grids[dtype] = _build_grid({key: sum(v) / len(v) for key, v in sums.items()})
+        source = f"profile of {profile.device_name!r} ({profile.created}, torch {profile.torch_version})"
+        return cls(device, grids, peaks, source)
+
+    @classmethod
+    def from_device_default(cls, device: DeviceSpec) -> "GemmEfficiency":
+        """The default curve for `device`, with no profile."""
+        return cls(device, {}, {}, DEFAULT_SOURCE)
+
+    @property
+    def measured_dtypes(self) -> tuple[str, ...]:
+        return tuple(sorted(self._grids))
+
+    def peak_flops(self, dtype: str) -> float:
+        """The FLOP/s that efficiency() is a fraction of."""
+        if dtype in self._peaks:
+            return self._peaks[dtype]
+        if self.device is None:
+            raise ConfigError(f"dtype {dtype!r} was not profiled (profiled: {list(self.measured_dtypes)}) and no DeviceSpec gives its peak")
+        return self.device.peak_flops_for(dtype)
+
+    def efficiency(self, m: int, n: int, k: int, dtype: str) -> float:
+        """achieved / peak FLOP/s for C (m, n) = A (m, k) @ B (k, n), in (0, 1]."""
+        if min(m, n, k) < 1:
+            raise ConfigError(f"GEMM shape ({m}, {n}, {k}) must have positive m, n, k")
+        grid = self._grids.get(dtype)
+        if grid is not None:
+            value = grid.at((math.log2(m), math.log2(n), math.log2(k)))
+        else:
+            ideal_s = 2.0 * m * n * k / self.peak_flops(dtype)
+            value = E_MAX * -math.expm1(-ideal_s / TAU0_S)
+        return min(1.0, max(value, 1e-12))
+
+    def gemm_time_s(self, m: int, n: int, k: int, dtype: str) -> float:
+        """2mnk / (efficiency * peak)."""
+        return 2.0 * m * n * k / (self.efficiency(m, n, k, dtype) * self.peak_flops(dtype))
+
+
+def effective_link(profile: HardwareProfile, kind: str, group_size: int) -> tuple[float, float] | None:
+    """(bandwidth_bytes_per_s, latency_s) of the fit for (kind, group_size), for
+    t = latency_s + message_bytes * ring_factor / bandwidth_bytes_per_s (profiler/collectives.py).
+
+    Without a fit of that exact size, the fit of the same kind whose group size is nearest in log2
+    (ties: the larger group) is used; None when the profile has no fit of that kind."""
+    fits = [f for f in profile.fits if f.kind == kind]
+    if not fits or group_size < 1:
+        return None
+    best = min(fits, key=lambda f: (abs(math.log2(f.group_size) - math.log2(group_size)), -f.group_size))
+    return best.bandwidth_bytes_per_s, best.latency_s
+
+
+def check_profile_device(profile: HardwareProfile, device: DeviceSpec) -> None:
+    """Refuse a profile of another kind of device (a DeviceSpec named 'cpu' is a CPU, any other a GPU,
+    unless it bears the profile's own device name),
+    or of another GPU family: the family of a spec name ('h100' of 'h100', 'a100' of 'a100-80g') must
+    be a word of the name torch reported ('NVIDIA H100 80GB HBM3'). Names without one are not checked."""
+    if same_device(device.name, profile.device_name):  # e.g. made by device_spec_from_profile(profile)
+        return
+    kind = "cpu" if same_device(device.name, "cpu") else "cuda"
+    if kind != profile.device_kind:
+        raise ProfileError(f"a {profile.device_kind} profile ({profile.device_name!r}) cannot calibrate the {kind} device {device.name!r}")
+    family = re.match(r"[a-z]+\d+", device.name.lower())
+    if kind == "cuda" and family and family.group() not in re.split(r"[^a-z0-9]+", profile.device_name.lower()):
+        raise ProfileError(f"the profile was measured on {profile.device_name!r}, not on a {device.name!r}; profile a {device.name!r} or drop the profile")
+
+
+def device_spec_from_profile(profile: HardwareProfile, base: DeviceSpec | None = None) -> DeviceSpec:
+    """A DeviceSpec with the measured memory bandwidth; peaks stay the datasheet's (base) where one
+    exists, and are the best measured GEMM rates for a CPU profile, for dtypes base lacks, or with no base."""
+    measured = {}
+    for s in profile.gemm:
+        measured[s.dtype] = max(measured.get(s.dtype, 0.0), s.flops_per_s)
+    datasheet = dict(base.peak_flops) if base is not None and profile.device_kind == "cuda" else {}
+    peaks = {**(dict(base.peak_flops) if base is not None else {}), **measured, **datasheet}
+    source = f"memory bandwidth measured on {profile.device_name!r} ({profile.created})"
+    if base is None:
+        return DeviceSpec(profile.device_name, tuple(peaks.items()), float(profile.memory_bytes),
+                          profile.memory.bandwidth_bytes_per_s, source + "; peaks: best measured GEMM rates")
+    check_profile_device(profile, base)
+    how = "datasheet" if datasheet else "measured where profiled"
+    return replace(base, peak_flops=tuple(peaks.items()), memory_bandwidth_bytes_per_s=profile.memory.bandwidth_bytes_per_s,
+                   source=f"{source}; peaks {how} ({base.source})")

@@ -1,0 +1,191 @@
+"""`autoplan profile`: measure the local device and write a hardware-profile file.
+
+    autoplan profile -o profile.json                    # GEMMs + memory bandwidth of this device
+    autoplan profile --quick --device cpu -o cpu.json   # a small sweep, in seconds
+    torchrun --nproc-per-node 8 -m autoplan.profiler.cli -o h200.json   # + collectives over 8 ranks
+
+Under torchrun every rank takes part in the collectives; rank 0 alone runs the GEMM and memory
+sweeps (the other ranks wait, so on a CPU they do not compete for its cores), prints the table and
+writes the file. The process group is made here (NCCL on CUDA, gloo on CPU) unless the caller has
+already initialised one, and destroyed here only if made here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+
+from autoplan.errors import AutoplanError, ConfigError
+from autoplan.profiler.profile import HardwareProfile, local_device_name
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that measure: building the `autoplan` parser stays fast
+# (importing torch takes seconds), and `autoplan search` never pays for it through this module.
+GEMM_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def add_profile_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `profile` subcommand to an argparse subparsers object; returns its parser."""
+    p = subparsers.add_parser("profile", help="measure GEMMs, memory bandwidth and collectives here; write a hardware profile")
+    p.add_argument("-o", "--output", metavar="FILE", default="profile.json", help="where to write the profile (default profile.json)")
+    p.add_argument("--quick", action="store_true", help="a small sweep that finishes in seconds (for tests and smoke runs)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="device to measure (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", choices=GEMM_DTYPES, help="GEMM dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--no-collectives", action="store_true", help="skip collectives even under torchrun")
+    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's; 1 under torchrun); "
+                   "on a shared CPU, 1 avoids stalls of threads waiting for a descheduled sibling")
+    return p
+
+
+def _device(kind: str | None) -> "torch.device":
+    import torch
+
+    kind = kind or ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _init_distributed(device: "torch.device") -> bool:
+    """Join torchrun's process group if WORLD_SIZE > 1 and none exists; True if made here."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return True
+
+
+def _memory_bytes(device: "torch.device") -> int:
+    """Device memory (CUDA) or physical RAM (CPU, from sysconf), in bytes."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _measure_device(device: "torch.device", quick: bool, dtype: str | None) -> tuple:
+    """(GEMM samples, memory sample) of this process's device."""
+    from autoplan.profiler.gemm import sweep_gemms
+    from autoplan.profiler.memory import measure_memory_bandwidth
+
+    return sweep_gemms(device, dtype=dtype, quick=quick), measure_memory_bandwidth(device, quick=quick)
+
+
+def run_profile(device: "torch.device", quick: bool = False, dtype: str | None = None, collectives: bool = True) -> HardwareProfile | None:
+    """Measure and return the profile on rank 0 (None on the other ranks); needs every rank to call it
+    when a process group is initialised."""
+    import torch
+    import torch.distributed as dist
+
+    from autoplan.profiler.collectives import measure_collectives
+
+    distributed = dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    gemm, memory = _measure_device(device, quick, dtype) if rank == 0 else (None, None)
+    samples, fits = (), ()
+    if distributed and collectives and dist.get_world_size() > 1:
+        dist.barrier()  # the other ranks wait here while rank 0 measures alone
+        samples, fits = measure_collectives(device, quick=quick)
+    if rank != 0:
+        return None
+    return HardwareProfile(
+        device_name=local_device_name(device.type, device.index or 0),
+        device_kind=device.type,
+        memory_bytes=_memory_bytes(device),
+        threads=torch.get_num_threads(),
+        torch_version=torch.__version__,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        gemm=gemm,
+        memory=memory,
+        collective_backend=str(dist.get_backend()) if samples else "",
+        collectives=samples,
+        fits=fits,
+    )
+
+
+def render_profile(profile: HardwareProfile, console=None) -> None:
+    """Print what was measured: GEMM range, memory bandwidth, one row per collective fit."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title=f"autoplan profile: {profile.device_name} ({profile.device_kind})", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    table.add_row("torch", f"{profile.torch_version}, {profile.threads} CPU threads, {profile.created}")
+    for dtype in sorted({s.dtype for s in profile.gemm}):
+        samples = sorted((s for s in profile.gemm if s.dtype == dtype), key=lambda s: s.flops_per_s)
+        low, high = samples[0], samples[-1]
+        median = statistics.median(s.flops_per_s for s in samples)
+        table.add_row(f"GEMM {dtype} ({len(samples)} shapes)",
+                      f"{_tflops(low.flops_per_s)} at {_shape(low)} .. median {_tflops(median)} .. {_tflops(high.flops_per_s)} at {_shape(high)}")
+    table.add_row("memory bandwidth", f"{profile.memory.bandwidth_bytes_per_s / 1e9:,.1f} GB/s (copy of {profile.memory.buffer_bytes / 2**20:,.0f} MiB)")
+    for fit in profile.fits:
+        table.add_row(f"{fit.kind} x{fit.group_size} ({profile.collective_backend})",
+                      f"bus bandwidth {fit.bandwidth_bytes_per_s / 1e9:,.3f} GB/s, latency {fit.latency_s * 1e6:,.1f} us, "
+                      f"max error {fit.max_rel_error * 100:.0f}% over {fit.num_samples} sizes")
+    console.print(table)
+
+
+def _tflops(flops_per_s: float) -> str:
+    return f"{flops_per_s / 1e12:,.1f} TFLOP/s" if flops_per_s >= 1e12 else f"{flops_per_s / 1e9:,.1f} GFLOP/s"
+
+
+def _shape(sample) -> str:
+    return f"({sample.m}, {sample.n}, {sample.k})"
+
+
+def cmd_profile(args) -> int:
+    """Run `autoplan profile` with parsed `args`; rank 0 prints and writes. Returns the exit status."""
+    import torch
+    import torch.distributed as dist
+
+    device = _device(args.device)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads must be a positive integer, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    made_group = _init_distributed(device)
+    try:
+        profile = run_profile(device, quick=args.quick, dtype=args.dtype, collectives=not args.no_collectives)
+        if profile is not None:
+            if not profile.collectives and not args.no_collectives:
+                print("collectives skipped: one process (run under torchrun --nproc-per-node N to measure them)")
+            render_profile(profile)
+            profile.save(args.output)
+            print(f"profile written to {args.output}")
+    finally:
+        if made_group:
+            dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m autoplan.profiler.cli [options]` (also under torchrun), before the main CLI wires it."""
+    parser = argparse.ArgumentParser(prog="autoplan")
+    sub = parser.add_subparsers(dest="command")
+    add_profile_parser(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv if argv[:1] == ["profile"] else ["profile", *argv])
+    try:
+        return cmd_profile(args)
+    except AutoplanError as exc:
+        print(f"autoplan profile: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""Collective timings on an initialised process group, and their alpha-beta fits.
+
+Every rank of the world calls `measure_collectives` (under torchrun, or after
+`init_process_group`). For each group size g (the world, and where the world is > 2 also 2, 4, ...
+that divide it), the world is cut into consecutive groups of g ranks that run at the same time (as
+tensor-parallel groups do in training). For each kind and message size: warm-up, then timed windows
+separated by a world barrier (see gemm.timed_windows_s); the sample is the median per-call time of
+the slowest rank (a collective finishes when its last rank does).
+
+message_bytes is each rank's full buffer, as nccl-tests counts it (all_reduce: the tensor;
+all_gather: the gathered output; reduce_scatter: the input; all_to_all: the input). The fit per
+(kind, g) is the ring model
+
+    t = latency_s + message_bytes * ring_factor / bandwidth_bytes_per_s,
+    ring_factor = 2 (g - 1) / g for all_reduce, (g - 1) / g for all_gather, reduce_scatter, all_to_all,
+
+so bandwidth_bytes_per_s is nccl-tests' "bus bandwidth": the per-rank link rate the cost model
+plugs into the same formula. Least squares on relative residuals, sum_i ((a + b x_i - t_i) / t_i)^2
+with x_i = message_bytes_i * ring_factor, so 4 KB and 64 MB samples weigh alike; a negative
+intercept is refitted as a = 0. Synthetic samples on the model are recovered exactly.
+
+Sizes: 4 KiB .. 64 MiB by powers of 2 on CUDA, 4 KiB .. 8 MiB on CPU (gloo over loopback),
+{4 KiB, 256 KiB, 4 MiB} with `quick`. Tensors are float32 (gloo has no bf16 reductions on every
+version); the element count is rounded down to a multiple of g.
+"""
+
+from __future__ import annotations
+
+import statistics
+import warnings
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from autoplan.profiler.gemm import WARMUP_CALLS, plan_windows, synchronize, timed_windows_s
+from autoplan.profiler.profile import COLLECTIVE_KINDS, CollectiveFit, CollectiveSample, ProfileError
+
+KiB, MiB = 2**10, 2**20
+ELEMENT_BYTES = 4  # float32
+
+
+def ring_byte_factor(kind: str, group_size: int) -> float:
+    """Bytes each rank sends per byte of message in a ring: 2(g-1)/g for all_reduce, (g-1)/g otherwise."""
+    if kind not in COLLECTIVE_KINDS:
+        raise ProfileError(f"collective kind {kind!r} is not one of {COLLECTIVE_KINDS}")
+    steps = (group_size - 1) / group_size
+    return 2 * steps if kind == "all_reduce" else steps
+
+
+def default_message_sizes(kind: str, quick: bool = False) -> list[int]:
+    """Message sizes in bytes, per the module docstring."""
+    if quick:  # wide apart, so the byte term stands out of a noisy latency
+        return [4 * KiB, 256 * KiB, 4 * MiB]
+    top = 64 * MiB if kind == "cuda" else 8 * MiB
+    sizes, size = [], 4 * KiB
+    while size <= top:
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
+def group_sizes(world_size: int) -> list[int]:
+    """The world, and where it is > 2, also 2, 4, ... (powers of 2 below it that divide it)."""
+    sizes, g = [], 2
+    while world_size > 2 and g < world_size:
+        if world_size % g == 0:
+            sizes.append(g)
+        g *= 2
+    return sizes + [world_size] if world_size > 1 else []
+
+
+def fit_alpha_beta(samples: Sequence[CollectiveSample]) -> CollectiveFit:
+    """Least-squares fit of t = a + x / bandwidth, x = message_bytes * ring_factor (module docstring)."""
+    kinds = {(s.kind, s.group_size) for s in samples}
+    if len(kinds) != 1:
+        raise ProfileError(f"fit_alpha_beta needs samples of one (kind, group_size), got {sorted(kinds)}")
+    (kind, group_size), = kinds
+    x = np.array([s.message_bytes * ring_byte_factor(kind, group_size) for s in samples])
+    t = np.array([s.time_s for s in samples])
+    if len(set(x.tolist())) < 2:
+        raise ProfileError(f"{kind} over {group_size} ranks: a fit needs at least 2 distinct message sizes")
+    (a, b), *_ = np.linalg.lstsq(np.stack([1 / t, x / t], axis=1), np.ones_like(t), rcond=None)
+    if a < 0:  # the intercept is a latency: refit through the origin, sum(x/t)/sum((x/t)^2)
+        a, b = 0.0, float(np.sum(x / t) / np.sum((x / t) ** 2))
+    if not (np.isfinite(b) and b > 0):
+        raise ProfileError(f"{kind} over {group_size} ranks: times do not grow with message size, no bandwidth to fit")
+    max_rel_error = float(np.max(np.abs(a + b * x - t) / t))
+    return CollectiveFit(kind, group_size, float(a), float(1 / b), len(samples), max_rel_error)
+
+
+def fit_all(samples: Sequence[CollectiveSample]) -> tuple[CollectiveFit, ...]:
+    """One fit per (kind, group_size); pairs that cannot be fitted are skipped with a warning."""
+    keys = sorted({(s.kind, s.group_size) for s in samples}, key=lambda kg: (COLLECTIVE_KINDS.index(kg[0]), kg[1]))
+    fits = []
+    for kind, g in keys:
+        try:
+            fits.append(fit_alpha_beta([s for s in samples if (s.kind, s.group_size) == (kind, g)]))
+        except ProfileError as exc:
+            warnings.warn(f"no alpha-beta fit: {exc}", stacklevel=2)
+    return tuple(fits)
+
+
+def _collective_fn(kind: str, numel: int, group_size: int, group, device: torch.device) -> Callable[[], object]:
+    """A zero-argument call of one collective on preallocated float32 buffers of `numel` (full) elements.
+
+    all_gather / reduce_scatter use the *_single names of torch 2.13 where present and the
+    *_into_tensor names of torch 2.11 otherwise (2.13 deprecates the latter)."""
+    full = torch.ones(numel, dtype=torch.float32, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if kind == "all_to_all":
+        out = torch.empty_like(full)
+        return lambda: dist.all_to_all_single(out, full, group=group)
+    shard = torch.ones(numel // group_size, dtype=torch.float32, device=device)
+    if kind == "all_gather":
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: all_gather(full, shard, group=group)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return lambda: reduce_scatter(shard, full, group=group)
+
+
+class _World:
+    """Barrier and max-over-ranks on the world group, on tensors of the measuring device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._flag = torch.zeros(1, device=device)
+
+    def barrier(self) -> None:
+        dist.all_reduce(self._flag)  # a tiny all_reduce: works alike under gloo and NCCL
+        synchronize(self.device)
+
+    def max(self, value: float) -> float:
+        box = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return float(box.item())
+
+
+def _subgroup(group_size: int):
+    """This rank's group of `group_size` consecutive ranks (None: the world). Every rank creates every
+    group, in the same order, as new_group requires."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if group_size == world:
+        return None
+    mine = None
+    for first in range(0, world, group_size):
+        group = dist.new_group(list(range(first, first + group_size)))
+        if first <= rank < first + group_size:
+            mine = group
+    return mine
+
+
+def time_collective_s(kind: str, message_bytes: int, group_size: int, group, world: _World, budget_s: float) -> tuple[int, float]:
+    """(message_bytes rounded to whole elements per rank, slowest rank's median seconds per call)."""
+    numel = max(group_size, message_bytes // ELEMENT_BYTES // group_size * group_size)
+    fn = _collective_fn(kind, numel, group_size, group, world.device)
+    for _ in range(WARMUP_CALLS):
+        fn()
+    synchronize(world.device)
+    one_call_s = world.max(timed_windows_s(fn, world.device, 1, 1, before=world.barrier)[0])
+    repeats, inner = plan_windows(one_call_s, budget_s)  # the same on every rank: no rank waits forever
+    local_s = statistics.median(timed_windows_s(fn, world.device, repeats, inner, before=world.barrier))
+    return numel * ELEMENT_BYTES, world.max(local_s)
+
+
+def measure_collectives(device: torch.device, kinds: Sequence[str] = COLLECTIVE_KINDS, sizes: Sequence[int] | None = None,
+                        quick: bool = False, budget_s: float | None = None) -> tuple[tuple[CollectiveSample, ...], tuple[CollectiveFit, ...]]:
+    """Samples and fits for every kind, group size and message size; every rank gets the same answer."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ProfileError("measure_collectives needs an initialised process group: run under torchrun or call init_process_group first")
+    sizes = list(sizes) if sizes is not None else default_message_sizes(device.type, quick)
+    budget_s = budget_s if budget_s is not None else (0.01 if quick else 0.05)
+    world, samples = _World(device), []
+    for g in group_sizes(dist.get_world_size()):
+        group = _subgroup(g)
+        for kind in kinds:
+            for size in sizes:
+                message_bytes, time_s = time_collective_s(kind, size, g, group, world, budget_s)
+                samples.append(CollectiveSample(kind, g, message_bytes, time_s))
+    return tuple(samples), fit_all(samples)

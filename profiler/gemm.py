@@ -1,0 +1,132 @@
+"""GEMM sweep: achieved FLOP/s of C = A @ B over shapes (m, n, k), and the timers the profiler shares.
+
+For each shape: two warm-up calls (cuBLAS / oneDNN pick their kernels and allocate workspaces), one
+call timed alone to size the run, then `repeats` timed windows of `inner` back-to-back calls each.
+The sample is the median per-call time over the windows, and
+
+    achieved FLOP/s = 2 * m * n * k / time_s.
+
+Timers: on CUDA, `torch.cuda.Event(enable_timing=True)` pairs recorded on the current stream around
+each window, read after one final synchronize (no host round trip inside the timed region); on CPU,
+`time.perf_counter` around each window. `inner` makes a window last at least `MIN_WINDOW_S`, so tiny
+GEMMs are not timed at the resolution of the clock or of a single launch.
+
+Default sweeps (sized to the device):
+- CUDA, bf16: m, n, k each in {1k, 2k, 4k, 8k, 16k}: 125 shapes, covering the (tokens x hidden) x
+  (hidden x 3h / 4h) products of transformer layers up to GPT-3 width. `--quick`: {1k, 4k}^3.
+- CPU, fp32: m, n, k each in {64, 256, 1024, 2048}: 64 shapes, about 5 s on 2 idle cores (the largest
+  is ~0.13 s at ~140 GFLOP/s). `--quick`: {64, 256}^3.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from autoplan.errors import ConfigError
+from autoplan.profiler.profile import GemmSample
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+CUDA_SIZES = (1024, 2048, 4096, 8192, 16384)
+CUDA_QUICK_SIZES = (1024, 4096)
+CPU_SIZES = (64, 256, 1024, 2048)
+CPU_QUICK_SIZES = (64, 256)
+MIN_WINDOW_S = 1e-3  # a timed window of back-to-back calls lasts at least this long
+WARMUP_CALLS = 2
+
+
+def default_dtype(kind: str) -> str:
+    """bf16 on CUDA (what training runs in); fp32 on CPU (bf16 GEMMs there are slow emulations)."""
+    return "bfloat16" if kind == "cuda" else "float32"
+
+
+def default_shapes(kind: str, quick: bool = False) -> list[tuple[int, int, int]]:
+    """The full grid sizes^3 over (m, n, k); sizes per device kind and mode as in the module docstring."""
+    if kind == "cuda":
+        sizes = CUDA_QUICK_SIZES if quick else CUDA_SIZES
+    else:
+        sizes = CPU_QUICK_SIZES if quick else CPU_SIZES
+    return [(m, n, k) for m in sizes for n in sizes for k in sizes]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_windows_s(fn: Callable[[], object], device: torch.device, repeats: int, inner: int,
+                    before: Callable[[], None] | None = None) -> list[float]:
+    """Per-call seconds of `repeats` windows of `inner` calls: window time / inner.
+
+    `before` (e.g. a barrier) runs before each window, outside it; the device is idle when a window
+    starts. CUDA windows are timed by events and read after one synchronize at the end."""
+    if device.type != "cuda":
+        times = []
+        for _ in range(repeats):
+            if before is not None:
+                before()
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times.append((time.perf_counter() - start) / inner)
+        return times
+    pairs = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        pairs.append((start, end))
+    synchronize(device)
+    return [start.elapsed_time(end) * 1e-3 / inner for start, end in pairs]  # elapsed_time is in ms
+
+
+def plan_windows(one_call_s: float, budget_s: float, min_repeats: int = 3, max_repeats: int = 50) -> tuple[int, int]:
+    """(repeats, inner): inner = ceil(MIN_WINDOW_S / one_call_s) calls per window, and as many
+    windows as fit in budget_s, clamped to [min_repeats, max_repeats]."""
+    one_call_s = max(one_call_s, 1e-9)
+    inner = max(1, int(-(-MIN_WINDOW_S // one_call_s)))
+    repeats = int(budget_s / (one_call_s * inner))
+    return max(min_repeats, min(max_repeats, repeats)), inner
+
+
+def median_call_s(fn: Callable[[], object], device: torch.device, budget_s: float) -> float:
+    """Median per-call seconds of `fn` after warm-up, spending about `budget_s` on the timed windows."""
+    for _ in range(WARMUP_CALLS):
+        fn()
+    (one_call_s,) = timed_windows_s(fn, device, repeats=1, inner=1)
+    repeats, inner = plan_windows(one_call_s, budget_s)
+    return statistics.median(timed_windows_s(fn, device, repeats, inner))
+
+
+def time_gemm_s(m: int, n: int, k: int, dtype: str, device: torch.device, budget_s: float) -> float:
+    """Median seconds of torch.mm(A (m, k), B (k, n), out=C (m, n)) in `dtype` on `device`."""
+    torch_dtype = TORCH_DTYPES[dtype]
+    a = torch.randn(m, k, device=device, dtype=torch_dtype)  # (m, k)
+    b = torch.randn(k, n, device=device, dtype=torch_dtype)  # (k, n)
+    c = torch.empty(m, n, device=device, dtype=torch_dtype)  # (m, n), preallocated: no allocator in the loop
+    return median_call_s(lambda: torch.mm(a, b, out=c), device, budget_s)
+
+
+def sweep_gemms(device: torch.device, dtype: str | None = None, shapes: Iterable[tuple[int, int, int]] | None = None,
+                quick: bool = False, budget_s: float | None = None) -> tuple[GemmSample, ...]:
+    """One GemmSample per shape; defaults: the device's dtype and grid, and a per-shape budget of
+    0.05 s on CUDA and 0.02 s on CPU (halved by `quick`)."""
+    dtype = dtype or default_dtype(device.type)
+    if dtype not in TORCH_DTYPES:
+        raise ConfigError(f"GEMM dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
+    shapes = list(shapes) if shapes is not None else default_shapes(device.type, quick)
+    if budget_s is None:
+        budget_s = (0.05 if device.type == "cuda" else 0.02) * (0.5 if quick else 1.0)
+    samples = []
+    with torch.no_grad():
+        for m, n, k in shapes:
+            samples.append(GemmSample(m, n, k, dtype, time_gemm_s(m, n, k, dtype, device, budget_s)))
+    return tuple(samples)

@@ -1,0 +1,278 @@
+"""The hardware profile: what `autoplan profile` measured on one device, as a versioned JSON file.
+
+A profile holds three kinds of measurement, each kept as raw samples so a reader can re-derive
+anything the cost model uses from them:
+
+- GEMMs: (m, n, k, dtype, median time_s); achieved FLOP/s = 2 * m * n * k / time_s.
+- memory: one device-to-device copy of `buffer_bytes`; bandwidth = 2 * buffer_bytes / time_s
+  (every byte is read once and written once).
+- collectives: (kind, group_size, message_bytes, time_s), and per (kind, group_size) the alpha-beta
+  fit t = latency_s + message_bytes * ring_factor / bandwidth_bytes_per_s (see collectives.py).
+
+`HardwareProfile.load` refuses, naming the problem, a file that is not JSON, lacks or adds keys,
+has another version, holds a non-positive or non-finite number, or was measured on another device
+than the caller expects. JSON floats are written with `repr`, so the round trip is exact. No pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import tempfile
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from autoplan.errors import ConfigError
+
+PROFILE_VERSION = 1
+DEVICE_KINDS = ("cpu", "cuda")
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+class ProfileError(ConfigError):
+    """A hardware-profile file that is corrupt, of another version, or of another device."""
+
+
+def _positive(what: str, value, allow_zero: bool = False) -> float:
+    """`value` as a finite number > 0 (>= 0 with allow_zero), else a ProfileError naming `what`."""
+    ok_type = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok_type or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ProfileError(f"{what} must be a finite number {bound}, got {value!r}")
+    return value
+
+
+def _count(what: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ProfileError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+def _fields_from_json(cls, what: str, data) -> dict:
+    """The keys of `data`, checked to be exactly the dataclass fields of `cls` (nothing missing or extra)."""
+    if not isinstance(data, dict):
+        raise ProfileError(f"{what} must be a JSON object, got {type(data).__name__}")
+    expected = {f.name for f in fields(cls)}
+    missing, unknown = expected - set(data), set(data) - expected
+    if missing or unknown:
+        raise ProfileError(f"{what} has missing keys {sorted(missing)} and unknown keys {sorted(unknown)}; expected {sorted(expected)}")
+    return dict(data)
+
+
+@dataclass(frozen=True)
+class GemmSample:
+    """Median time of C = A @ B with A (m, k), B (k, n), in `dtype`."""
+
+    m: int
+    n: int
+    k: int
+    dtype: str
+    time_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("m", "n", "k"):
+            _count(f"gemm {name}", getattr(self, name))
+        if not isinstance(self.dtype, str) or not self.dtype:
+            raise ProfileError(f"gemm dtype must be a dtype name such as 'bfloat16', got {self.dtype!r}")
+        _positive(f"gemm ({self.m}, {self.n}, {self.k}) time_s", self.time_s)
+
+    @property
+    def flops(self) -> float:
+        """2 * m * n * k: one multiply and one add per inner-product term."""
+        return 2.0 * self.m * self.n * self.k
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.flops / self.time_s
+
+    @classmethod
+    def from_json(cls, data) -> "GemmSample":
+        return cls(**_fields_from_json(cls, "gemm sample", data))
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """Median time of one device-to-device copy of `buffer_bytes` bytes."""
+
+    buffer_bytes: int
+    time_s: float
+
+    def __post_init__(self) -> None:
+        _count("memory buffer_bytes", self.buffer_bytes)
+        _positive("memory time_s", self.time_s)
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        """2 * buffer_bytes / time_s: the copy reads and writes every byte."""
+        return 2.0 * self.buffer_bytes / self.time_s
+
+    @classmethod
+    def from_json(cls, data) -> "MemorySample":
+        return cls(**_fields_from_json(cls, "memory sample", data))
+
+
+@dataclass(frozen=True)
+class CollectiveSample:
+    """Median time (slowest rank) of one collective; message_bytes is each rank's full buffer
+    (all_reduce: the tensor; all_gather: the gathered output; reduce_scatter: the input;
+    all_to_all: the input), as nccl-tests counts it."""
+
+    kind: str
+    group_size: int
+    message_bytes: int
+    time_s: float
+
+    def __post_init__(self) -> None:
+        _check_kind(self.kind)
+        _count("collective group_size", self.group_size)
+        _count("collective message_bytes", self.message_bytes)
+        _positive(f"{self.kind} time_s", self.time_s)
+
+    @classmethod
+    def from_json(cls, data) -> "CollectiveSample":
+        return cls(**_fields_from_json(cls, "collective sample", data))
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """t = latency_s + message_bytes * ring_factor(kind, group_size) / bandwidth_bytes_per_s,
+    fitted over `num_samples` sizes; max_rel_error = max |fit - measured| / measured."""
+
+    kind: str
+    group_size: int
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    num_samples: int
+    max_rel_error: float
+
+    def __post_init__(self) -> None:
+        _check_kind(self.kind)
+        _count("fit group_size", self.group_size)
+        _positive(f"{self.kind} fit latency_s", self.latency_s, allow_zero=True)
+        _positive(f"{self.kind} fit bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
+        _count("fit num_samples", self.num_samples)
+        _positive(f"{self.kind} fit max_rel_error", self.max_rel_error, allow_zero=True)
+
+    @classmethod
+    def from_json(cls, data) -> "CollectiveFit":
+        return cls(**_fields_from_json(cls, "collective fit", data))
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in COLLECTIVE_KINDS:
+        raise ProfileError(f"collective kind {kind!r} is not one of {COLLECTIVE_KINDS}")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Everything measured on one device (and, for collectives, its process group)."""
+
+    device_name: str  # as torch reports it: torch.cuda.get_device_name(), or the CPU model
+    device_kind: str  # "cpu" | "cuda"
+    memory_bytes: int  # device memory (CUDA) or physical RAM (CPU)
+    threads: int  # torch.get_num_threads() during the run (what CPU GEMM rates depend on)
+    torch_version: str
+    created: str  # ISO 8601, UTC
+    gemm: tuple[GemmSample, ...]
+    memory: MemorySample
+    collective_backend: str  # "gloo", "nccl", or "" when no collectives were measured
+    collectives: tuple[CollectiveSample, ...] = ()
+    fits: tuple[CollectiveFit, ...] = ()
+    version: int = PROFILE_VERSION
+
+    def __post_init__(self) -> None:
+        if self.version != PROFILE_VERSION:
+            raise ProfileError(f"profile version {self.version!r} is not supported; this autoplan reads version {PROFILE_VERSION}. Re-run `autoplan profile`.")
+        if self.device_kind not in DEVICE_KINDS:
+            raise ProfileError(f"device_kind {self.device_kind!r} must be one of {DEVICE_KINDS}")
+        if not self.device_name.strip():
+            raise ProfileError("device_name is empty; it must name the device the profile was measured on")
+        _count("memory_bytes", self.memory_bytes)
+        _count("threads", self.threads)
+        if not self.gemm:
+            raise ProfileError("a profile needs at least one GEMM sample")
+
+    def to_json(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["gemm"] = [dict(vars(s)) for s in self.gemm]
+        out["memory"] = dict(vars(self.memory))
+        out["collectives"] = [dict(vars(s)) for s in self.collectives]
+        out["fits"] = [dict(vars(f)) for f in self.fits]
+        return {"version": out.pop("version"), **out}
+
+    @classmethod
+    def from_json(cls, data) -> "HardwareProfile":
+        version = data.get("version") if isinstance(data, dict) else None
+        if isinstance(data, dict) and version != PROFILE_VERSION:  # first: other versions have other keys
+            raise ProfileError(f"profile version {version!r} is not supported; this autoplan reads version {PROFILE_VERSION}. Re-run `autoplan profile`.")
+        data = _fields_from_json(cls, "profile", data)
+        for key in ("gemm", "collectives", "fits"):
+            if not isinstance(data[key], list):
+                raise ProfileError(f"profile {key} must be a JSON list, got {type(data[key]).__name__}")
+        data["gemm"] = tuple(GemmSample.from_json(s) for s in data["gemm"])
+        data["memory"] = MemorySample.from_json(data["memory"])
+        data["collectives"] = tuple(CollectiveSample.from_json(s) for s in data["collectives"])
+        data["fits"] = tuple(CollectiveFit.from_json(f) for f in data["fits"])
+        for key in ("device_name", "device_kind", "torch_version", "created", "collective_backend"):
+            if not isinstance(data[key], str):
+                raise ProfileError(f"profile {key} must be a string, got {data[key]!r}")
+        return cls(**data)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1, allow_nan=False)
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically (temp file in the same folder, then os.replace): never a truncated file."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(self.dumps() + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: str | Path, expect_device: str | None = None) -> "HardwareProfile":
+        """Read and validate `path`; with `expect_device`, refuse a profile of another device."""
+        path = Path(path)
+        if not path.is_file():
+            raise ProfileError(f"profile file {str(path)!r} does not exist; make one with `autoplan profile -o {path}`")
+        try:
+            data = json.loads(path.read_text())  # NaN / Infinity parse, then fail validation by name
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ProfileError(f"profile file {str(path)!r} is not valid JSON: {exc}") from exc
+        try:
+            profile = cls.from_json(data)
+        except (ProfileError, TypeError) as exc:
+            raise ProfileError(f"profile file {str(path)!r} is invalid: {exc}") from exc
+        if expect_device is not None and not same_device(profile.device_name, expect_device):
+            raise ProfileError(
+                f"profile file {str(path)!r} was measured on {profile.device_name!r}, but this run expects {expect_device!r}; "
+                f"re-run `autoplan profile` on {expect_device!r} or pass that device's profile"
+            )
+        return profile
+
+
+def same_device(a: str, b: str) -> bool:
+    """Device names match ignoring case and runs of whitespace ('NVIDIA H200' == 'nvidia  h200')."""
+    return " ".join(a.split()).casefold() == " ".join(b.split()).casefold()
+
+
+def local_device_name(kind: str, index: int = 0) -> str:
+    """The device's name as torch reports it (CUDA), or the CPU model from /proc/cpuinfo or platform."""
+    if kind == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(index)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name") and ":" in line:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
