@@ -153,7 +153,8 @@ def linear_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy]:
 
     column: W split on out -> y split on features; x.grad is partial (Megatron's f).
     row:    W split on in, x split on features -> partial y, all-reduced (Megatron's g), bias after.
-    row_sp: as row, but reduce-scattered along the sequence (sequence parallelism).
+    row_sp: as row, but reduce-scattered along the sequence (sequence parallelism); the bias then
+            meets only local tokens, so the op sums its (tiny, unpriced) grad over tp itself.
     sequence: x split on the sequence, W replicated, W.grad summed over tp.
     """
     (x,) = node.input_metas[:1]
@@ -256,7 +257,8 @@ def moe_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy]:
     """Mixture of experts, x (B, T, H) -> (B, T, H).
 
     ffn:      every expert's FFN split Megatron-style on the hidden FFN dim; the router runs
-              replicated; output all-reduced, the experts' part of x.grad all-reduced in backward.
+              replicated; output all-reduced, the experts' part of x.grad all-reduced in backward
+              (with the small (tokens, top_k) gate-weight grads, which the op sums itself).
     sequence: tokens split along the sequence, weights replicated, weight grads summed over tp.
     """
     found = replicate_only(node, tp, info)

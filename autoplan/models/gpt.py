@@ -44,7 +44,7 @@ class GPT(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        c = config
+        self.config = c = config  # the runtime checks plans against it
         self.tok_emb = nn.Embedding(c.vocab, c.hidden)
         self.pos_emb = nn.Embedding(c.max_seq, c.hidden)
         self.layers = nn.ModuleList(GPTBlock(c) for _ in range(c.num_layers))

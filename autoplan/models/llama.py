@@ -45,7 +45,7 @@ class Llama(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        c = config
+        self.config = c = config  # the runtime checks plans against it
         self.tok_emb = nn.Embedding(c.vocab, c.hidden)
         self.layers = nn.ModuleList(LlamaBlock(c, self.make_mlp(c)) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden, c.norm_eps)

@@ -1,0 +1,252 @@
+"""Autograd-aware collectives over one process group (the tensor-parallel axis, usually).
+
+Each is a `torch.autograd.Function` whose backward is the adjoint of its forward, so autograd
+builds the backward communication by itself. With n ranks in the group and x_r the local tensor:
+
+    copy_to_region          fwd  y = x                       bwd  dx = sum_r dy_r      (Megatron's f)
+    reduce_from_region      fwd  y = sum_r x_r               bwd  dx = dy              (Megatron's g)
+    split_along(d)          fwd  y = x[rank-th 1/n of dim d] bwd  dx = all_gather_d(dy)
+    gather_along(d)         fwd  y = cat_d(x_0..x_{n-1})     bwd  dx = dy[rank-th 1/n of dim d]
+    reduce_scatter_along(d) fwd  y = (sum_r x_r)[rank-th 1/n of dim d]   bwd  dx = all_gather_d(dy)
+    gather_fwd_reduce_scatter_bwd(d)
+                            fwd  y = cat_d(x_r)              bwd  dx = (sum_r dy_r)[rank-th 1/n of d]
+                            (sequence parallelism: the consumer's input grad is a partial sum)
+    all_to_all_dims(a, b)   fwd  sharded on dim a -> sharded on dim b    bwd  b -> a
+
+A group of one rank makes every function the identity. Collectives whose name moved between torch
+2.11 and 2.13 (`all_gather_into_tensor` -> `all_gather_single`, `reduce_scatter_tensor` ->
+`reduce_scatter_single`) are called only through `_gather_into` and `_reduce_scatter_into`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+Group = dist.ProcessGroup | None
+
+
+def group_size(group: Group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def group_rank(group: Group) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+# ------------------------------------------------------------------ raw collectives (no autograd)
+
+
+def _is_gloo(group: Group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def _gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
+    """out (n*m, ...) <- cat over ranks of inp (m, ...); the single-tensor all-gather."""
+    if _is_gloo(group):  # list form: gloo has supported it in every release
+        dist.all_gather(list(out.chunk(group_size(group))), inp, group=group)
+        return
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # 2.13 / 2.11
+    fn(out, inp, group=group)
+
+
+def _reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
+    """out (m, ...) <- this rank's m rows of the sum over ranks of inp (n*m, ...)."""
+    if _is_gloo(group):  # gloo before 2.13 lacks reduce-scatter: all-reduce, keep our rows
+        total = inp.clone()
+        dist.all_reduce(total, group=group)
+        out.copy_(total.chunk(group_size(group))[group_rank(group)])
+        return
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # 2.13 / 2.11
+    fn(out, inp, group=group)
+
+
+def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """A new tensor holding the reduction of `x` over the group (no autograd)."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    if group_size(group) > 1:
+        dist.all_reduce(out, op=op, group=group)
+    return out
+
+
+def all_gather_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """cat over ranks of x along `dim` (no autograd)."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()  # (m, ...)
+    out = moved.new_empty((n * moved.shape[0], *moved.shape[1:]))
+    _gather_into(out, moved, group)
+    return _from_dim0(out, dim)
+
+
+def reduce_scatter_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """This rank's 1/n slice along `dim` of the sum over ranks of x (no autograd)."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    _check_divisible(x, dim, n)
+    moved = x.movedim(dim, 0).contiguous()  # (n*m, ...)
+    out = moved.new_empty((moved.shape[0] // n, *moved.shape[1:]))
+    _reduce_scatter_into(out, moved, group)
+    return _from_dim0(out, dim)
+
+
+def _from_dim0(out: torch.Tensor, dim: int) -> torch.Tensor:
+    """`out` with dim 0 moved back to `dim`, as a fresh contiguous tensor (not a view of `out`)."""
+    if dim == 0:
+        return out
+    return out.movedim(0, dim).clone(memory_format=torch.contiguous_format)
+
+
+def split_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """This rank's contiguous 1/n slice of x along `dim` (no communication, no autograd)."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    _check_divisible(x, dim, n)
+    return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
+
+
+def all_to_all_dim(x: torch.Tensor, src_dim: int, dst_dim: int, group: Group) -> torch.Tensor:
+    """x sharded on `src_dim` (local slice) -> the same tensor sharded on `dst_dim` (no autograd).
+
+    Rank r sends its j-th chunk along dst_dim to rank j and concatenates, along src_dim, the chunks
+    it receives in rank order."""
+    n = group_size(group)
+    if n == 1 or src_dim == dst_dim:
+        return x
+    _check_divisible(x, dst_dim, n)
+    send = torch.stack(x.chunk(n, dim=dst_dim)).contiguous()  # (n, ..., dst/n, ...)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=src_dim).contiguous()
+
+
+def _check_divisible(x: torch.Tensor, dim: int, n: int) -> None:
+    if x.shape[dim] % n:
+        raise ValueError(f"tensor of shape {tuple(x.shape)}: dim {dim} (size {x.shape[dim]}) is not "
+                         f"divisible by the group size {n}")
+
+
+# ------------------------------------------------------------------ autograd functions
+
+
+class _CopyToRegion(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_reduce(dy, ctx.group), None
+
+
+class _ReduceFromRegion(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+class _Split(Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return split_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_gather_dim(dy, ctx.dim, ctx.group), None, None
+
+
+class _Gather(Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return all_gather_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return split_dim(dy, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatter(Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return reduce_scatter_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_gather_dim(dy, ctx.dim, ctx.group), None, None
+
+
+class _GatherReduceScatterBwd(Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return all_gather_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return reduce_scatter_dim(dy, ctx.dim, ctx.group), None, None
+
+
+class _AllToAll(Function):
+    @staticmethod
+    def forward(ctx, x, src_dim, dst_dim, group):
+        ctx.src_dim, ctx.dst_dim, ctx.group = src_dim, dst_dim, group
+        return all_to_all_dim(x, src_dim, dst_dim, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_to_all_dim(dy, ctx.dst_dim, ctx.src_dim, ctx.group), None, None, None
+
+
+def _norm_dim(x: torch.Tensor, dim: int) -> int:
+    return dim % x.dim()
+
+
+def copy_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Identity forward, all-reduce backward (Megatron's f): x is used on a partial-grad path."""
+    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """All-reduce forward, identity backward (Megatron's g): sums partial results."""
+    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
+
+
+def split_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Keep this rank's slice of dim `dim` forward; all-gather the grad backward."""
+    return x if group_size(group) == 1 else _Split.apply(x, _norm_dim(x, dim), group)
+
+
+def gather_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """All-gather along `dim` forward; keep this rank's slice of the grad backward."""
+    return x if group_size(group) == 1 else _Gather.apply(x, _norm_dim(x, dim), group)
+
+
+def reduce_scatter_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Sum over ranks and keep this rank's slice of `dim` forward; all-gather the grad backward."""
+    return x if group_size(group) == 1 else _ReduceScatter.apply(x, _norm_dim(x, dim), group)
+
+
+def gather_fwd_reduce_scatter_bwd(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """All-gather along `dim` forward; reduce-scatter the (partial) grad backward."""
+    if group_size(group) == 1:
+        return x
+    return _GatherReduceScatterBwd.apply(x, _norm_dim(x, dim), group)
+
+
+def all_to_all_dims(x: torch.Tensor, src_dim: int, dst_dim: int, group: Group) -> torch.Tensor:
+    """Re-shard from dim `src_dim` to dim `dst_dim` (and back in backward)."""
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, _norm_dim(x, src_dim), _norm_dim(x, dst_dim), group)

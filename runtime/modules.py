@@ -1,0 +1,176 @@
+"""Tensor-parallel modules: what a `call_module` node becomes under a non-replicated strategy.
+
+Every module keeps the parameter names of the module it replaces (`weight`, `bias`, `w_gate`,
+`router.weight`, ...) with LOCAL shapes, so a rank's parameters are named as in the user's model.
+`group` is the tensor-parallel process group; shapes use B batch, T sequence, h hidden, V vocab.
+
+    RowParallelLinear       x (B, T, in/tp), W (out, in/tp) -> all-reduce (row) or reduce-scatter
+                            along T (row_sp) of x W^T, then + b (b's grad summed over tp for row_sp)
+    VocabParallelEmbedding  W (V/tp, h): look up the ids this rank owns, zero the rest, all-reduce
+                            (vocab) or reduce-scatter along T (vocab_sp)
+    GradSummed              any module run on a sequence shard with replicated parameters, each
+                            wrapped in copy-to-region so its grad is summed over tp
+    ParallelMoE             "ffn": experts split on the FFN dim, router replicated, experts' input
+                            and gate weights wrapped in copy-to-region, output all-reduced;
+                            "sequence": every weight wrapped in copy-to-region, local tokens only
+    VocabParallelLoss, SequenceParallelLoss   see runtime.losses
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autoplan.models.layers import swiglu
+from autoplan.runtime.collectives import (copy_to_region, reduce_from_region,
+                                          reduce_scatter_along)
+from autoplan.runtime.losses import sequence_parallel_cross_entropy, vocab_parallel_cross_entropy
+
+
+def _meta_param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, device="meta"))
+
+
+def _reduce(y: torch.Tensor, group, scatter_dim: int | None) -> torch.Tensor:
+    """Sum partial results over tp: all-reduce, or reduce-scatter along `scatter_dim`."""
+    if scatter_dim is None:
+        return reduce_from_region(y, group)
+    return reduce_scatter_along(y, scatter_dim, group)
+
+
+class RowParallelLinear(nn.Module):
+    """y = reduce_tp(x_r W_r^T) + b; x (B, T, in/tp) -> (B, T, out) or (B, T/tp, out) for row_sp."""
+
+    def __init__(self, in_local: int, out_features: int, bias: bool, group,
+                 scatter_dim: int | None) -> None:
+        super().__init__()
+        self.weight = _meta_param(out_features, in_local)
+        self.bias = _meta_param(out_features) if bias else None
+        self.group, self.scatter_dim = group, scatter_dim
+
+    def extra_repr(self) -> str:
+        out, inp = self.weight.shape
+        mode = "all-reduce" if self.scatter_dim is None else f"reduce-scatter dim {self.scatter_dim}"
+        return f"in_local={inp}, out={out}, bias={self.bias is not None}, {mode}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _reduce(F.linear(x, self.weight), self.group, self.scatter_dim)
+        if self.bias is None:
+            return y
+        # after a reduce-scatter the bias meets only this rank's tokens: its grad is partial
+        bias = self.bias if self.scatter_dim is None else copy_to_region(self.bias, self.group)
+        return y + bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [vocab_start, vocab_start + V/tp) of the table; ids (B, T) -> (B, T, h) summed over tp."""
+
+    def __init__(self, vocab_local: int, hidden: int, vocab_start: int, group,
+                 scatter_dim: int | None) -> None:
+        super().__init__()
+        self.weight = _meta_param(vocab_local, hidden)
+        self.vocab_start, self.group, self.scatter_dim = vocab_start, group, scatter_dim
+
+    def extra_repr(self) -> str:
+        rows, hidden = self.weight.shape
+        return f"rows=[{self.vocab_start}, {self.vocab_start + rows}), hidden={hidden}"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])  # (B, T): owned by another rank
+        y = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, h)
+        y = y.masked_fill(outside.unsqueeze(-1), 0.0)
+        return _reduce(y, self.group, self.scatter_dim)
+
+
+class GradSummed(nn.Module):
+    """Runs `module` unchanged on a shard of the tokens, its replicated parameters wrapped in
+    copy-to-region (identity forward, all-reduce of the grad backward).
+
+    The wrapped module's parameters and children are registered on this wrapper under their own
+    names (so `layers.0.ln_1.weight` stays `layers.0.ln_1.weight`); the module itself is kept
+    outside the module tree and called through `torch.func.functional_call`."""
+
+    def __init__(self, module: nn.Module, group) -> None:
+        super().__init__()
+        object.__setattr__(self, "inner", module)
+        for name, child in module.named_children():
+            self.add_module(name, child)
+        for name, param in module.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        self.group = group
+
+    def extra_repr(self) -> str:
+        return f"{type(self.inner).__name__}, grads summed over tp"
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        params = {n: copy_to_region(p, self.group) for n, p in self.named_parameters()}
+        return torch.func.functional_call(self.inner, params, args)
+
+
+class ParallelMoE(nn.Module):
+    """Mixture of SwiGLU experts with the same maths as `MoEFeedForward`, run per strategy.
+
+    mode "ffn": w_gate, w_up (E, h, f/tp), w_down (E, f/tp, h); out = all_reduce(sum_j w_j *
+    swiglu_local(x)). The gate weights w_j and the experts' x see partial grads, so both pass
+    through copy-to-region; the router runs replicated and its grads are already whole.
+    mode "sequence": full weights, each through copy-to-region, on this rank's tokens.
+    Every expert runs even on zero tokens, so the autograd graph (and the order of the collectives
+    in backward) is the same on every rank whatever the routing."""
+
+    def __init__(self, hidden: int, ffn_local: int, experts: int, top_k: int, group,
+                 mode: str) -> None:
+        super().__init__()
+        self.top_k, self.group, self.mode = top_k, group, mode
+        self.router = nn.Linear(hidden, experts, bias=False, device="meta")
+        self.w_gate = _meta_param(experts, hidden, ffn_local)
+        self.w_up = _meta_param(experts, hidden, ffn_local)
+        self.w_down = _meta_param(experts, ffn_local, hidden)
+
+    def extra_repr(self) -> str:
+        experts, hidden, ffn = self.w_gate.shape
+        return f"hidden={hidden}, ffn_local={ffn}, experts={experts}, top_k={self.top_k}, {self.mode}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, seq = self.group, self.mode == "sequence"
+        wrap = (lambda t: copy_to_region(t, g)) if seq else (lambda t: t)
+        router_w, w_gate, w_up, w_down = (wrap(p) for p in (self.router.weight, self.w_gate,
+                                                             self.w_up, self.w_down))
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # (N, h)
+        top_logits, top_idx = F.linear(flat, router_w).topk(self.top_k, dim=-1)  # (N, k)
+        weights = F.softmax(top_logits.float(), dim=-1).to(x.dtype)  # (N, k)
+        expert_in = flat
+        if not seq:  # partial grads from the FFN shards: sum them over tp in backward
+            weights, expert_in = copy_to_region(weights, g), copy_to_region(flat, g)
+        out = torch.zeros_like(flat)  # (N, h)
+        for e in range(w_gate.shape[0]):
+            token, slot = torch.where(top_idx == e)
+            y = swiglu(expert_in.index_select(0, token), w_gate[e], w_up[e], w_down[e])
+            out = out.index_add(0, token, y * weights[token, slot].unsqueeze(-1))
+        if not seq:
+            return reduce_from_region(out.view(shape), g)
+        return out.view(shape)
+
+
+class VocabParallelLoss(nn.Module):
+    """Mean token cross-entropy of logits split on the vocabulary (B, T, V/tp) vs targets (B, T)."""
+
+    def __init__(self, vocab_start: int, group) -> None:
+        super().__init__()
+        self.vocab_start, self.group = vocab_start, group
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.group)
+
+
+class SequenceParallelLoss(nn.Module):
+    """Mean token cross-entropy of logits (B, T/tp, V) and targets (B, T/tp) split on T."""
+
+    def __init__(self, group) -> None:
+        super().__init__()
+        self.group = group
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return sequence_parallel_cross_entropy(logits, targets, self.group)

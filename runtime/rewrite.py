@@ -1,0 +1,254 @@
+"""The graph rewrite: a model on meta + a Plan + this rank's tp coordinate -> a per-rank GraphModule.
+
+1. Capture the model with `autoplan.capture.capture` at the plan's (microbatch_size, seq_len): the
+   node names are the planner's. Each node's strategy is `plan.op(node).strategy`, resolved through
+   `default_registry()` into a `Strategy` (input / output / parameter placements on tp).
+2. Each `call_module` node whose strategy is not "replicate" gets the module that executes it on
+   local shards (`_parallel_module`; see runtime.modules). Attention "heads" keeps the original
+   module: it reads its head counts from the widths it is given.
+3. Each tensor edge u -> v (input i) gets the conversion from u's output placement to v's input
+   placement, as a call_function node fed by `tp = self.tp`:
+
+       R -> S(d)      tp_split(x, d, tp)       slice fwd, all-gather bwd
+       S(d) -> R      tp_gather(x, d, tp)      all-gather fwd, slice bwd
+       S(a) -> S(b)   tp_all_to_all(x, a, b, tp)
+       grad_partial input (the consumer's x.grad is a partial sum over tp):
+       R -> R         tp_copy(x, tp)           identity fwd, all-reduce bwd (Megatron's f)
+       S(d) -> R      tp_gather_rs(x, d, tp)   all-gather fwd, reduce-scatter bwd
+
+   One conversion node serves every consumer that needs the same one (so the q, k and v
+   projections share a single all-reduce of their partial input grads).
+
+The result prints as Python: `print(rewritten.graph_module.code)`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autoplan.capture import NodeInfo, capture
+from autoplan.errors import PlanError
+from autoplan.models.config import ModelConfig
+from autoplan.placement import Partial, Placement, Replicate
+from autoplan.plan import Plan
+from autoplan.runtime import collectives as C
+from autoplan.runtime.groups import AxisGroup
+from autoplan.runtime.modules import (GradSummed, ParallelMoE, RowParallelLinear,
+                                      SequenceParallelLoss, VocabParallelEmbedding,
+                                      VocabParallelLoss)
+from autoplan.strategies import Strategy, default_registry
+
+R = Replicate()
+DEFAULT_REPLICATED_KINDS = ("placeholder", "output")  # may be left out of a plan
+
+
+# ---------------------------------------------------------------- conversions (graph functions)
+
+
+def tp_split(x: torch.Tensor, dim: int, tp: AxisGroup) -> torch.Tensor:
+    return C.split_along(x, dim, tp.group)
+
+
+def tp_gather(x: torch.Tensor, dim: int, tp: AxisGroup) -> torch.Tensor:
+    return C.gather_along(x, dim, tp.group)
+
+
+def tp_all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, tp: AxisGroup) -> torch.Tensor:
+    return C.all_to_all_dims(x, src_dim, dst_dim, tp.group)
+
+
+def tp_copy(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
+    return C.copy_to_region(x, tp.group)
+
+
+def tp_gather_rs(x: torch.Tensor, dim: int, tp: AxisGroup) -> torch.Tensor:
+    return C.gather_fwd_reduce_scatter_bwd(x, dim, tp.group)
+
+
+def conversion(src: Placement, dst: Placement, grad_partial: bool, where: str
+               ) -> tuple[object, tuple[int, ...]] | None:
+    """(graph function, its dim arguments) turning `src` into `dst`, or None when none is needed."""
+    if isinstance(src, Partial) or isinstance(dst, Partial):
+        raise PlanError(f"{where}: Partial placements between ops are not executed by this runtime "
+                        f"(strategies reduce their own outputs); got {src} -> {dst}")
+    if grad_partial:
+        if dst != R:
+            raise PlanError(f"{where}: a grad_partial input must be Replicate, got {dst}")
+        return (tp_copy, ()) if src == R else (tp_gather_rs, (src.dim,))
+    if src == dst:
+        return None
+    if src == R:
+        return tp_split, (dst.dim,)
+    if dst == R:
+        return tp_gather, (src.dim,)
+    return tp_all_to_all, (src.dim, dst.dim)
+
+
+# ---------------------------------------------------------------- the rewrite
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """A parameter of the user's model as one rank holds it (names are the same in the program)."""
+
+    name: str
+    shape: tuple[int, ...]  # full shape
+    placement: Placement  # on tp
+    grad_partial: bool  # replicated, used on a shard of the tokens: grad summed over tp
+
+
+@dataclass
+class Rewritten:
+    graph_module: fx.GraphModule
+    params: dict[str, ParamLayout]
+    strategies: dict[str, Strategy]  # by node name
+
+
+def model_info(config: ModelConfig) -> dict:
+    """The `info` argument of the strategy rules."""
+    return {"head_dim": config.head_dim, "ffn_hidden": config.ffn_hidden}
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` whose parameters and buffers are on meta (the original is untouched,
+    and a CPU model's weights are not copied)."""
+    memo = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def rewrite(model: nn.Module, config: ModelConfig, plan: Plan, tp: AxisGroup) -> Rewritten:
+    """The per-rank program of `plan` for the tp rank `tp.index` (parameters stay on meta)."""
+    captured = capture(meta_copy(model), config, plan.microbatch_size, plan.seq_len,
+                       getattr(torch, plan.dtype))
+    gm, infos = captured.graph_module, {n.name: n for n in captured.nodes}
+    strategies = resolve_strategies(plan, captured.nodes, model_info(config))
+    params: dict[str, ParamLayout] = {}
+    planned = {p.name: dict(p.placements).get("tp") for p in plan.params}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            original = gm.get_submodule(node.target)
+            params.update(_layouts(node.target, original, strategies[node.name], planned))
+            replacement = _parallel_module(original, infos[node.name], strategies[node.name], tp)
+            if replacement is not original:
+                _set_submodule(gm, node.target, replacement)
+    if tp.size > 1:
+        gm.add_submodule("tp", tp)
+        _insert_conversions(gm.graph, infos, strategies)
+    gm.graph.lint()
+    gm.recompile()
+    return Rewritten(gm, params, strategies)
+
+
+def resolve_strategies(plan: Plan, nodes: tuple[NodeInfo, ...], info: dict) -> dict[str, Strategy]:
+    registry, tp, found = default_registry(), plan.mesh.tp, {}
+    for node in nodes:
+        op = plan.op(node.name)
+        if op is None:
+            if node.op_kind in DEFAULT_REPLICATED_KINDS or node.output is None:
+                found[node.name] = registry.strategies(node, tp, info)[0]
+                continue
+            raise PlanError(f"node {node.name!r} ({node.op_kind} {node.target}) is missing from the "
+                            f"plan's op placements; the plan was made for another model or capture")
+        try:
+            strategy = registry.strategy(node, tp, op.strategy, info)
+        except KeyError as exc:
+            raise PlanError(f"plan: {exc.args[0]}") from None
+        planned = dict(op.output).get("tp")
+        if planned is not None and node.output is not None and planned != strategy.output:
+            raise PlanError(f"node {node.name!r}: the plan says its output is {planned} on tp but "
+                            f"strategy {op.strategy!r} produces {strategy.output}")
+        found[node.name] = strategy
+    return found
+
+
+def _layouts(path: str, module: nn.Module, strategy: Strategy,
+             planned: dict[str, Placement | None]) -> dict[str, ParamLayout]:
+    out = {}
+    for pname, param in module.named_parameters():
+        name = f"{path}.{pname}"
+        placement = strategy.param_placement(pname)
+        if planned.get(name) not in (None, placement):
+            raise PlanError(f"parameter {name!r}: the plan places it {planned[name]} on tp but the "
+                            f"strategy {strategy.name!r} of its op needs {placement}")
+        grad_partial = any(s.name == pname and s.grad_partial for s in strategy.params)
+        out[name] = ParamLayout(name, tuple(param.shape), placement, grad_partial)
+    return out
+
+
+def _set_submodule(gm: fx.GraphModule, target: str, module: nn.Module) -> None:
+    parent, _, leaf = target.rpartition(".")
+    setattr(gm.get_submodule(parent) if parent else gm, leaf, module)
+
+
+def _insert_conversions(graph: fx.Graph, infos: dict[str, NodeInfo],
+                        strategies: dict[str, Strategy]) -> None:
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first):
+        tp_node = graph.get_attr("tp")
+    by_name = {n.name: n for n in graph.nodes}
+    made: dict[tuple, fx.Node] = {}
+    for node in list(graph.nodes):
+        info, strategy = infos.get(node.name), strategies.get(node.name)
+        if info is None or strategy is None:
+            continue
+        if len(strategy.inputs) != len(info.inputs):
+            raise PlanError(f"node {node.name!r}: strategy {strategy.name!r} describes "
+                            f"{len(strategy.inputs)} inputs, the node has {len(info.inputs)}")
+        for producer_name, spec in zip(info.inputs, strategy.inputs):
+            src = strategies[producer_name].output
+            where = f"edge {producer_name} -> {node.name}"
+            step = conversion(src, spec.placement, spec.grad_partial, where)
+            if step is None:
+                continue
+            key = (producer_name, str(src), str(spec.placement), spec.grad_partial)
+            if key not in made:
+                fn, dims = step
+                with graph.inserting_before(node):
+                    made[key] = graph.create_node("call_function", fn,
+                                                  (by_name[producer_name], *dims, tp_node),
+                                                  name=f"{producer_name}_{fn.__name__[3:]}")
+            node.replace_input_with(by_name[producer_name], made[key])
+
+
+# ---------------------------------------------------------------- parallel modules
+
+
+def _parallel_module(module: nn.Module, info: NodeInfo, strategy: Strategy, tp: AxisGroup
+                     ) -> nn.Module:
+    """The module that runs `strategy` for node `info` on this rank (meta parameters)."""
+    kind, name, g, n, r = info.op_kind, strategy.name, tp.group, tp.size, tp.index
+    if name == "replicate" or (kind, name) == ("attention", "heads"):
+        return module
+    if kind == "linear" and name == "column":
+        return nn.Linear(module.in_features, module.out_features // n, bias=module.bias is not None,
+                         device="meta")
+    if kind == "linear" and name in ("row", "row_sp"):
+        return RowParallelLinear(module.in_features // n, module.out_features,
+                                 module.bias is not None, g, 1 if name == "row_sp" else None)
+    if (kind, name) in (("linear", "sequence"), ("norm", "sequence")):
+        return GradSummed(module, g)
+    if kind == "embedding" and name in ("vocab", "vocab_sp"):
+        rows = module.num_embeddings // n
+        return VocabParallelEmbedding(rows, module.embedding_dim, r * rows, g,
+                                      1 if name == "vocab_sp" else None)
+    if (kind, name) == ("embedding", "hidden"):
+        return nn.Embedding(module.num_embeddings, module.embedding_dim // n,
+                            padding_idx=module.padding_idx, device="meta")
+    if kind == "cross_entropy" and name == "vocab":
+        return VocabParallelLoss(r * info.input_metas[0].shape[-1] // n, g)
+    if (kind, name) == ("cross_entropy", "sequence"):
+        return SequenceParallelLoss(g)
+    if kind == "moe" and name in ("ffn", "sequence"):
+        experts, hidden, ffn = module.w_gate.shape
+        ffn_local = ffn // n if name == "ffn" else ffn
+        return ParallelMoE(hidden, ffn_local, experts, module.top_k, g, name)
+    raise PlanError(f"node {info.name!r}: the runtime has no implementation of strategy {name!r} "
+                    f"for op kind {kind!r} ({info.target})")

@@ -1,0 +1,58 @@
+"""ZeRO stages 2 and 3 on the dp axis with torch's FSDP2 (`fully_shard`).
+
+Each module of the rewritten graph that owns parameters becomes one FSDP unit over a DeviceMesh
+made from the dp process group, then the GraphModule itself becomes the root unit. A parameter's
+tp-local shard is split once more along dim 0 over dp (a DTensor on the dp mesh):
+
+    stage 2  reshard_after_forward=False: parameters stay gathered from forward to backward;
+             gradients are reduce-scattered (averaged over dp) in backward, optimizer states sharded
+    stage 3  reshard_after_forward=True: parameters are gathered again for backward
+
+Tensor parallelism stays outside FSDP: it sees plain local tensors, and the graph's own
+collectives run on the tp group as before. Stage 1 uses `ZeroRedundancyOptimizer` instead
+(`RankProgram.make_optimizer`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from autoplan.errors import PlanError
+
+IN_PLACE_TARGETS = ("iadd", "isub", "imul", "itruediv", "add_", "sub_", "mul_", "div_")
+
+
+def shard_over_dp(graph_module: fx.GraphModule, dp_group, device: torch.device,
+                  zero_stage: int) -> None:
+    """Apply `fully_shard` to every parameter-owning call_module target, then to the root."""
+    _refuse_in_place(graph_module)
+    mesh = DeviceMesh.from_group(dp_group, device.type)
+    reshard = zero_stage == 3
+    done = set()
+    for node in graph_module.graph.nodes:
+        if node.op != "call_module" or node.target in done:
+            continue
+        module = graph_module.get_submodule(node.target)
+        if next(module.parameters(), None) is not None:
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+        done.add(node.target)
+    fully_shard(graph_module, mesh=mesh, reshard_after_forward=reshard)
+
+
+def _refuse_in_place(graph_module: fx.GraphModule) -> None:
+    """FSDP2 hooks the outputs of its units; an in-place op on one (`x += y`) would drop the hook."""
+    for node in graph_module.graph.nodes:
+        name = getattr(node.target, "__name__", str(node.target))
+        if node.op in ("call_function", "call_method") and name in IN_PLACE_TARGETS:
+            raise PlanError(f"node {node.name!r} runs the in-place op {name!r}, which ZeRO stages 2 "
+                            f"and 3 (FSDP2) cannot follow; write it out of place (x = x + y) or "
+                            f"plan with zero_stage 0 or 1")
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tp-local tensor behind a dp-sharded DTensor (a collective over dp), else `t`."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
