@@ -7,6 +7,9 @@
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
+# triton (about 1 GB) runs the kernel tests on CPU under TRITON_INTERPRET=1; 3.9 is needed there
+# (3.6 with numpy 2.4 fails on loops over runtime ints, triton #9171).
+TRITON ?= triton==3.9.0
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.autoplan-installed
 
@@ -18,6 +21,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q "$(TRITON)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
