@@ -7,13 +7,17 @@
     objective(choice) = sum_v w_v c_v[choice_v] + sum_e w_e C_e[choice_u, choice_v]
     memory(choice)    = sum_v w_v m_v[choice_v]          (<= memory_budget_bytes when one is given)
 
+A `ProblemVariant` changes a problem without copying it: costs d_v added to some nodes (objective +=
+sum_v d_v[choice_v]) and some nodes restricted to some of their strategies. A folded graph's block is
+one problem solved under one variant per pair of boundary placements (`autoplan.solver.ilp`).
+
 No graph, no torch: the solver sees only these arrays (STYLE.md, "keep graphs out of solvers").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -24,7 +28,7 @@ def _frozen_array(values, ndim: int, what: str) -> np.ndarray:
     array = np.array(values, dtype=np.float64)
     if array.ndim != ndim:
         raise AutoplanError(f"{what} must be {ndim}-dimensional, got shape {array.shape}")
-    if not np.all(np.isfinite(array)) or np.any(array < 0):
+    if array.size and not (array.min() >= 0 and array.max() < np.inf):  # NaN fails both comparisons
         raise AutoplanError(f"{what} must be finite and >= 0, got {array.tolist()}")
     array.setflags(write=False)
     return array
@@ -108,3 +112,28 @@ class IntraOpProblem:
     def min_memory_bytes(self) -> float:
         """The smallest memory any choice reaches (the constraint is separable over nodes)."""
         return float(sum(w * m.min() for w, m in zip(self.node_weights, self.node_memory_bytes)))
+
+
+@dataclass(frozen=True, eq=False)
+class ProblemVariant:
+    """Costs (seconds per strategy) added to some nodes; some nodes restricted to the strategy indices
+    in `allowed`. Node indices and strategy indices are those of the problem it varies."""
+
+    extra_costs_s: Mapping[int, np.ndarray] = field(default_factory=dict)
+    allowed: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def check(self, problem: IntraOpProblem) -> None:
+        sizes = problem.num_strategies()
+        for v, extra in self.extra_costs_s.items():
+            if not 0 <= v < len(sizes) or np.shape(extra) != (sizes[v],):
+                raise AutoplanError(f"variant adds costs of shape {np.shape(extra)} to node {v}; the problem has "
+                                    f"{len(sizes)} nodes and node {v} has {sizes[v] if 0 <= v < len(sizes) else '?'} "
+                                    f"strategies")
+        for v, allowed in self.allowed.items():
+            if not 0 <= v < len(sizes) or not allowed or any(not 0 <= i < sizes[v] for i in allowed):
+                raise AutoplanError(f"variant allows strategies {list(allowed)} of node {v}: it needs at least one "
+                                    f"index among the node's strategies")
+
+    def extra_s(self, choice: Sequence[int]) -> float:
+        """sum_v d_v[choice_v]."""
+        return float(sum(extra[choice[v]] for v, extra in self.extra_costs_s.items()))
