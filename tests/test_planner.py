@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -41,6 +42,15 @@ def test_gpt3_plan_uses_every_gpu_and_fits(gpt3_plan):
     assert plan.predicted.tokens_per_s == pytest.approx(1536 * 2048 / plan.predicted.step_time_s)
     assert plan.provenance.solver in ("highs", "cbc")
     assert plan.provenance.search_time_s > 0
+
+
+def test_gpt3_plan_is_at_least_as_fast_as_the_baselines(gpt3_plan):
+    """The baselines are points of the search space, priced by the same model: the plan never loses."""
+    ratios = {m.group(1): float(m.group(2)) for note in gpt3_plan.provenance.notes
+              if (m := re.match(r"baseline (\w+): .*this plan has ([\d.]+)x its throughput", note))}
+    assert ratios["megatron"] >= 1.0
+    assert gpt3_plan.mesh.pp > 1 and gpt3_plan.predicted.time.bubble_s > 0  # 175B on 80 GB GPUs: pipelined
+    assert len(gpt3_plan.stages) >= gpt3_plan.mesh.pp and gpt3_plan.schedule in ("1f1b", "interleaved-1f1b")
 
 
 def test_gpt3_plan_round_trips_through_json(gpt3_plan, tmp_path):
@@ -92,6 +102,7 @@ def test_small_search_reports_progress_and_notes():
     assert plan.mesh.world_size == 4
     assert any("ILP" in m for m in messages) and any("capturing" in m for m in messages)
     assert any("searched" in note for note in plan.provenance.notes)
+    assert any(note.startswith("baseline megatron") for note in plan.provenance.notes)
 
 
 def test_plans_from_megatron_and_random_assignments():

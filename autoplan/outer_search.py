@@ -1,0 +1,413 @@
+"""The outer search: every parallel dimension, priced by one step model, as a branch and bound.
+
+    1. enumerate the configurations (`search_space`); drop those whose memory lower bound exceeds
+       the device before anything is solved or priced;
+    2. price the baselines (`baselines`: Megatron-style, FSDP): their step times seed the bound;
+    3. group the rest by intra-op key (tp, sequences per rank per microbatch = mbs / cp); visit the keys
+       in order of their best time lower bound (the roofline's compute rate in the pipeline formula)
+       and stop once that bound exceeds the K-th best step time found;
+    4. per key: solve the intra-op problem (`planner.solve_tp`) and price each configuration whose
+       bound with the solution's exact per-layer times stays below the K-th best; for tp > 1, price
+       the configurations that did not fit again with Megatron-LM's assignment with sequence
+       parallelism, whose lower activation memory can fit where the time-optimal assignment does not;
+    5. the K best configurations that fit, by (step time, simpler configuration first), become Plans.
+
+Both bounds are sound, so the result equals pricing everything; the order of visits only changes how
+much is pruned. Same inputs, same plans.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable, Mapping
+
+import autoplan
+from autoplan.capture import CapturedGraph
+from autoplan.cluster import ClusterSpec
+from autoplan.cost_model.compute import Efficiency
+from autoplan.cost_model.intra_op import CostContext
+from autoplan.cost_model.memory import is_batched, param_placements, selective_recompute_nodes
+from autoplan.cost_model.parallel_dims import batch_problem, check, cp_problem, ep_problem, tp_problem
+from autoplan.cost_model.pipeline import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED
+from autoplan.errors import ConfigError, PlanError
+from autoplan.mesh import MeshShape
+from autoplan.models.config import ModelConfig
+from autoplan.placement import Replicate, Shard
+from autoplan.plan import (RECOMPUTE_POLICIES, ModelRef, OpPlacement, ParamPlacement, Plan, Predicted, Provenance,
+                           StageSpec)
+from autoplan.planner import (capture_model, fold_for_search, fold_note, megatron_assignment, model_info,
+                              solve_tp, tp_solution)
+from autoplan.parts import EXPERT_PARAMS, BlockCosts, SolutionParts, block_costs, solution_parts
+from autoplan.pricing import Priced, StepEnv, StepModel
+from autoplan.search_space import (Config, FlopsPerSequence, SearchOptions, enumerate_configs, infeasible,
+                                   memory_lower_bound, parameter_split, time_lower_bound_s)
+from autoplan.strategies import Strategy, StrategyRegistry, default_registry
+
+VARIANT_ILP = "ilp"
+VARIANT_MEGATRON = "megatron-sp"
+
+
+class ProgressMessage(str):
+    """A progress line that also says how far the search is: `done` of `total` intra-op keys."""
+
+    done: int
+    total: int
+
+    def __new__(cls, text: str, done: int = 0, total: int = 0) -> "ProgressMessage":
+        message = super().__new__(cls, text)
+        message.done, message.total = done, total
+        return message
+
+
+Progress = Callable[[str], None]
+
+
+class SearchContext:
+    """One model, cluster, global batch and sequence: the captured graph and what was solved so far."""
+
+    def __init__(self, config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, *,
+                 dtype: str = "bfloat16", efficiency: Efficiency | None = None, registry: StrategyRegistry | None = None,
+                 fold: bool = True, time_limit_s: float = 60.0, graph: CapturedGraph | None = None) -> None:
+        self.config, self.cluster, self.global_batch, self.seq_len, self.dtype = config, cluster, global_batch, seq_len, dtype
+        self.efficiency, self.registry = efficiency or Efficiency(), registry or default_registry()
+        self.info, self.fold, self.time_limit_s = model_info(config), fold, time_limit_s
+        if graph is None or graph.seq_len != seq_len:
+            graph = capture_model(config, seq_len, dtype)
+        self.graph = graph
+        self.fold_map = fold_for_search(graph, fold)
+        self.steps = StepModel(StepEnv(config, cluster, seq_len, dtype, self.efficiency))
+        self._blocks: dict[tuple, BlockCosts] = {}
+        self._solutions: dict[tuple, SolutionParts] = {}
+        self._assignments: dict[tuple, dict[str, str]] = {}
+        self.ilp_solves = 0
+
+    def flops_per_sequence(self) -> FlopsPerSequence:
+        g, batch = self.graph, self.graph.batch_size
+        selective = set(selective_recompute_nodes(g))
+        return FlopsPerSequence(g.total_fwd_flops() / batch, g.total_bwd_flops() / batch,
+                                sum(n.fwd_flops for n in g.nodes if n.name in selective) / batch,
+                                sum(n.fwd_flops for n in g.nodes if n.layer is not None) / batch)
+
+    def assignment(self, variant: str, tp: int) -> dict[str, str]:
+        if variant != VARIANT_MEGATRON:
+            raise ConfigError(f"unknown strategy variant {variant!r}; expected {VARIANT_ILP!r} or {VARIANT_MEGATRON!r}")
+        if (variant, tp) not in self._assignments:
+            self._assignments[(variant, tp)] = megatron_assignment(self.graph, self.registry, tp, self.info,
+                                                                   sequence_parallel=True)
+        return self._assignments[(variant, tp)]
+
+    def solution(self, tp: int, microbatch: int, variant: str = VARIANT_ILP,
+                 assignment: Mapping[str, str] | None = None) -> SolutionParts:
+        """The tp strategies at a whole `microbatch` (cached): the intra-op solver's, or an assignment's."""
+        key = (tp, microbatch, variant, tuple(sorted(assignment.items())) if assignment is not None else None)
+        if key not in self._solutions:
+            mesh = MeshShape(dp=self.cluster.world_size // tp, tp=tp)  # tp innermost: the solver sees its own group
+            if variant == VARIANT_ILP:
+                sol = solve_tp(self.graph, self.registry, self.info, self.cluster, mesh, microbatch, self.dtype,
+                               self.efficiency, self.fold, self.time_limit_s, self.fold_map)
+                self.ilp_solves += 1
+            else:
+                chosen = dict(assignment) if assignment is not None else self.assignment(variant, tp)
+                sol = tp_solution(self.graph, self.registry, self.info, self.cluster, mesh, microbatch, chosen,
+                                  self.dtype, self.efficiency, variant)
+            self._solutions[key] = solution_parts(self.graph, sol)
+        return self._solutions[key]
+
+    def block(self, tp: int, microbatch: Fraction, variant: str = VARIANT_ILP,
+              assignment: Mapping[str, str] | None = None) -> BlockCosts:
+        """The tp solution for `microbatch` sequences per rank (mbs / cp, maybe below 1), priced part by part
+        at exactly that microbatch (cached). The strategies are those solved at ceil(microbatch) sequences:
+        the solver works on whole microbatches, and its choice barely moves between neighbouring sizes."""
+        key = (tp, microbatch, variant, tuple(sorted(assignment.items())) if assignment is not None else None)
+        if key not in self._blocks:
+            parts = self.solution(tp, math.ceil(microbatch), variant, assignment)
+            mesh = MeshShape(dp=self.cluster.world_size // tp, tp=tp)
+            ctx = CostContext(self.cluster, mesh, self.dtype, self.efficiency, self.graph.batch_size,
+                              float(microbatch) / self.graph.batch_size)
+            self._blocks[key] = block_costs(self.graph, parts, ctx, variant, microbatch)
+        return self._blocks[key]
+
+    def price(self, cfg: Config, variant: str = VARIANT_ILP, assignment: Mapping[str, str] | None = None) -> Priced:
+        return self.steps.price(self.block(cfg.tp, cfg.rank_microbatch, variant, assignment), cfg)
+
+    def plan(self, priced: Priced, search_time_s: float = 0.0, notes: tuple[str, ...] = (),
+             assignment: Mapping[str, str] | None = None, solver: str | None = None) -> Plan:
+        """The Plan of a priced configuration (placements from its tp solution)."""
+        cfg = priced.config
+        sol = self.block(cfg.tp, cfg.rank_microbatch, priced.variant, assignment).solution
+        params, ops = _placements(self.graph, sol.strategies, cfg)
+        fits = () if priced.fits else (f"does not fit: {priced.peak_memory_bytes / 1e9:.1f} GB per GPU > "
+                                        f"{self.cluster.device.memory_bytes / 1e9:.1f} GB",)
+        c = self.config
+        return Plan(
+            model=ModelRef(c.name, c.fingerprint(), c.num_layers, c.num_parameters()), cluster=self.cluster,
+            mesh=cfg.mesh, microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches,
+            global_batch=self.global_batch, seq_len=self.seq_len, zero_stage=cfg.zero_stage, recompute=cfg.recompute,
+            schedule=cfg.schedule, stages=tuple(StageSpec(s, a, b, chunk) for s, chunk, a, b in priced.stages),
+            params=params, ops=ops, predicted=self.predicted(priced),
+            provenance=Provenance(autoplan.__version__, search_time_s, sol.solver if solver is None else solver,
+                                  notes + _uncovered_note(self.graph, self.registry) + fits),
+            dtype=self.dtype)
+
+    def predicted(self, priced: Priced) -> Predicted:
+        step = priced.step_time_s
+        model_flops = 3 * self.graph.total_fwd_flops() / self.graph.batch_size * self.global_batch
+        peak = self.cluster.device.peak_flops_for(self.dtype) * self.cluster.world_size
+        return Predicted(step_time_s=step, mfu=model_flops / (step * peak),
+                         tokens_per_s=self.global_batch * self.seq_len / step,
+                         peak_memory_bytes=priced.peak_memory_bytes, memory=priced.memory, time=priced.time)
+
+
+def _placements(graph: CapturedGraph, strategies: Mapping[str, Strategy], cfg: Config
+                ) -> tuple[tuple[ParamPlacement, ...], tuple[OpPlacement, ...]]:
+    """Per parameter: tp placement, dp (ZeRO-3 shards), ep (experts split); per op: its output's."""
+    dp_param = Shard(0) if cfg.zero_stage == 3 else Replicate()
+    params: dict[str, ParamPlacement] = {}
+    ops = []
+    for node in graph.nodes:
+        strategy = strategies[node.name]
+        for name, _, placement in param_placements(node, strategy):
+            where = (("tp", placement), ("dp", dp_param))
+            if cfg.ep > 1 and node.op_kind == "moe" and name.rsplit(".", 1)[-1] in EXPERT_PARAMS:
+                where += (("ep", Shard(0)),)
+            params.setdefault(name, ParamPlacement(name, where))
+        output = ()
+        if node.output is not None:
+            output = (("tp", strategy.output),)
+            if is_batched(node.output, graph.batch_size):
+                output += (("dp", Shard(0)),) + ((("cp", Shard(1)),) if cfg.cp > 1 else ())
+        ops.append(OpPlacement(node.name, strategy.name, output))
+    return tuple(params.values()), tuple(ops)
+
+
+def _uncovered_note(graph: CapturedGraph, registry: StrategyRegistry) -> tuple[str, ...]:
+    kinds = sorted({n.op_kind for n in graph.nodes if not registry.has_rule(n.op_kind)})
+    if not kinds:
+        return ()
+    count = sum(1 for n in graph.nodes if n.op_kind in kinds)
+    return (f"{count} ops of kinds {kinds} have no sharding rule and run replicated",)
+
+
+# ---------------------------------------------------------------------------------- the search
+
+
+@dataclass(frozen=True)
+class SearchStats:
+    configurations: int
+    pruned_by_memory: int
+    pruned_by_time: int
+    priced: int
+    returned: int  # plans returned (at most top)
+    ilp_solves: int
+    search_time_s: float
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    """A baseline's plan, or why there is none."""
+
+    name: str
+    plan: Plan | None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    plans: tuple[Plan, ...]  # best first
+    baselines: tuple[BaselineResult, ...]
+    stats: SearchStats
+    priced: tuple[Priced, ...] = ()  # the ranked configurations the plans come from
+
+
+class _Best:
+    """The K best distinct configurations priced so far."""
+
+    def __init__(self, k: int) -> None:
+        self.k, self.items = k, []
+
+    def add(self, priced: Priced) -> None:
+        same = [p for p in self.items if p.config == priced.config]
+        if same and same[0].rank_key() <= priced.rank_key():
+            return
+        self.items = sorted([p for p in self.items if p.config != priced.config] + [priced], key=Priced.rank_key)[:self.k]
+
+    def threshold_s(self) -> float:
+        """Prune what cannot beat the K-th best (with a hair of slack, so that exact ties are priced)."""
+        return self.items[-1].step_time_s * (1 + 1e-9) if len(self.items) == self.k else float("inf")
+
+
+def _keys(configs: list[Config], flops: FlopsPerSequence, peak: float) -> list[tuple[float, tuple, list]]:
+    """(best bound, key, [(bound, config)...] sorted) per intra-op key, sorted by bound."""
+    groups: dict[tuple, list] = {}
+    for cfg in configs:
+        groups.setdefault((cfg.tp, cfg.rank_microbatch), []).append((time_lower_bound_s(cfg, flops, peak), cfg))
+    found = []
+    for key, items in groups.items():
+        items.sort(key=lambda bc: (bc[0], bc[1].sort_key()))
+        found.append((items[0][0], key, items))
+    return sorted(found, key=lambda entry: (entry[0], entry[1]))
+
+
+class _Ranking:
+    """The K best fitting configurations overall, and the K best a Plan can express. Pruning by the latter's
+    K-th time (never below the former's) is sound for both: the overall best is never pruned."""
+
+    def __init__(self, k: int, expressible: Callable[[Config], bool]) -> None:
+        self.all, self.plans, self.expressible = _Best(k), _Best(k), expressible
+
+    def add(self, priced: Priced) -> None:
+        self.all.add(priced)
+        if self.expressible(priced.config):
+            self.plans.add(priced)
+
+    def threshold_s(self) -> float:
+        return self.plans.threshold_s()
+
+
+def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Ranking, report: Progress) -> tuple[int, int, Priced | None]:
+    """Steps 3-4 of the module docstring; (configurations pruned by time, priced, smallest that did not fit)."""
+    pruned = priced_count = 0
+    smallest: Priced | None = None
+    for done, (key_bound, (tp, microbatch), items) in enumerate(keys, 1):
+        if key_bound > ranking.threshold_s():
+            return pruned + sum(len(entry[2]) for entry in keys[done - 1:]), priced_count, smallest
+        report(ProgressMessage(f"[{done}/{len(keys)}] solving the intra-op ILP for tp={tp}, microbatch per rank="
+                               f"{microbatch}", done, len(keys)))
+        retry = items
+        for variant in (VARIANT_ILP, VARIANT_MEGATRON) if tp > 1 else (VARIANT_ILP,):
+            block, misfits = ctx.block(tp, microbatch, variant), []
+            for bound, cfg in retry:
+                if bound > ranking.threshold_s() or ctx.steps.lower_bound_s(block, cfg) > ranking.threshold_s():
+                    pruned += variant == VARIANT_ILP
+                    continue
+                priced = ctx.steps.price(block, cfg)
+                priced_count += 1
+                if priced.fits:
+                    ranking.add(priced)
+                    continue
+                misfits.append((bound, cfg))
+                if smallest is None or priced.peak_memory_bytes < smallest.peak_memory_bytes:
+                    smallest = priced
+            retry = misfits  # Megatron's assignment keeps less memory: try it where the optimum does not fit
+            if not retry:
+                break
+    return pruned, priced_count, smallest
+
+
+def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, *, top: int = 1,
+               options: SearchOptions | None = None, baselines: bool = True, dtype: str = "bfloat16",
+               fold: bool = True, time_limit_s: float = 60.0, efficiency: Efficiency | None = None,
+               registry: StrategyRegistry | None = None, progress: Progress | None = None) -> SearchResult:
+    """The K best plans (module docstring); InfeasibleError, with the numbers, when none fits."""
+    from autoplan.baselines import all_baselines  # baselines use this module's SearchContext
+
+    start, report = time.perf_counter(), progress or (lambda message: None)
+    if top < 1:
+        raise ConfigError(f"top={top} must be >= 1")
+    options = options or SearchOptions()
+    configs = enumerate_configs(config, cluster, global_batch, seq_len, options)
+    sizes = parameter_split(config)
+    bounds = [(memory_lower_bound(config, c, seq_len, dtype, sizes), c) for c in configs]
+    fitting = [c for bound, c in bounds if bound <= cluster.device.memory_bytes]
+    if not fitting:
+        smallest = min(bounds, key=lambda bc: (bc[0], bc[1].sort_key()))
+        raise infeasible(config, cluster, seq_len, dtype, smallest[0], smallest[1])
+    report(ProgressMessage(f"capturing {config.name} at seq {seq_len}"))
+    ctx = SearchContext(config, cluster, global_batch, seq_len, dtype=dtype, efficiency=efficiency,
+                        registry=registry, fold=fold, time_limit_s=time_limit_s)
+    ranking = _Ranking(top, lambda c: True)
+    found_baselines = all_baselines(ctx, options) if baselines else ()
+    for b in found_baselines:
+        if b.priced is not None:
+            ranking.add(b.priced)
+    keys = _keys(fitting, ctx.flops_per_sequence(), cluster.device.peak_flops_for(dtype) * ctx.efficiency.matmul)
+    pruned, priced_count, smallest = _branch_and_bound(ctx, keys, ranking, report)
+    if not ranking.plans.items:
+        raise infeasible(config, cluster, seq_len, dtype, smallest.peak_memory_bytes, smallest.config, bound=False)
+    stats = SearchStats(len(configs), len(configs) - len(fitting), pruned, priced_count, len(ranking.plans.items),
+                        ctx.ilp_solves, time.perf_counter() - start)
+    plans = _plans(ctx, ranking, found_baselines, stats, options)
+    report(ProgressMessage(f"best: {plans[0].mesh}, {plans[0].predicted.step_time_s:.3f} s per step", len(keys), len(keys)))
+    baseline_plans = tuple(BaselineResult(b.name, ctx.plan(b.priced, 0.0, (f"baseline: {b.name}",)) if b.priced else None,
+                                          b.reason) for b in found_baselines)
+    return SearchResult(plans, baseline_plans, stats, tuple(ranking.all.items))
+
+
+def _notes(ctx: SearchContext, priced: Priced, rank: int, found_baselines, stats: SearchStats,
+           options: SearchOptions) -> list[str]:
+    notes = [f"searched {stats.configurations} configurations (pp x dp x ep x cp x tp, microbatches, ZeRO "
+             f"{'/'.join(map(str, options.zero_stages))}, recompute {'/'.join(options.recompute)}, 1F1B and "
+             f"interleaved schedules): {stats.pruned_by_memory} pruned by the memory bound, {stats.pruned_by_time} "
+             f"by the time bound, {stats.priced} priced after {stats.ilp_solves} intra-op solves",
+             f"intra-op {fold_note(ctx.fold, ctx.fold_map, ctx.graph)}", f"rank {rank} of the {stats.returned} returned"]
+    if priced.variant == VARIANT_MEGATRON:
+        notes.append("tp strategies: Megatron-LM's assignment with sequence parallelism (it keeps less activation "
+                     "memory than the intra-op optimum, which was slower for this configuration)")
+    for b in found_baselines:
+        notes.append(f"baseline {b.name}: " + (
+            f"{b.priced.config.describe()}, {b.priced.step_time_s:.4g} s per step; this plan has "
+            f"{b.priced.step_time_s / priced.step_time_s:.2f}x its throughput" if b.priced else f"none ({b.reason})"))
+    return notes
+
+
+def _plans(ctx: SearchContext, ranking: _Ranking, found_baselines, stats: SearchStats,
+           options: SearchOptions) -> tuple[Plan, ...]:
+    """Plans of the ranked configurations the Plan type can express; the best says so when a faster one was not."""
+    unexpressed = [p for p in ranking.all.items if not ranking.expressible(p.config)
+                   and p.step_time_s < ranking.plans.items[0].step_time_s]
+    extra = [f"a faster configuration was priced that this Plan version cannot express (ep ranks split the batch "
+             f"but the Plan counts only dp as data-parallel): {p.config.describe()}, {p.step_time_s:.4g} s per step"
+             for p in unexpressed[:1]]
+    return tuple(ctx.plan(priced, stats.search_time_s,
+                          tuple(_notes(ctx, priced, rank, found_baselines, stats, options) + (extra if rank == 1 else [])))
+                 for rank, priced in enumerate(ranking.plans.items, 1))
+
+
+# ---------------------------------------------------------------------------------- one configuration
+
+
+def check_config(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, mesh: MeshShape,
+                 microbatch_size: int, zero_stage: int, recompute: str, schedule: str, virtual_stages: int,
+                 heads_rule: bool = True) -> Config:
+    """A Config for a user-given configuration; ConfigError naming the rule and values that would work.
+    `heads_rule`: tp must split the attention heads (off when an assignment decides the strategies)."""
+    if mesh.world_size != cluster.world_size:
+        raise ConfigError(f"mesh {mesh} has pp x dp x ep x cp x tp = {mesh.world_size} ranks but the cluster "
+                          f"{cluster.describe()} has {cluster.world_size}")
+    if mesh.tp > 1 and heads_rule:
+        check(tp_problem(config.heads, config.kv_heads, mesh.tp))
+    check(cp_problem(config.heads, mesh.tp, mesh.cp, seq_len))
+    check(ep_problem(config.experts, mesh.ep, mesh.dp * mesh.ep))
+    check(batch_problem(global_batch, mesh.dp * mesh.ep, microbatch_size))
+    if mesh.pp > config.num_layers:
+        raise ConfigError(f"pp={mesh.pp} exceeds the {config.num_layers} layers of {config.name}; use pp <= {config.num_layers}")
+    if zero_stage not in (0, 1, 2, 3) or recompute not in RECOMPUTE_POLICIES:
+        raise ConfigError(f"zero_stage={zero_stage!r} must be 0-3 and recompute={recompute!r} one of {RECOMPUTE_POLICIES}")
+    m = global_batch // (mesh.dp * mesh.ep * microbatch_size)
+    if schedule == SCHEDULE_INTERLEAVED:
+        if mesh.pp == 1 or virtual_stages < 2 or config.num_layers % (mesh.pp * virtual_stages) or m % mesh.pp:
+            raise ConfigError(f"interleaved 1F1B needs pp > 1, v >= 2, the {config.num_layers} layers divisible by "
+                              f"pp x v = {mesh.pp * virtual_stages} and the {m} microbatches divisible by pp={mesh.pp}")
+    elif schedule != SCHEDULE_1F1B or virtual_stages != 1:
+        raise ConfigError(f"schedule {schedule!r} with v={virtual_stages}: use '1f1b' (v=1) or 'interleaved-1f1b' (v >= 2)")
+    return Config(mesh.tp, mesh.cp, mesh.pp, mesh.ep, mesh.dp, microbatch_size, m, zero_stage, recompute, schedule,
+                  virtual_stages)
+
+
+def price_given(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, cfg: Config, *,
+                assignment: Mapping[str, str] | None, dtype: str, efficiency: Efficiency | None,
+                registry: StrategyRegistry | None, fold: bool, time_limit_s: float, graph: CapturedGraph | None,
+                notes: tuple[str, ...], search_time_s: float | None = None, solver: str | None = None) -> Plan:
+    """The Plan of one configuration: the intra-op solver's strategies, or `assignment` when given."""
+    start = time.perf_counter()
+    ctx = SearchContext(config, cluster, global_batch, seq_len, dtype=dtype, efficiency=efficiency, registry=registry,
+                        fold=fold, time_limit_s=time_limit_s, graph=graph)
+    variant = VARIANT_ILP if assignment is None else "given"
+    priced = ctx.price(cfg, variant, assignment)
+    elapsed = time.perf_counter() - start if search_time_s is None else search_time_s
+    return ctx.plan(priced, elapsed, notes, assignment, solver)
+
+

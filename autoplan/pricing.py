@@ -1,0 +1,310 @@
+"""The step model: what one full configuration (pp x dp x ep x cp x tp, microbatches, ZeRO, recompute,
+schedule) costs per optimizer step, from one tensor-parallel solution split into parts (`autoplan.parts`).
+
+Per microbatch and rank, with mbs / cp sequences of full length standing for the rank's share
+(`parallel_dims`), a layer costs
+
+    t_layer = compute (+ recompute) + tp communication + Ulysses all-to-alls (cp > 1, attention layers)
+              + expert dispatch / combine all-to-alls (ep > 1, MoE layers)
+
+Stages: 1F1B uses the stage DP (`solver.stages`, time-optimal partition, memory-checked, re-solved
+under the memory limit only when it does not fit); interleaved 1F1B uses uniform chunks. Each stage
+also pays its p2p sends (`cost_model.pipeline`). Per optimizer step:
+
+    compute_s       = m * compute of the slowest stage
+    communication_s = m * (communication of the slowest stage, p2p included) + exposed data-parallel
+                      sync (the largest over stages; ZeRO rules below)
+    bubble_s        = (sum of stage times - slowest) / v
+    optimizer_s     = Adam over the stage's local parameters at HBM bandwidth (the largest stage)
+
+Data-parallel sync per stage, over dp x ep x cp ranks for dense parameters and dp x cp for expert
+ones, in (layers + 1) buckets so latencies count; window_b = the stage's backward of one microbatch
+(with recompute), window_f = its forward; exposed = collective - window, floored at 0:
+
+    ZeRO 0: all-reduce(grads) - window_b
+    ZeRO 1: reduce-scatter(grads) - window_b, + all-gather(weights) - window_f (next step's forward)
+    ZeRO 2: m * (reduce-scatter - window_b) + (all-gather - window_f)
+    ZeRO 3: m * ((all-gather - window_f) + (all-gather + reduce-scatter - window_b))
+
+Memory per rank of a stage: model states of its parts (ZeRO over the data-parallel ranks of each
+kind), + in-flight microbatches x activations + the transient, + temporary buffers (the largest tp
+collective buffer; ZeRO-2/3 one layer of gradients, ZeRO-3 two layers of gathered weights). The
+reported memory breakdown is that of the stage with the largest total.
+
+Ignored: contention between data-parallel, pipeline and tensor-parallel traffic sharing a link (each
+is priced as if alone); compute slowed by overlapped communication; expert load imbalance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from autoplan.cluster import ClusterSpec
+from autoplan.cost_model.comm import AxisGroup, group_collective_time_s
+from autoplan.cost_model.compute import Efficiency, op_time_s
+from autoplan.cost_model.memory import model_state_bytes, state_bytes_for, temporary_bytes
+from autoplan.cost_model.parallel_dims import axes_group, expert_all_to_all_s, ulysses_all_to_all_s
+from autoplan.cost_model.pipeline import (SCHEDULE_INTERLEAVED, in_flight_microbatches, interleaved_chunks,
+                                          p2p_per_microbatch_s, pipeline_time_s)
+from autoplan.models.config import ModelConfig
+from autoplan.parts import BlockCosts, PartCost
+from autoplan.plan import MemoryBreakdown, TimeBreakdown
+from autoplan.search_space import ITEMSIZE, Config
+from autoplan.solver.stages import Part, StageProblem, partition_stages
+
+
+@dataclass(frozen=True)
+class StepEnv:
+    """What the step model needs besides the solution and the configuration."""
+
+    model: ModelConfig
+    cluster: ClusterSpec
+    seq_len: int
+    dtype: str
+    efficiency: Efficiency
+
+    @property
+    def memory_limit_bytes(self) -> float:
+        return self.cluster.device.memory_bytes
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A configuration with its step time, peak memory and stages."""
+
+    config: Config
+    variant: str
+    time: TimeBreakdown
+    memory: MemoryBreakdown  # the stage with the most memory
+    stages: tuple[tuple[int, int, int, int], ...]  # (stage, chunk, first layer, last layer)
+    stage_time_s: tuple[float, ...]  # per microbatch
+    stage_memory_bytes: tuple[float, ...]
+    fits: bool
+
+    @property
+    def step_time_s(self) -> float:
+        return self.time.total_s()
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return self.memory.total_bytes()
+
+    def rank_key(self) -> tuple:
+        return (self.step_time_s, self.config.sort_key(), self.variant)
+
+
+def _prefix(values: np.ndarray) -> np.ndarray:
+    return np.concatenate(([0.0], np.cumsum(values)))
+
+
+@dataclass
+class _Times:
+    """Per-layer seconds for one (solution, recompute, cp, ep), with prefix sums, and the two ends."""
+
+    time: np.ndarray
+    prefix: dict[str, np.ndarray]  # time, compute, forward, backward, activation
+    pre_s: float
+    post_s: float
+    total_s: float
+
+
+@dataclass
+class _States:
+    """Per-layer model-state bytes for one (solution, ZeRO, data-parallel ranks, ep), with prefix sums."""
+
+    static: np.ndarray
+    prefix: dict[str, np.ndarray]  # dense, expert, weights, grads, optimizer
+    pre: tuple[float, float, float, float, float]  # dense, expert, weights, grads, optimizer
+    post: tuple[float, float, float, float, float]
+    temporary: float
+
+
+class StepModel:
+    """Prices configurations of one model on one cluster (module docstring); caches what configurations share."""
+
+    def __init__(self, env: StepEnv) -> None:
+        self.env = env
+        self.state = state_bytes_for(env.dtype)
+        self._groups: dict[tuple, AxisGroup] = {}
+        self._partitions: dict[tuple, tuple[int, ...]] = {}
+        self._times: dict[tuple, _Times] = {}
+        self._states: dict[tuple, _States] = {}
+
+    def group(self, cfg: Config, axes: tuple[str, ...]) -> AxisGroup:
+        key = (cfg.pp, cfg.dp, cfg.ep, cfg.cp, cfg.tp, axes)
+        if key not in self._groups:
+            self._groups[key] = axes_group(cfg.mesh, axes, self.env.cluster.gpus_per_node)
+        return self._groups[key]
+
+    # ------------------------------------------------------------------ what configurations share
+    def _extra_comm_s(self, block: BlockCosts, cfg: Config, part: PartCost) -> float:
+        """Ulysses and expert all-to-alls of one part per microbatch."""
+        env, itemsize, total = self.env, ITEMSIZE[self.env.dtype], 0.0
+        if cfg.cp > 1 and part.q_width:
+            kv_width = max(part.kv_width, cfg.cp * env.model.head_dim)  # kv heads repeated up to cp
+            total += ulysses_all_to_all_s(cfg.microbatch_size * env.seq_len, part.q_width, kv_width, itemsize,
+                                          env.cluster, self.group(cfg, ("cp",)))
+        if cfg.ep > 1 and part.moe_layers:
+            tokens = float(block.microbatch) * env.seq_len * part.moe_token_share
+            total += part.moe_layers * expert_all_to_all_s(tokens, env.model.hidden, env.model.top_k, itemsize,
+                                                           env.cluster, self.group(cfg, ("ep",)))
+        return total
+
+    def times(self, block: BlockCosts, cfg: Config) -> _Times:
+        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.microbatch_size)
+        if key not in self._times:
+            a, r = block.arrays(cfg.recompute), cfg.recompute
+            comm = a["comm"]
+            if cfg.cp > 1 or cfg.ep > 1:
+                comm = comm + np.array([self._extra_comm_s(block, cfg, p) for p in block.distinct])[block.index]
+            time = a["compute"] + comm
+            ends = [p.compute_s(r) + p.comm_s(r) for p in (block.pre, block.post)]
+            prefix = {"time": _prefix(time), "compute": _prefix(a["compute"]), "forward": _prefix(a["forward"]),
+                      "backward": _prefix(a["backward"]), "activation": _prefix(a["activation"])}
+            self._times[key] = _Times(time, prefix, ends[0], ends[1], float(time.sum()) + sum(ends))
+        return self._times[key]
+
+    def _split_states(self, dense, expert, cfg: Config):
+        data = cfg.data_parallel * cfg.cp
+        w, g, o = model_state_bytes(dense, data, cfg.zero_stage, self.state)
+        we, ge, oe = model_state_bytes(expert, data // cfg.ep, cfg.zero_stage, self.state)
+        return w + we, g + ge, o + oe
+
+    def states(self, block: BlockCosts, cfg: Config) -> _States:
+        key = (id(block), cfg.zero_stage, cfg.data_parallel * cfg.cp, cfg.ep)
+        if key not in self._states:
+            a = block.arrays("none")
+            dense, expert = a["params"], a["expert"] / cfg.ep
+            w, g, o = self._split_states(dense, expert, cfg)
+            ends = []
+            for part in (block.pre, block.post):
+                e = part.expert_params / cfg.ep
+                ends.append((part.params, e, *self._split_states(part.params, e, cfg)))
+            largest = float(np.max(dense + expert)) if dense.size else 0.0
+            prefix = {"dense": _prefix(dense), "expert": _prefix(expert), "weights": _prefix(w), "grads": _prefix(g),
+                      "optimizer": _prefix(o)}
+            self._states[key] = _States(w + g + o, prefix, ends[0], ends[1],
+                                        temporary_bytes(block.comm_buffer_bytes, largest, cfg.zero_stage, self.state))
+        return self._states[key]
+
+    def lower_bound_s(self, block: BlockCosts, cfg: Config) -> float:
+        """The pipeline formula at the mean stage with this solution's exact per-layer times (no sync)."""
+        total = self.times(block, cfg).total_s
+        return (cfg.num_microbatches + (cfg.pp - 1) / cfg.virtual_stages) * total / cfg.pp
+
+    # ------------------------------------------------------------------ stages
+    def _problem(self, block: BlockCosts, cfg: Config, t: _Times, st: _States) -> StageProblem:
+        pp, m, v, r = cfg.pp, cfg.num_microbatches, cfg.virtual_stages, cfg.recompute
+        a = block.arrays(r)
+        boundary = block.boundary_full_bytes / cfg.tp  # Megatron's scatter / gather: 1 / tp of it per rank
+        p2p = p2p_per_microbatch_s(boundary, self.env.cluster, cfg.mesh, v)
+        first = Part(t.pre_s, sum(st.pre[2:]), block.pre.activation_bytes(r), block.pre.transient_bytes(r))
+        last = Part(t.post_s, sum(st.post[2:]), block.post.activation_bytes(r), block.post.transient_bytes(r))
+        return StageProblem(t.time, st.static, a["activation"], a["transient"],
+                            np.array([in_flight_microbatches(s, pp, m, v) for s in range(pp)]),
+                            self.env.memory_limit_bytes, first, last, np.full(pp, p2p), np.full(pp, st.temporary))
+
+    def _ranges(self, block: BlockCosts, cfg: Config, problem: StageProblem) -> list[list[tuple[int, int]]]:
+        """Layer ranges per stage: uniform chunks (interleaved), else the stage DP (module docstring)."""
+        if cfg.schedule == SCHEDULE_INTERLEAVED:
+            chunks = interleaved_chunks(problem.num_layers, cfg.pp, cfg.virtual_stages)
+            return [[(a, b) for st, _, a, b in chunks if st == s] for s in range(cfg.pp)]
+        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.microbatch_size, cfg.pp)
+        if key not in self._partitions:
+            fastest = partition_stages(StageProblem(problem.layer_time_s, problem.layer_static_bytes,
+                                                    problem.layer_activation_bytes, problem.layer_transient_bytes,
+                                                    problem.in_flight, np.inf, problem.first, problem.last))
+            self._partitions[key] = fastest.bounds
+        bounds = self._partitions[key]
+        pairs = list(zip(bounds[:-1], bounds[1:]))
+        if cfg.pp > 1 and max(problem.stage_memory_bytes(s, a, b) for s, (a, b) in enumerate(pairs)) > problem.memory_limit_bytes:
+            fitting = partition_stages(problem)
+            pairs = list(fitting.ranges) if fitting is not None else pairs
+        return [[pair] for pair in pairs]
+
+    # ------------------------------------------------------------------ pricing
+    def price(self, block: BlockCosts, cfg: Config) -> Priced:
+        """Step time and memory of `cfg` with the tp solution `block` (module docstring)."""
+        t, st = self.times(block, cfg), self.states(block, cfg)
+        problem = self._problem(block, cfg, t, st)
+        ranges = self._ranges(block, cfg, problem)
+        sums = [self._stage_sums(block, cfg, t, st, problem, s, rs) for s, rs in enumerate(ranges)]
+        times = tuple(x["time"] for x in sums)
+        memory = tuple(x["memory"] for x in sums)
+        steady, bubble = pipeline_time_s(times, cfg.num_microbatches, cfg.virtual_stages)
+        slowest, heaviest = int(np.argmax(times)), int(np.argmax(memory))
+        compute = cfg.num_microbatches * sums[slowest]["compute"]
+        dp_memo: dict[tuple, float] = {}
+        dp = max(self._dp_exposed_s(cfg, x, dp_memo) for x in sums)
+        h = sums[heaviest]
+        breakdown = MemoryBreakdown(h["weights"], h["grads"], h["optimizer_states"], h["activations"], h["temporary"])
+        stages = tuple((s, chunk, a, b) for chunk in range(cfg.virtual_stages)
+                       for s, rs in enumerate(ranges) for k, (a, b) in enumerate(rs) if k == chunk)
+        return Priced(cfg, block.variant, TimeBreakdown(compute, steady - compute + dp, bubble,
+                                                        max(x["optimizer"] for x in sums)),
+                      breakdown, stages, times, memory, memory[heaviest] <= problem.memory_limit_bytes)
+
+    def _stage_sums(self, block: BlockCosts, cfg: Config, t: _Times, st: _States, problem: StageProblem, stage: int,
+                    ranges: list[tuple[int, int]]) -> dict[str, float]:
+        """Seconds, parameters and bytes of one stage, from prefix sums over its layer ranges and its ends."""
+        r = cfg.recompute
+        ends = [(p, e) for p, e, here in ((block.pre, st.pre, stage == 0), (block.post, st.post, stage == cfg.pp - 1))
+                if here]
+        sums = {k: float(sum(v[b] - v[a] for a, b in ranges)) for k, v in (*t.prefix.items(), *st.prefix.items())}
+        for p, e in ends:
+            sums["dense"] += e[0]
+            sums["expert"] += e[1]
+            sums["weights"] += e[2]
+            sums["grads"] += e[3]
+            sums["optimizer"] += e[4]
+            sums["activation"] += p.activation_bytes(r)
+            sums["compute"] += p.compute_s(r)
+            sums["forward"] += p.fwd_compute_s
+            sums["backward"] += p.backward_s(r)
+        transient = 0.0
+        if r == "full":
+            transient = max([float(problem.layer_transient_bytes[a:b].max()) for a, b in ranges]
+                            + [p.transient_bytes(r) for p, _ in ends])
+        activations = float(problem.in_flight[stage]) * sums["activation"] + transient
+        shard = cfg.data_parallel * cfg.cp if cfg.zero_stage >= 1 else 1
+        opt_bytes = (2 * self.state.optimizer + self.state.grad + self.state.weight) * (sums["dense"] + sums["expert"]) / shard
+        time = sums["time"] + (t.pre_s if stage == 0 else 0.0) + (t.post_s if stage == cfg.pp - 1 else 0.0)
+        temporary = float(problem.extra_bytes[stage])
+        states = sums["weights"] + sums["grads"] + sums["optimizer"]
+        return {
+            "time": time + float(problem.overhead_s[stage]), "compute": sums["compute"], "forward": sums["forward"],
+            "backward": sums["backward"], "dense": sums["dense"], "expert": sums["expert"],
+            "buckets": sum(b - a for a, b in ranges) + 1, "weights": sums["weights"], "grads": sums["grads"],
+            "optimizer_states": sums["optimizer"], "activations": activations, "temporary": temporary,
+            "memory": states + activations + temporary,
+            "optimizer": op_time_s(0.0, opt_bytes, self.env.cluster.device, self.env.dtype, self.env.efficiency),
+        }
+
+    def _dp_exposed_s(self, cfg: Config, sums: dict[str, float], memo: dict[tuple, float]) -> float:
+        """Data-parallel traffic of one stage not hidden behind its compute (module docstring)."""
+        key = tuple(round(sums[k], 6) for k in ("dense", "expert", "buckets")) + tuple(
+            round(sums[k] * 1e9) for k in ("forward", "backward"))
+        if key in memo:
+            return memo[key]
+        buckets = sums["buckets"]
+        groups = ((sums["dense"], self.group(cfg, ("dp", "ep", "cp"))), (sums["expert"], self.group(cfg, ("dp", "cp"))))
+
+        def collective(kind: str, bytes_per_param: float) -> float:
+            return sum(buckets * group_collective_time_s(kind, bytes_per_param * count / buckets, self.env.cluster, g)
+                       for count, g in groups if count and g.size > 1)
+
+        window_b, window_f, m = sums["backward"], sums["forward"], cfg.num_microbatches
+        if cfg.zero_stage == 0:
+            exposed = max(0.0, collective("all_reduce", self.state.grad) - window_b)
+        else:
+            rs, ag = collective("reduce_scatter", self.state.grad), collective("all_gather", self.state.weight)
+            if cfg.zero_stage == 1:
+                exposed = max(0.0, rs - window_b) + max(0.0, ag - window_f)
+            elif cfg.zero_stage == 2:
+                exposed = m * max(0.0, rs - window_b) + max(0.0, ag - window_f)
+            else:
+                exposed = m * (max(0.0, ag - window_f) + max(0.0, ag + rs - window_b))
+        memo[key] = exposed
+        return exposed

@@ -1,0 +1,239 @@
+"""The outer search space and the bounds that prune it before anything is costed.
+
+A configuration (`Config`) fixes the mesh pp x dp x ep x cp x tp, the microbatch size and count, the
+ZeRO stage, the recompute policy and the pipeline schedule. Enumerated (`enumerate_configs`):
+
+    tp   divides the GPUs per node (tensor parallelism stays inside a node) and the world size
+    cp   1, 2, 4, ... while the sequence rules hold (`parallel_dims.cp_problem`)
+    pp   divides world / (tp cp), at most the number of layers
+    D    = world / (tp cp pp), the data-parallel degree, must divide the global batch
+    ep   divides D and the experts (MoE models only); the mesh's dp axis is D / ep
+    mbs  divides global_batch / D, at most `max_microbatch_size`; m = global_batch / (D mbs)
+    schedule 1F1B, or interleaved 1F1B with v virtual stages when pp > 1, the layers divide by pp v
+         and m divides by pp
+    ZeRO 0-3, recompute none / selective / full
+
+Bounds, both sound (never above the priced value), so pruning by them never loses the optimum:
+
+    memory  >= [states(N_dense / (tp pp), D cp) + states(N_expert / (tp pp ep), D cp / ep)
+                + L * a_min / pp]                    states() as ZeRO divides them (cost_model.memory);
+               a_min = (mbs / cp) * T * hidden * itemsize / tp, the smallest thing a layer keeps (its
+               input, sequence-sharded); every stage keeps >= 1 microbatch, the largest stage >= the mean
+    time    >= (m + (pp - 1) / v) * S / pp          S: one microbatch's compute per rank at the roofline's
+               compute rate, (mbs / cp) * (forward + backward + recomputed FLOPs per sequence) / tp /
+               (peak * matmul efficiency): every op takes at least its FLOPs at that rate
+               (compute.op_time_s) and a tp shard does at least 1 / tp of them; the pipeline formula
+               with its slowest stage >= the mean (cost_model.pipeline)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from fractions import Fraction
+
+from autoplan.cluster import ClusterSpec
+from autoplan.cost_model.memory import model_state_bytes, state_bytes_for
+from autoplan.cost_model.parallel_dims import cp_problem, nearest_multiples
+from autoplan.cost_model.pipeline import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED
+from autoplan.errors import ConfigError, InfeasibleError
+from autoplan.mesh import MeshShape
+from autoplan.models.config import ModelConfig
+from autoplan.plan import RECOMPUTE_POLICIES
+
+ZERO_STAGES = (0, 1, 2, 3)
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """Which parts of the space to search."""
+
+    max_microbatch_size: int = 16
+    pipeline: bool = True
+    context_parallel: bool = True
+    expert_parallel: bool = True
+    virtual_stages: tuple[int, ...] = (2, 3, 4, 6, 8)
+    zero_stages: tuple[int, ...] = ZERO_STAGES
+    recompute: tuple[str, ...] = RECOMPUTE_POLICIES
+
+    def __post_init__(self) -> None:
+        if self.max_microbatch_size < 1:
+            raise ConfigError(f"max_microbatch_size={self.max_microbatch_size} must be >= 1")
+        if not set(self.zero_stages) <= set(ZERO_STAGES) or not set(self.recompute) <= set(RECOMPUTE_POLICIES):
+            raise ConfigError(f"zero_stages {self.zero_stages} must be within {ZERO_STAGES} and recompute "
+                              f"{self.recompute} within {RECOMPUTE_POLICIES}")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the search space (module docstring); `dp` is the mesh's dp axis, D / ep."""
+
+    tp: int
+    cp: int
+    pp: int
+    ep: int
+    dp: int
+    microbatch_size: int
+    num_microbatches: int
+    zero_stage: int
+    recompute: str
+    schedule: str = SCHEDULE_1F1B
+    virtual_stages: int = 1
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that split the batch (the dense layers' data-parallel degree)."""
+        return self.dp * self.ep
+
+    @cached_property
+    def mesh(self) -> MeshShape:
+        return MeshShape(pp=self.pp, dp=self.dp, tp=self.tp, cp=self.cp, ep=self.ep)
+
+    @cached_property
+    def rank_microbatch(self) -> Fraction:
+        """Sequences' worth of tokens one rank processes per microbatch: mbs / cp."""
+        return Fraction(self.microbatch_size, self.cp)
+
+    def sort_key(self) -> tuple:
+        """Deterministic order between configurations of equal step time (simpler ones first)."""
+        return (self.pp, self.tp, self.cp, self.ep, self.microbatch_size, self.zero_stage,
+                RECOMPUTE_POLICIES.index(self.recompute), self.schedule, self.virtual_stages)
+
+    def describe(self) -> str:
+        schedule = self.schedule if self.virtual_stages == 1 else f"{self.schedule} v={self.virtual_stages}"
+        return (f"{self.mesh}, microbatch {self.microbatch_size} x {self.num_microbatches}, ZeRO-{self.zero_stage}, "
+                f"recompute {self.recompute}, {schedule}")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _cp_degrees(model: ModelConfig, tp: int, seq_len: int, room: int, options: SearchOptions) -> list[int]:
+    found, cp = [1], 2
+    while options.context_parallel and cp <= room:
+        if room % cp == 0 and cp_problem(model.heads, tp, cp, seq_len) is None:
+            found.append(cp)
+        cp *= 2
+    return found
+
+
+def enumerate_meshes(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int,
+                     options: SearchOptions) -> list[tuple[int, int, int, int, int]]:
+    """(tp, cp, pp, ep, dp axis) of every mesh the module docstring allows."""
+    world, found = cluster.world_size, []
+    for tp in (t for t in divisors(cluster.gpus_per_node) if world % t == 0):
+        for cp in _cp_degrees(model, tp, seq_len, world // tp, options):
+            for pp in divisors(world // (tp * cp)):
+                if pp > model.num_layers or (pp > 1 and not options.pipeline):
+                    continue
+                data = world // (tp * cp * pp)
+                if global_batch % data:
+                    continue
+                for ep in divisors(data):
+                    if ep == 1 or (options.expert_parallel and model.experts and model.experts % ep == 0):
+                        found.append((tp, cp, pp, ep, data // ep))
+    if not found:
+        raise ConfigError(_no_mesh_message(model, cluster, global_batch, options))
+    return found
+
+
+def _no_mesh_message(model: ModelConfig, cluster: ClusterSpec, global_batch: int, options: SearchOptions) -> str:
+    world = cluster.world_size
+    largest = max(t * p for t in divisors(cluster.gpus_per_node) if world % t == 0
+                  for p in divisors(world // t) if p <= model.num_layers and (p == 1 or options.pipeline))
+    smallest_dp = world // largest
+    near = ", ".join(map(str, nearest_multiples(global_batch, smallest_dp)))
+    return (f"global batch {global_batch} is not divisible by dp={smallest_dp}, the smallest data-parallel degree "
+            f"world / (tp x pp) allows on {cluster.describe()} (tp <= {cluster.gpus_per_node}, pp <= "
+            f"{model.num_layers} layers); nearest that work: {near}")
+
+
+def enumerate_configs(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int,
+                      options: SearchOptions) -> list[Config]:
+    """Every configuration of the module docstring, in a fixed order."""
+    configs = []
+    for tp, cp, pp, ep, dp in enumerate_meshes(model, cluster, global_batch, seq_len, options):
+        per_rank = global_batch // (dp * ep)
+        for mbs in (d for d in divisors(per_rank) if d <= options.max_microbatch_size):
+            m = per_rank // mbs
+            schedules = [(SCHEDULE_1F1B, 1)] + [(SCHEDULE_INTERLEAVED, v) for v in options.virtual_stages
+                                                if pp > 1 and model.num_layers % (pp * v) == 0 and m % pp == 0]
+            for schedule, v in schedules:
+                for zero in options.zero_stages:
+                    for recompute in options.recompute:
+                        configs.append(Config(tp, cp, pp, ep, dp, mbs, m, zero, recompute, schedule, v))
+    return configs
+
+
+# ---------------------------------------------------------------------------------- bounds
+
+
+def expert_parameters(model: ModelConfig) -> int:
+    """Parameters of the experts' FFNs (3 E h f per MoE layer), which ep divides."""
+    return model.num_layers * 3 * model.experts * model.hidden * model.ffn_hidden if model.experts else 0
+
+
+def memory_lower_bound(model: ModelConfig, cfg: Config, seq_len: int, dtype: str,
+                       sizes: tuple[int, int] | None = None) -> float:
+    """A bound no priced configuration goes below (module docstring), in bytes per rank. `sizes`:
+    (dense, expert) parameter counts, when the caller has them (the count walks the config)."""
+    state = state_bytes_for(dtype)
+    experts = expert_parameters(model) if sizes is None else sizes[1]
+    dense = model.num_parameters() - experts if sizes is None else sizes[0]
+    data = cfg.data_parallel * cfg.cp
+    states = sum(model_state_bytes(dense / (cfg.tp * cfg.pp), data, cfg.zero_stage, state))
+    if experts:
+        states += sum(model_state_bytes(experts / (cfg.tp * cfg.pp * cfg.ep), data // cfg.ep, cfg.zero_stage, state))
+    a_min = float(cfg.rank_microbatch) * seq_len * model.hidden * ITEMSIZE[dtype] / cfg.tp
+    return states + model.num_layers * a_min / cfg.pp
+
+
+def parameter_split(model: ModelConfig) -> tuple[int, int]:
+    """(dense, expert) parameter counts."""
+    experts = expert_parameters(model)
+    return model.num_parameters() - experts, experts
+
+
+@dataclass(frozen=True)
+class FlopsPerSequence:
+    """Per sequence of the captured graph: forward, backward, and what each recompute policy re-runs."""
+
+    forward: float
+    backward: float
+    selective: float
+    full: float
+
+    def per_microbatch(self, recompute: str) -> float:
+        extra = {"none": 0.0, "selective": self.selective, "full": self.full}[recompute]
+        return self.forward + self.backward + extra
+
+
+def time_lower_bound_s(cfg: Config, flops: FlopsPerSequence, flops_per_s: float) -> float:
+    """The pipeline formula at the mean stage, compute at `flops_per_s` (module docstring)."""
+    per_microbatch_s = float(cfg.rank_microbatch) * flops.per_microbatch(cfg.recompute) / cfg.tp / flops_per_s
+    return (cfg.num_microbatches + (cfg.pp - 1) / cfg.virtual_stages) * per_microbatch_s / cfg.pp
+
+
+def too_small_message(model: ModelConfig, cluster: ClusterSpec, seq_len: int, dtype: str, smallest: float,
+                      smallest_cfg: Config | None, bound: bool) -> str:
+    """The cluster cannot hold the model: by how much, and about how many GPUs would."""
+    state = state_bytes_for(dtype)
+    per_param = state.weight + state.grad + state.optimizer
+    have = cluster.device.memory_bytes
+    # everything sharded over every rank (ZeRO-3 over all of them), 10% left for activations and buffers
+    gpus = max(cluster.world_size + 1, math.ceil(per_param * model.num_parameters() / (0.9 * have)))
+    nodes = -(-gpus // cluster.gpus_per_node)
+    where = f" ({smallest_cfg.describe()})" if smallest_cfg else ""
+    return (f"{model.name} ({model.num_parameters() / 1e9:.1f} B parameters, {per_param:.0f} bytes each with Adam) "
+            f"does not fit {cluster.describe()}: the smallest configuration needs {'at least ' if bound else ''}"
+            f"{smallest / 1e9:.1f} GB per GPU{where} but each {cluster.device.name} has {have / 1e9:.1f} GB "
+            f"({(smallest - have) / 1e9:.1f} GB over). What would help: more GPUs (the nearest cluster that could "
+            f"work has about {gpus} GPUs: {nodes} nodes of {cluster.gpus_per_node}), or a shorter sequence than {seq_len}")
+
+
+def infeasible(model: ModelConfig, cluster: ClusterSpec, seq_len: int, dtype: str, smallest: float,
+               smallest_cfg: Config | None, bound: bool = True) -> InfeasibleError:
+    return InfeasibleError(too_small_message(model, cluster, seq_len, dtype, smallest, smallest_cfg, bound))

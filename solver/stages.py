@@ -1,0 +1,203 @@
+"""Pipeline stage partition: contiguous layer ranges that minimise the slowest stage under a memory limit.
+
+Arrays only (no torch, no graph). Per layer i in 0..L-1:
+
+    t[i]   seconds per microbatch (forward + backward + recompute + communication of the layer)
+    w[i]   static bytes: model states, which do not grow with the microbatches in flight
+    a[i]   activation bytes per microbatch in flight
+    p[i]   transient bytes needed only while the layer runs (full recompute's working set)
+
+The first stage also carries `first` (the embeddings) and the last stage `last` (final norm, head,
+loss), each a `Part` with the same four fields. Stage s of pp, holding layers [i, j) (at least one):
+
+    time(s, i, j)   = sum t[i:j] + overhead_s[s] + [s == 0] first.t + [s == pp-1] last.t
+    memory(s, i, j) = sum w[i:j] + f[s] * sum a[i:j] + max p[i:j] + extra_bytes[s]
+                      + [s == 0] (first.w + f[0] first.a) + [s == pp-1] (last.w + f[s] last.a)
+                      (the transient max also takes first.p / last.p on those stages)
+
+with f[s] the microbatches stage s keeps in flight (1F1B: min(m, pp - s)). The partition minimises
+max_s time(s) subject to memory(s) <= limit for every s.
+
+Dynamic program over (stage, end layer), O(pp L^2), vectorised over the start and end layers:
+
+    best[0][j] = time(0, 0, j)                                             if memory(0, 0, j) fits
+    best[s][j] = min_{s <= i < j} max(best[s-1][i], time(s, i, j))         over i where memory(s, i, j) fits
+
+Memory is compared with a relative tolerance of MEMORY_RTOL. The answer is best[pp-1][L]; ties go to the smallest start layer of each stage, walking back from the
+last, so the result is deterministic. `partition_brute_force` tries every composition (tests only).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from autoplan.errors import AutoplanError
+
+MEMORY_RTOL = 1e-9  # prefix-sum and direct sums of the same bytes differ in the last bits
+
+
+@dataclass(frozen=True)
+class Part:
+    """A piece pinned to a stage: time (s per microbatch), static, activation and transient bytes."""
+
+    time_s: float = 0.0
+    static_bytes: float = 0.0
+    activation_bytes: float = 0.0
+    transient_bytes: float = 0.0
+
+
+@dataclass(frozen=True, eq=False)
+class StageProblem:
+    """Inputs of one partition (module docstring); arrays of length L, per-stage arrays of length pp."""
+
+    layer_time_s: np.ndarray
+    layer_static_bytes: np.ndarray
+    layer_activation_bytes: np.ndarray
+    layer_transient_bytes: np.ndarray
+    in_flight: np.ndarray  # (pp,) microbatches of activations stage s keeps
+    memory_limit_bytes: float
+    first: Part = field(default_factory=Part)
+    last: Part = field(default_factory=Part)
+    overhead_s: np.ndarray | None = None  # (pp,) per-stage seconds per microbatch, e.g. p2p sends
+    extra_bytes: np.ndarray | None = None  # (pp,) per-stage bytes, e.g. temporary buffers
+
+    def __post_init__(self) -> None:
+        arrays = {}
+        for name in ("layer_time_s", "layer_static_bytes", "layer_activation_bytes", "layer_transient_bytes"):
+            arrays[name] = np.asarray(getattr(self, name), dtype=np.float64)
+        sizes = {a.shape for a in arrays.values()}
+        if len(sizes) != 1 or len(next(iter(sizes))) != 1 or next(iter(sizes))[0] < 1:
+            raise AutoplanError(f"stage problem: the four layer arrays must be 1-d of one length >= 1, got shapes "
+                                f"{[a.shape for a in arrays.values()]}")
+        pp = len(np.atleast_1d(self.in_flight))
+        arrays["in_flight"] = np.asarray(self.in_flight, dtype=np.float64).reshape(pp)
+        arrays["overhead_s"] = np.zeros(pp) if self.overhead_s is None else np.asarray(self.overhead_s, float)
+        arrays["extra_bytes"] = np.zeros(pp) if self.extra_bytes is None else np.asarray(self.extra_bytes, float)
+        for name in ("overhead_s", "extra_bytes"):
+            if arrays[name].shape != (pp,):
+                raise AutoplanError(f"stage problem: {name} must have one entry per stage ({pp}), got {arrays[name].shape}")
+        joined = np.concatenate(list(arrays.values()))
+        if not (np.isfinite(joined).all() and (joined >= 0).all()):
+            bad = [name for name, a in arrays.items() if not (np.isfinite(a).all() and (a >= 0).all())]
+            raise AutoplanError(f"stage problem: {', '.join(bad)} must be finite and >= 0, got "
+                                f"{[arrays[name].tolist() for name in bad]}")
+        for name, array in arrays.items():
+            array.setflags(write=False)
+            object.__setattr__(self, name, array)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.layer_time_s.shape[0])
+
+    @property
+    def num_stages(self) -> int:
+        return int(self.in_flight.shape[0])
+
+    def stage_time_s(self, stage: int, start: int, end: int) -> float:
+        """time(s, i, j) of the module docstring."""
+        pp = self.num_stages
+        total = float(self.layer_time_s[start:end].sum()) + float(self.overhead_s[stage])
+        return total + (self.first.time_s if stage == 0 else 0.0) + (self.last.time_s if stage == pp - 1 else 0.0)
+
+    def stage_memory_bytes(self, stage: int, start: int, end: int) -> float:
+        """memory(s, i, j) of the module docstring."""
+        pp, f = self.num_stages, float(self.in_flight[stage])
+        static = float(self.layer_static_bytes[start:end].sum()) + float(self.extra_bytes[stage])
+        act = float(self.layer_activation_bytes[start:end].sum())
+        transient = [float(self.layer_transient_bytes[start:end].max())] if end > start else [0.0]
+        for part, here in ((self.first, stage == 0), (self.last, stage == pp - 1)):
+            if here:
+                static, act = static + part.static_bytes, act + part.activation_bytes
+                transient.append(part.transient_bytes)
+        return static + f * act + max(transient)
+
+
+@dataclass(frozen=True)
+class StagePartition:
+    """Stage s holds layers [bounds[s], bounds[s + 1]); its time and memory as the problem defines them."""
+
+    bounds: tuple[int, ...]
+    stage_time_s: tuple[float, ...]
+    stage_memory_bytes: tuple[float, ...]
+
+    @property
+    def bottleneck_s(self) -> float:
+        return max(self.stage_time_s)
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        return tuple(zip(self.bounds[:-1], self.bounds[1:]))
+
+
+def evaluate_partition(problem: StageProblem, bounds: Sequence[int]) -> StagePartition:
+    """Times and memory of a given partition (bounds[0] = 0 < ... < bounds[pp] = L)."""
+    pp, L = problem.num_stages, problem.num_layers
+    bounds = tuple(int(b) for b in bounds)
+    if len(bounds) != pp + 1 or bounds[0] != 0 or bounds[-1] != L or any(b >= c for b, c in zip(bounds, bounds[1:])):
+        raise AutoplanError(f"bounds {list(bounds)} must rise strictly from 0 to {L} in {pp} steps")
+    ranges = list(zip(bounds[:-1], bounds[1:]))
+    return StagePartition(bounds, tuple(problem.stage_time_s(s, i, j) for s, (i, j) in enumerate(ranges)),
+                          tuple(problem.stage_memory_bytes(s, i, j) for s, (i, j) in enumerate(ranges)))
+
+
+def _range_tables(problem: StageProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """[i, j] tables over start i and end j (0..L): sums of t, w, a over [i, j) and max of p."""
+    L = problem.num_layers
+
+    def sums(values: np.ndarray) -> np.ndarray:
+        prefix = np.concatenate(([0.0], np.cumsum(values)))
+        return prefix[None, :] - prefix[:, None]
+
+    peak = np.zeros((L + 1, L + 1))
+    for i in range(L):
+        peak[i, i + 1:] = np.maximum.accumulate(problem.layer_transient_bytes[i:])
+    return (sums(problem.layer_time_s), sums(problem.layer_static_bytes), sums(problem.layer_activation_bytes), peak)
+
+
+def partition_stages(problem: StageProblem) -> StagePartition | None:
+    """The partition minimising the slowest stage under the memory limit (module docstring), or None
+    when no partition fits (or there are fewer layers than stages)."""
+    pp, L = problem.num_stages, problem.num_layers
+    if pp > L:
+        return None
+    times, static, act, peak = _range_tables(problem)
+    valid = np.triu(np.ones((L + 1, L + 1), dtype=bool), k=1)  # j > i: at least one layer
+    best = np.full(L + 1, np.inf)
+    best[0] = 0.0
+    choice = np.zeros((pp, L + 1), dtype=np.int64)
+    for s in range(pp):
+        time_s, memory, transient = times + problem.overhead_s[s], static + problem.extra_bytes[s], peak
+        parts = [(problem.first, s == 0), (problem.last, s == pp - 1)]
+        flight = problem.in_flight[s]
+        for part, here in parts:
+            if here:
+                time_s = time_s + part.time_s
+                memory = memory + part.static_bytes + flight * part.activation_bytes
+                transient = np.maximum(transient, part.transient_bytes)
+        fits = valid & (memory + flight * act + transient <= problem.memory_limit_bytes * (1 + MEMORY_RTOL))
+        candidate = np.where(fits, np.maximum(best[:, None], time_s), np.inf)
+        choice[s] = np.argmin(candidate, axis=0)
+        best = candidate[choice[s], np.arange(L + 1)]
+    if not np.isfinite(best[L]):
+        return None
+    bounds = [L]
+    for s in range(pp - 1, -1, -1):
+        bounds.append(int(choice[s][bounds[-1]]))
+    return evaluate_partition(problem, bounds[::-1])
+
+
+def partition_brute_force(problem: StageProblem) -> StagePartition | None:
+    """Every composition of L layers into pp non-empty stages (tests only); ties: the first found."""
+    pp, L = problem.num_stages, problem.num_layers
+    best: StagePartition | None = None
+    for cuts in itertools.combinations(range(1, L), pp - 1):
+        candidate = evaluate_partition(problem, (0, *cuts, L))
+        if any(m > problem.memory_limit_bytes * (1 + MEMORY_RTOL) for m in candidate.stage_memory_bytes):
+            continue
+        if best is None or candidate.bottleneck_s < best.bottleneck_s:
+            best = candidate
+    return best

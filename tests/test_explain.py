@@ -1,0 +1,83 @@
+"""explain / compare / side-by-side text, and their command-line entry points (tier 1)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from autoplan.explain import (add_compare_parser, add_explain_parser, add_search_options, cmd_compare, cmd_explain,
+                              compare_plans, explain_plan, op_family, op_family_costs, save_top, search_report,
+                              side_by_side)
+from autoplan.mesh import MeshShape
+from autoplan.models import get_model_config
+from autoplan.planner import capture_model, estimate, search_plans
+
+
+@pytest.fixture(scope="module")
+def plans():
+    kwargs = dict(zero_stage=1, recompute="selective")
+    fast = estimate("gpt3-1.3b", "2x8xh100", 64, 1024, mesh=MeshShape(dp=16), microbatch_size=2, **kwargs)
+    slow = estimate("gpt3-1.3b", "2x8xh100", 64, 1024, mesh=MeshShape(pp=4, dp=2, tp=2), microbatch_size=1, **kwargs)
+    return fast, slow
+
+
+def test_explain_shows_time_memory_stages_and_op_families(plans):
+    text = explain_plan(plans[1])
+    for part in ("compute", "communication (exposed)", "pipeline bubble", "optimizer", "parameters", "gradients",
+                 "optimizer states", "activations", "temporary buffers", "stage 3: layers", "per op family"):
+        assert part in text
+    assert "layers.*.mlp_fc" in text and "column" in text  # the ILP's tp strategies, by family
+
+
+def test_op_family_costs_add_up_to_the_plan_compute(plans):
+    plan = plans[0]
+    config = get_model_config("gpt3-1.3b")
+    rows = op_family_costs(plan, capture_model(config, 1024), config)
+    per_microbatch = sum(r[3] + r[4] for r in rows)
+    recompute = plan.predicted.time.compute_s / plan.num_microbatches - per_microbatch
+    assert 0 <= recompute < 0.1 * per_microbatch  # selective recompute re-runs a little of the forward
+    assert op_family("layers_12_attn_q_proj") == "layers.*.attn_q_proj" and op_family("add_7") == "add"
+
+
+def test_compare_says_which_is_faster_and_why(plans):
+    fast, slow = plans
+    text = compare_plans(slow, fast, ("piped", "flat"))
+    ratio = slow.predicted.step_time_s / fast.predicted.step_time_s
+    assert f"verdict: flat is {ratio:.2f}x faster than piped" in text
+    lines = text.splitlines()
+    assert any(line.split()[:1] == ["pp"] and line.split()[1:] == ["4", "1"] for line in lines)
+    # the time parts are listed largest difference first
+    start = lines.index(next(line for line in lines if line.startswith("step time by part"))) + 3
+    diffs = [float(line.split()[-2].lstrip("+-").replace(",", "")) * (1e-3 if line.endswith("ms") else 1)
+             for line in lines[start:start + 4]]
+    assert diffs == sorted(diffs, reverse=True)
+    assert "why: the largest difference is" in text
+
+
+def test_side_by_side_and_search_report():
+    result = search_plans("tiny-llama", "1x8xh100", 32, 64, top=2)
+    text = search_report(result, ["all"])
+    assert text.splitlines()[0].split()[:3] == ["plan", "mesh", "microbatch"]
+    assert "#1" in text and "#2" in text and "megatron" in text and "fsdp" in text
+    assert "intra-op solves" in text.splitlines()[-1]
+    assert "why none" in side_by_side([("x", None, "why none")])
+
+
+def test_command_line_entry_points(plans, tmp_path, capsys):
+    fast, slow = plans
+    fast.save(tmp_path / "fast.json")
+    slow.save(tmp_path / "slow.json")
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    add_explain_parser(sub)
+    add_compare_parser(sub)
+    add_search_options(sub.add_parser("search"))
+    assert cmd_explain(parser.parse_args(["explain", str(tmp_path / "fast.json"), "--no-ops"])) == 0
+    assert "step time" in capsys.readouterr().out
+    assert cmd_compare(parser.parse_args(["compare", str(tmp_path / "slow.json"), str(tmp_path / "fast.json")])) == 0
+    assert "verdict: fast is" in capsys.readouterr().out
+    args = parser.parse_args(["search", "--top", "3", "--baseline", "megatron", "--save-top", str(tmp_path)])
+    assert (args.top, args.baseline, args.save_top) == (3, ["megatron"], str(tmp_path))
+    result = search_plans("tiny-gpt", "1x4xh100", 16, 64, top=2)
+    assert [p.rsplit("/", 1)[-1] for p in save_top(result, str(tmp_path))] == ["plan-1.json", "plan-2.json"]

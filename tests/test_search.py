@@ -1,0 +1,200 @@
+"""The outer search: pipeline, context and expert parallelism, bounds, baselines, top-K, bad input (tiers 1-2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from fractions import Fraction
+
+import pytest
+
+from autoplan.cluster import ClusterSpec, parse_cluster
+from autoplan.cost_model.comm import AxisGroup
+from autoplan.cost_model.parallel_dims import axes_group, expert_all_to_all_s, ulysses_all_to_all_s
+from autoplan.errors import ConfigError, InfeasibleError
+from autoplan.mesh import MeshShape
+from autoplan.models.config import ModelConfig
+from autoplan.outer_search import (VARIANT_ILP, VARIANT_MEGATRON, ProgressMessage, SearchContext,
+                                   run_search)
+from autoplan.plan import Plan
+from autoplan.planner import estimate, search_plans
+from autoplan.search_space import Config, SearchOptions, enumerate_configs, memory_lower_bound, time_lower_bound_s
+
+MID = ModelConfig("mid-llama", "llama", 8, 1024, 16, 4, 2816, 32000, 8192, rope_theta=500000.0)
+MID_MOE = ModelConfig("mid-moe", "moe", 4, 1024, 16, 4, 1024, 32000, 8192, experts=8, top_k=2)
+OPTIONS = SearchOptions(max_microbatch_size=4, virtual_stages=(2,), zero_stages=(0, 1, 3))
+
+
+def small_gpus(nodes: int, memory_gb: float) -> ClusterSpec:
+    """H100 nodes with less memory, so that the mid-sized models need pipelining or recompute."""
+    h100 = parse_cluster(f"{nodes}x8xh100")
+    return dataclasses.replace(h100, device=dataclasses.replace(h100.device, memory_bytes=memory_gb * 1e9))
+
+
+@pytest.fixture(scope="module")
+def mid() -> SearchContext:
+    return SearchContext(MID, small_gpus(2, 0.6), 64, 4096)
+
+
+def _price_everything(ctx: SearchContext, options: SearchOptions) -> list:
+    """Every configuration with every strategy variant, the fitting ones ranked (the brute-force reference)."""
+    best: dict[Config, object] = {}
+    for cfg in enumerate_configs(ctx.config, ctx.cluster, ctx.global_batch, ctx.seq_len, options):
+        for variant in (VARIANT_ILP, VARIANT_MEGATRON) if cfg.tp > 1 else (VARIANT_ILP,):
+            priced = ctx.price(cfg, variant)
+            if priced.fits and (cfg not in best or priced.rank_key() < best[cfg].rank_key()):
+                best[cfg] = priced
+    return sorted(best.values(), key=lambda p: p.rank_key())
+
+
+def test_branch_and_bound_equals_pricing_everything(mid):
+    result = run_search(MID, mid.cluster, 64, 4096, top=3, options=OPTIONS)
+    reference = _price_everything(mid, OPTIONS)[:3]
+    assert [p.config for p in result.priced] == [p.config for p in reference]
+    assert [p.step_time_s for p in result.priced] == pytest.approx([p.step_time_s for p in reference], rel=1e-12)
+    assert result.stats.pruned_by_time > 0 and result.stats.priced < len(enumerate_configs(MID, mid.cluster, 64, 4096, OPTIONS))
+    # 0.6 GB per GPU: the best plans pipeline, split the sequence and recompute
+    best = result.plans[0]
+    assert best.mesh.pp > 1 and best.mesh.cp > 1 and best.recompute == "full"
+
+
+def test_bounds_never_exceed_the_priced_values(mid):
+    configs = enumerate_configs(MID, mid.cluster, 64, 4096, SearchOptions(max_microbatch_size=4))
+    flops = mid.flops_per_sequence()
+    rate = mid.cluster.device.peak_flops_for("bfloat16") * mid.efficiency.matmul
+    for cfg in random.Random(0).sample(configs, 60):
+        priced = mid.price(cfg)
+        assert memory_lower_bound(MID, cfg, 4096, "bfloat16") <= priced.peak_memory_bytes * (1 + 1e-9)
+        assert time_lower_bound_s(cfg, flops, rate) <= priced.step_time_s * (1 + 1e-9)
+        block = mid.block(cfg.tp, cfg.rank_microbatch)
+        assert mid.steps.lower_bound_s(block, cfg) <= priced.step_time_s * (1 + 1e-9)
+
+
+def test_parts_add_up_to_the_intra_op_objective(mid):
+    block = mid.block(4, Fraction(1))
+    assert block.total_s("none") == pytest.approx(mid.solution(4, 1).solution.cost.total_s, rel=1e-9)
+    assert len(block.distinct) <= 2 and block.num_layers == MID.num_layers  # identical layers priced once
+
+
+def test_pipeline_step_follows_the_1f1b_and_interleaved_formulas(mid):
+    for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
+        cfg = Config(tp=2, cp=1, pp=4, ep=1, dp=2, microbatch_size=1, num_microbatches=32, zero_stage=1,
+                     recompute="selective", schedule=schedule, virtual_stages=v)
+        priced = mid.price(cfg)
+        t = priced.stage_time_s
+        assert priced.time.bubble_s == pytest.approx((sum(t) - max(t)) / v)
+        assert priced.time.compute_s + priced.time.communication_s >= 32 * max(t) * (1 - 1e-9)
+        ranges = sorted((a, b) for _, _, a, b in priced.stages)
+        assert len(ranges) == 4 * v and ranges[0][0] == 0 and ranges[-1][1] == 8
+        assert all(b == c for (_, b), (c, _) in zip(ranges, ranges[1:]))  # they tile the layers
+        if v > 1:  # interleaving splits the layers uniformly
+            assert ranges == [(k, k + 1) for k in range(8)]
+
+
+def test_pipeline_plan_round_trips_with_its_stages():
+    plan = estimate(MID, small_gpus(2, 80.0), 64, 4096, mesh=MeshShape(pp=4, dp=2, tp=2), microbatch_size=1,
+                    zero_stage=1, recompute="selective", schedule="interleaved-1f1b", virtual_stages=2)
+    assert plan.schedule == "interleaved-1f1b" and len(plan.stages) == 8 and {s.chunk for s in plan.stages} == {0, 1}
+    assert plan.predicted.time.bubble_s > 0
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_pipelining_buys_memory_and_keeps_more_microbatches_on_the_first_stage(mid):
+    base = Config(tp=2, cp=1, pp=1, ep=1, dp=8, microbatch_size=1, num_microbatches=8, zero_stage=0, recompute="none")
+    piped = dataclasses.replace(base, pp=4, dp=2, num_microbatches=32)
+    flat, deep = mid.price(base), mid.price(piped)
+    assert deep.memory.parameters_bytes < 0.5 * flat.memory.parameters_bytes  # the embedding weighs on stage 0
+    assert deep.stage_memory_bytes[0] > deep.stage_memory_bytes[2]  # 4 microbatches in flight vs 2
+
+
+def test_context_parallel_splits_the_sequence_and_pays_all_to_alls():
+    ctx = SearchContext(MID, small_gpus(2, 80.0), 16, 8192)
+    one = Config(tp=2, cp=1, pp=1, ep=1, dp=8, microbatch_size=1, num_microbatches=2, zero_stage=1, recompute="none")
+    two = dataclasses.replace(one, cp=2, dp=4, num_microbatches=4)
+    p1, p2 = ctx.price(one), ctx.price(two)
+    assert p2.memory.activations_bytes == pytest.approx(p1.memory.activations_bytes / 2, rel=0.05)
+    # Ulysses: 4 all-to-alls forward and 4 backward per layer, on q (and output) and k, v widths per tp rank
+    group = axes_group(two.mesh, ("cp",), 8)
+    assert group == AxisGroup(2, 1, 2)
+    per_layer = ulysses_all_to_all_s(8192, 1024 / 2, max(256 / 2, 2 * 64), 2, ctx.cluster, group)
+    block = ctx.block(2, Fraction(1, 2))
+    extra = ctx.steps.times(block, two).time - (block.arrays("none")["compute"] + block.arrays("none")["comm"])
+    assert extra == pytest.approx([per_layer] * MID.num_layers)
+
+
+def test_expert_parallel_divides_expert_weights_and_pays_dispatch():
+    ctx = SearchContext(MID_MOE, small_gpus(1, 80.0), 16, 2048)
+    one = Config(tp=1, cp=1, pp=1, ep=1, dp=8, microbatch_size=1, num_microbatches=2, zero_stage=0, recompute="none")
+    four = dataclasses.replace(one, ep=4, dp=2)
+    p1, p4 = ctx.price(one), ctx.price(four)
+    experts = 3 * MID_MOE.experts * MID_MOE.hidden * MID_MOE.ffn_hidden * MID_MOE.num_layers
+    assert p1.memory.parameters_bytes - p4.memory.parameters_bytes == pytest.approx(2 * experts * 3 / 4)
+    dispatch = expert_all_to_all_s(2048, MID_MOE.hidden, MID_MOE.top_k, 2, ctx.cluster, axes_group(four.mesh, ("ep",), 8))
+    block = ctx.block(1, Fraction(1))
+    assert ctx.steps.times(block, four).total_s - ctx.steps.times(block, one).total_s == pytest.approx(
+        MID_MOE.num_layers * dispatch)
+    result = search_plans(MID_MOE, small_gpus(1, 80.0), 16, 2048, options=SearchOptions(max_microbatch_size=2))
+    assert result.plans[0].mesh.ep == result.priced[0].config.ep  # ep configurations are written as Plans too
+
+
+def test_baselines_follow_their_recipes_and_never_beat_the_search(mid):
+    result = run_search(MID, small_gpus(2, 80.0), 64, 4096, options=SearchOptions(max_microbatch_size=4))
+    by_name = {b.name: b for b in result.baselines}
+    megatron, fsdp = by_name["megatron"].plan, by_name["fsdp"].plan
+    assert megatron.mesh.tp == 4 and megatron.mesh.cp == 1  # 8 GPUs per node capped by kv_heads = 4
+    assert (megatron.microbatch_size, megatron.recompute, megatron.schedule) == (1, "selective", "1f1b")
+    assert megatron.op("layers_0_attn_o_proj").strategy == "row_sp"  # sequence parallelism
+    assert (fsdp.mesh.tp, fsdp.mesh.pp, fsdp.mesh.dp, fsdp.zero_stage) == (1, 1, 16, 3)
+    best = result.plans[0].predicted.step_time_s
+    assert best <= megatron.predicted.step_time_s and best <= fsdp.predicted.step_time_s
+
+
+def test_top_k_is_distinct_ordered_and_deterministic():
+    kwargs = dict(top=4, options=SearchOptions(max_microbatch_size=4))
+    first = search_plans("tiny-llama", "1x8xh100", 32, 64, **kwargs)
+    again = search_plans("tiny-llama", "1x8xh100", 32, 64, **kwargs)
+    assert len(first.plans) == 4
+    times = [p.predicted.step_time_s for p in first.plans]
+    assert times == sorted(times)
+    keys = {(str(p.mesh), p.microbatch_size, p.zero_stage, p.recompute, p.schedule) for p in first.plans}
+    assert len(keys) == 4
+    assert [p.to_json()["mesh"] for p in first.plans] == [p.to_json()["mesh"] for p in again.plans]
+
+
+def test_progress_messages_count_the_keys():
+    messages: list[str] = []
+    search_plans("tiny-gpt", "1x4xh100", 16, 64, progress=messages.append)
+    counted = [m for m in messages if isinstance(m, ProgressMessage) and m.total]
+    assert counted and all(0 < m.done <= m.total for m in counted)
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def test_batch_not_divisible_names_the_nearest_batches():
+    with pytest.raises(ConfigError, match=r"global batch 1000 is not divisible by dp=128; nearest that work: 896, 1024"):
+        estimate("gpt3-1.3b", "16x8xh100", 1000, 2048, mesh=MeshShape(dp=128, tp=1), microbatch_size=1,
+                 zero_stage=1, recompute="none")
+
+
+def test_heads_not_divisible_by_tp_names_tp_values_that_work():
+    with pytest.raises(ConfigError, match=r"tp=8 does not divide the attention heads \(heads=4, kv_heads=2\); "
+                                          r"nearest tp that work: 1, 2"):
+        estimate("tiny-llama", "1x8xh100", 8, 64, mesh=MeshShape(dp=1, tp=8), microbatch_size=1, zero_stage=0,
+                 recompute="none")
+
+
+def test_sequence_too_short_for_cp_says_what_would_work():
+    with pytest.raises(ConfigError, match=r"sequence 2048 is too short for cp=4.*use cp <= 2 or a sequence of at least 4096"):
+        estimate(MID, "1x8xh100", 8, 2048, mesh=MeshShape(dp=2, cp=4), microbatch_size=1, zero_stage=0,
+                 recompute="none")
+
+
+def test_cluster_too_small_says_how_many_gpus_would_do():
+    with pytest.raises(InfeasibleError, match=r"more GPUs .*about \d+ GPUs"):
+        search_plans("gpt3-13b", "1x2xh100", 8, 2048)
+
+
+def test_unsplittable_batch_in_the_search_names_batches_that_work():
+    with pytest.raises(ConfigError, match=r"global batch 7 is not divisible by dp=2.*nearest that work: 6, 8"):
+        search_plans("tiny-gpt", "4x2xh100", 7, 64)  # tp <= 2 GPUs per node, pp <= 2 layers: dp >= 2

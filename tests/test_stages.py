@@ -1,0 +1,117 @@
+"""Stage partition DP and pipeline formulas (tier 1: arrays only), against brute force."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from autoplan.cluster import parse_cluster
+from autoplan.cost_model.pipeline import (in_flight_microbatches, interleaved_chunks, p2p_per_microbatch_s,
+                                          pipeline_time_s)
+from autoplan.errors import AutoplanError, ConfigError
+from autoplan.mesh import MeshShape
+from autoplan.solver.stages import (Part, StageProblem, evaluate_partition, partition_brute_force,
+                                    partition_stages)
+
+
+def random_problem(rng: np.random.Generator, layers: int, pp: int, tight: float) -> StageProblem:
+    """Random layers; the memory limit a fraction `tight` of the way from the smallest to the largest need."""
+    in_flight = np.array([float(min(4, pp - s)) for s in range(pp)])
+    problem = StageProblem(rng.uniform(0.5, 2.0, layers), rng.uniform(0, 3, layers), rng.uniform(0, 1, layers),
+                           rng.uniform(0, 2, layers) * rng.integers(0, 2), in_flight, np.inf,
+                           Part(rng.uniform(0, 2), rng.uniform(0, 3), rng.uniform(0, 1)),
+                           Part(rng.uniform(0, 3), rng.uniform(0, 3), rng.uniform(0, 2), rng.uniform(0, 1)),
+                           rng.uniform(0, 0.1, pp), rng.uniform(0, 1, pp))
+    unconstrained = partition_brute_force(problem)
+    low = min(max(evaluate_partition(problem, (0, *cuts, layers)).stage_memory_bytes)
+              for cuts in __import__("itertools").combinations(range(1, layers), pp - 1))
+    limit = low + tight * (max(unconstrained.stage_memory_bytes) - low)
+    return StageProblem(problem.layer_time_s, problem.layer_static_bytes, problem.layer_activation_bytes,
+                        problem.layer_transient_bytes, in_flight, limit, problem.first, problem.last,
+                        problem.overhead_s, problem.extra_bytes)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_dp_matches_brute_force_on_random_arrays(seed):
+    rng = np.random.default_rng(seed)
+    layers, pp = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+    if pp > layers:
+        assert partition_stages(StageProblem(np.ones(layers), np.ones(layers), np.ones(layers), np.zeros(layers),
+                                             np.ones(pp), np.inf)) is None
+        return
+    problem = random_problem(rng, layers, pp, tight=float(rng.uniform(-0.2, 1.2)))
+    fast, slow = partition_stages(problem), partition_brute_force(problem)
+    assert (fast is None) == (slow is None)
+    if fast is None:
+        return
+    assert fast.bottleneck_s == pytest.approx(slow.bottleneck_s, rel=1e-12)
+    assert max(fast.stage_memory_bytes) <= problem.memory_limit_bytes * (1 + 1e-12)
+    assert fast == evaluate_partition(problem, fast.bounds)  # times and memory as the problem defines them
+
+
+def test_uniform_layers_split_evenly_and_the_head_pushes_layers_forward():
+    problem = StageProblem(np.ones(8), np.zeros(8), np.zeros(8), np.zeros(8), np.ones(4), np.inf)
+    assert partition_stages(problem).bounds == (0, 2, 4, 6, 8)
+    heavy_head = StageProblem(np.ones(8), np.zeros(8), np.zeros(8), np.zeros(8), np.ones(2), np.inf,
+                              last=Part(time_s=2.0))
+    assert partition_stages(heavy_head).bounds == (0, 5, 8)  # 5 | 3 + 2
+
+
+def test_memory_limit_moves_layers_off_the_first_stage():
+    """1F1B: stage 0 keeps pp microbatches, the last keeps one, so memory pushes layers backwards."""
+    pp, layers = 2, 6
+    problem = StageProblem(np.ones(layers), np.zeros(layers), np.ones(layers), np.zeros(layers),
+                           np.array([in_flight_microbatches(s, pp, 8) for s in range(pp)]), 4.0)
+    partition = partition_stages(problem)
+    assert partition.bounds == (0, 2, 6)  # 2 layers x 2 in flight = 4 <= 4; 4 x 1 = 4
+    assert partition.stage_memory_bytes == (4.0, 4.0)
+    assert partition_stages(StageProblem(**{**problem.__dict__, "memory_limit_bytes": 3.0})) is None
+
+
+def test_bad_arrays_are_refused():
+    with pytest.raises(AutoplanError, match="one length"):
+        StageProblem(np.ones(3), np.ones(2), np.ones(3), np.ones(3), np.ones(1), 1.0)
+    with pytest.raises(AutoplanError, match="finite and >= 0"):
+        StageProblem(-np.ones(3), np.ones(3), np.ones(3), np.ones(3), np.ones(1), 1.0)
+    with pytest.raises(AutoplanError, match="rise strictly"):
+        evaluate_partition(StageProblem(np.ones(3), np.ones(3), np.ones(3), np.ones(3), np.ones(2), 1.0), (0, 3, 3))
+
+
+# ------------------------------------------------------------------------------ pipeline formulas
+
+
+def test_1f1b_and_interleaved_step_formulas():
+    t, m, pp = 0.1, 8, 4
+    steady, bubble = pipeline_time_s([t] * pp, m)
+    assert steady + bubble == pytest.approx((m + pp - 1) * t)  # 1F1B
+    steady, bubble = pipeline_time_s([t] * pp, m, virtual_stages=2)
+    assert steady + bubble == pytest.approx((m + (pp - 1) / 2) * t)  # interleaved: bubble / v
+    steady, bubble = pipeline_time_s([0.1, 0.3], 4)
+    assert (steady, bubble) == pytest.approx((4 * 0.3, 0.1))  # the slowest stage sets the pace
+
+
+def test_in_flight_microbatches():
+    assert [in_flight_microbatches(s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight_microbatches(s, 4, 2) for s in range(4)] == [2, 2, 2, 1]  # capped by m
+    # interleaved, stage 0: pp (1 + (pp - 1) / (pp v)) (Korthikanti et al. 2022)
+    assert in_flight_microbatches(0, 4, 16, 2) == pytest.approx(4 * (1 + 3 / 8))
+    assert in_flight_microbatches(3, 4, 16, 2) < in_flight_microbatches(0, 4, 16, 2)
+    with pytest.raises(ConfigError):
+        in_flight_microbatches(4, 4, 8)
+
+
+def test_interleaved_chunks_tile_the_layers():
+    chunks = interleaved_chunks(16, 4, 2)
+    assert [(s, c, a, b) for s, c, a, b in chunks if s == 1] == [(1, 0, 2, 4), (1, 1, 10, 12)]
+    assert sorted((a, b) for _, _, a, b in chunks) == [(k * 2, k * 2 + 2) for k in range(8)]
+    with pytest.raises(ConfigError, match="divisible"):
+        interleaved_chunks(10, 4, 2)
+
+
+def test_p2p_crosses_the_link_of_the_pp_axis():
+    cluster = parse_cluster("2x8xh100")  # NVLink 450 GB/s 5 us; NDR 50 GB/s 10 us
+    assert p2p_per_microbatch_s(1e9, cluster, MeshShape(dp=16)) == 0.0
+    across = p2p_per_microbatch_s(1e9, cluster, MeshShape(pp=2, tp=8))
+    inside = p2p_per_microbatch_s(1e9, cluster, MeshShape(pp=2, dp=2, tp=4, order=("dp", "pp", "ep", "cp", "tp")))
+    assert across == pytest.approx(2 * (1e9 / 50e9 + 10e-6))
+    assert inside == pytest.approx(2 * (1e9 / 450e9 + 5e-6))
