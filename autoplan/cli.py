@@ -2,7 +2,11 @@
 
     autoplan search --model gpt3-175b --cluster 128x8xh100 --global-batch 1536 --seq 2048 -o plan.json
     autoplan search --model-config my_model.yaml --cluster cluster.yaml --global-batch 64 --seq 4096 --json
+    autoplan search ... --top 5 --baseline megatron      # the best plans side by side, and the baselines
+    autoplan estimate --model gpt3-175b --cluster 128x8xa100 --tp 8 --pp 16 --mbs 1 --global-batch 1536 --seq 2048
     autoplan show plan.json
+    autoplan explain plan.json                # where the time and memory go
+    autoplan compare a.json b.json            # why one plan beats the other
     autoplan models
     autoplan profile -o profile.json          # measure this machine (under torchrun: collectives too)
 
@@ -19,9 +23,7 @@ from autoplan.errors import AutoplanError
 
 def _search_parser(sub) -> None:
     p = sub.add_parser("search", help="find the fastest plan for a model on a cluster and write it")
-    model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model", help="a known model name (see `autoplan models`)")
-    model.add_argument("--model-config", metavar="FILE", help="a model-config file (JSON or YAML)")
+    _model_options(p)
     p.add_argument("--cluster", required=True, help="NODESxGPUSxDEVICE (e.g. 128x8xh100) or a cluster YAML/JSON file")
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
@@ -30,6 +32,34 @@ def _search_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the plan JSON to stdout instead of the tables")
     p.add_argument("--no-fold", action="store_true", help="solve the unfolded graph (slower; for comparison)")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit per solve, seconds")
+    from autoplan.explain import add_search_options
+
+    add_search_options(p)
+
+
+def _model_options(p) -> None:
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", help="a known model name (see `autoplan models`)")
+    model.add_argument("--model-config", metavar="FILE", help="a model-config file (JSON or YAML)")
+
+
+def _estimate_parser(sub) -> None:
+    p = sub.add_parser("estimate", help="price one configuration you give (how fast would my config be?)")
+    _model_options(p)
+    p.add_argument("--cluster", required=True, help="NODESxGPUSxDEVICE (e.g. 128x8xh100) or a cluster YAML/JSON file")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    for axis in ("tp", "pp", "cp", "ep"):
+        p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} degree (default 1)")
+    p.add_argument("--dp", type=int, help="dp degree (default: world / (tp pp cp ep))")
+    p.add_argument("--mbs", type=int, default=1, help="microbatch size (default 1)")
+    p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage (default 1)")
+    p.add_argument("--recompute", default="selective", choices=("none", "selective", "full"))
+    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "interleaved-1f1b"))
+    p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("-o", "--output", metavar="FILE", help="write the priced plan JSON here")
+    p.add_argument("--json", action="store_true", help="print only the `predicted` block as JSON")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,8 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("plan", help="a plan JSON file written by `autoplan search`")
     show.add_argument("--json", action="store_true", help="print the validated plan JSON")
     sub.add_parser("models", help="list the known model names and their shapes")
+    _estimate_parser(sub)
+    from autoplan.explain import add_compare_parser, add_explain_parser
     from autoplan.profiler.cli import add_profile_parser
 
+    add_explain_parser(sub)
+    add_compare_parser(sub)
     add_profile_parser(sub)
     return parser
 
@@ -54,23 +88,59 @@ def _load_model_config(args):
 
 def cmd_search(args) -> int:
     from autoplan.cluster import parse_cluster
-    from autoplan.planner import search
+    from autoplan.explain import save_top, search_progress, search_report
+    from autoplan.planner import search_plans
 
     config = _load_model_config(args)
     cluster = parse_cluster(args.cluster)
-    if args.global_batch < 1 or args.seq < 1:
-        raise AutoplanError(f"--global-batch ({args.global_batch}) and --seq ({args.seq}) must be positive integers")
-    plan = search(config, cluster, args.global_batch, args.seq, dtype=args.dtype, fold=not args.no_fold, time_limit_s=args.time_limit)
+    if args.global_batch < 1 or args.seq < 1 or args.top < 1:
+        raise AutoplanError(f"--global-batch ({args.global_batch}), --seq ({args.seq}) and --top ({args.top}) must be positive")
+    with search_progress() as progress:
+        result = search_plans(config, cluster, args.global_batch, args.seq, top=args.top, dtype=args.dtype,
+                              fold=not args.no_fold, time_limit_s=args.time_limit, progress=progress)
+    plan = result.plans[0]
+    if args.output:
+        plan.save(args.output)
+    if args.save_top:
+        save_top(result, args.save_top)
+    if args.json:
+        print(plan.dumps())
+        return 0
+    from autoplan.report import render_plan
+
+    render_plan(plan)
+    if args.top > 1 or args.baseline:
+        print(search_report(result, args.baseline))
+    if args.output:
+        print(f"plan written to {args.output}")
+    return 0
+
+
+def cmd_estimate(args) -> int:
+    import json
+
+    from autoplan.cluster import parse_cluster
+    from autoplan.mesh import MeshShape
+    from autoplan.planner import estimate
+
+    config = _load_model_config(args)
+    cluster = parse_cluster(args.cluster)
+    others = args.tp * args.pp * args.cp * args.ep
+    dp = args.dp if args.dp is not None else cluster.world_size // others
+    if dp < 1 or dp * others != cluster.world_size:
+        raise AutoplanError(f"tp {args.tp} x pp {args.pp} x cp {args.cp} x ep {args.ep} x dp {dp} != world size "
+                            f"{cluster.world_size} of {cluster.describe()}; pick degrees whose product is {cluster.world_size}")
+    mesh = MeshShape(pp=args.pp, dp=dp, tp=args.tp, cp=args.cp, ep=args.ep)
+    plan = estimate(config, cluster, args.global_batch, args.seq, mesh=mesh, microbatch_size=args.mbs, zero_stage=args.zero,
+                    recompute=args.recompute, dtype=args.dtype, schedule=args.schedule, virtual_stages=args.virtual_stages)
     if args.output:
         plan.save(args.output)
     if args.json:
-        print(plan.dumps())
-    else:
-        from autoplan.report import render_plan
+        print(json.dumps(plan.to_json()["predicted"], indent=1))
+        return 0
+    from autoplan.report import render_plan
 
-        render_plan(plan)
-        if args.output:
-            print(f"plan written to {args.output}")
+    render_plan(plan)
     return 0
 
 
@@ -106,9 +176,11 @@ def cmd_models(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from autoplan.explain import cmd_compare, cmd_explain
     from autoplan.profiler.cli import cmd_profile
 
-    handlers = {"search": cmd_search, "show": cmd_show, "models": cmd_models, "profile": cmd_profile}
+    handlers = {"search": cmd_search, "estimate": cmd_estimate, "show": cmd_show, "models": cmd_models,
+                "explain": cmd_explain, "compare": cmd_compare, "profile": cmd_profile}
     try:
         return handlers[args.command](args)
     except AutoplanError as exc:
