@@ -1,0 +1,582 @@
+"""Conversion of an exported Hugging Face ATen graph into autoplan's `NodeInfo` records.
+
+`autoplan.capture_hf` exports the model; this module groups and classifies the ATen nodes (fused
+attention cores, norms, activations, cross-entropy; views; routing ops), fixes the batch-leading
+layout, and prices each node. The groupings, op kinds, layout and cost formulas are documented in
+`autoplan.capture_hf`'s module docstring.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autoplan.capture import NodeInfo, TensorMeta
+
+MATMUL_TARGETS = frozenset({"linear", "addmm", "mm", "matmul", "bmm", "baddbmm", "_grouped_mm",
+                            "grouped_mm", "grouped_mm_fallback"})
+ATTENTION_TARGETS = frozenset({"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                               "_scaled_dot_product_flash_attention_for_cpu",
+                               "_scaled_dot_product_efficient_attention",
+                               "_scaled_dot_product_cudnn_attention"})
+NORM_TARGETS = frozenset({"layer_norm", "rms_norm", "native_layer_norm"})
+LOSS_TARGETS = frozenset({"cross_entropy_loss", "cross_entropy"})
+NLL_TARGETS = frozenset({"nll_loss", "nll_loss_nd", "nll_loss2d"})
+EXTRA_ELEMENTWISE = frozenset({"to", "_to_copy", "type_as", "dropout", "native_dropout", "__and__",
+                               "__or__", "__xor__", "floor_divide", "float", "bitwise_not"})
+RESHAPES = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze",
+                      "unsqueeze", "view_as", "reshape_as"})
+COPIES = frozenset({"contiguous", "clone", "alias", "lift_fresh_copy", "detach"})
+PERMUTES = frozenset({"transpose", "t", "permute", "swapaxes", "movedim"})
+SPLITS = frozenset({"split", "split_with_sizes", "chunk", "unbind", "tensor_split"})
+VIEW_OTHERS = frozenset({"expand", "expand_as", "slice", "narrow", "select", "cat", "concat"})
+REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "prod", "cumsum", "var",
+                        "std", "any", "all", "histc", "logsumexp", "argmax", "argmin", "topk",
+                        "sort", "argsort", "bincount"})
+SOFTMAX = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"})
+GATHERS = frozenset({"index", "index_select", "gather", "take_along_dim", "index_put",
+                     "index_put_", "scatter", "scatter_add", "scatter_add_", "index_add",
+                     "index_add_", "one_hot", "masked_select"})
+SKIPPED = frozenset({"_assert_tensor_metadata", "_assert_scalar", "_assert_async",
+                     "sym_constrain_range_for_size", "sym_constrain_range"})
+NORM_CLASS = re.compile(r"(RMSNorm|LayerNorm)$", re.IGNORECASE)
+ACTIVATION_CLASS = re.compile(r"(GELU|SiLU|ReLU|Tanh|Mish|Activation)", re.IGNORECASE)
+LAYER_PATH = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
+FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+# ---------------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class HfLayout:
+    """Batch-leading layout of token-flattened tensors (module docstring)."""
+
+    batch: int
+    seq: int
+    top_k: int
+
+    def flattened(self, shape: tuple[int, ...]) -> bool:
+        rows = {self.batch * self.seq * k for k in {1, max(self.top_k, 1)}}
+        return len(shape) >= 1 and shape[0] != self.batch and shape[0] in rows
+
+    def shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.flattened(shape):
+            return (self.batch, shape[0] // self.batch, *shape[1:])
+        return shape
+
+    def dim(self, shape: tuple[int, ...], dim: int) -> int | None:
+        """The canonical dim of real dim `dim` (None: the flattened token dim, which is two)."""
+        dim = dim % len(shape) if shape else 0
+        if not self.flattened(shape):
+            return dim
+        return None if dim == 0 else dim + 1
+
+
+def _meta(value: object, layout: HfLayout) -> TensorMeta | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    return TensorMeta(layout.shape(tuple(int(s) for s in value.shape)), str(value.dtype).removeprefix("torch."))
+
+
+def _target_name(n: fx.Node) -> str:
+    if n.target is operator.getitem:
+        return "getitem"
+    name = getattr(n.target, "_opname", None) or getattr(n.target, "__name__", str(n.target))
+    return name.split(".")[0]
+
+
+def _clean_path(path: str) -> str:
+    """Export's module paths ("model.layers.0.mlp"); strict-mode spellings made the same."""
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    return re.sub(r"\._modules\['([^']+)'\]", r".\1", path).strip(".")
+
+
+def _module_path(n: fx.Node) -> tuple[str, str]:
+    """(path, class name) of the innermost module running node `n` ("", "" at top level)."""
+    stack = n.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "", ""
+    path, cls = list(stack.values())[-1]
+    cls_name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]
+    return _clean_path(path), cls_name
+
+
+def layer_of(path: str) -> int | None:
+    """i of the first `layers.<i>` / `h.<i>` / `blocks.<i>` in a module path."""
+    match = LAYER_PATH.search(path)
+    return int(match.group(1)) if match else None
+
+
+# ---------------------------------------------------------------------------------- conversion
+
+
+@dataclass
+class _Group:
+    """Nodes fused into one NodeInfo (module docstring)."""
+
+    name: str
+    kind: str
+    target: str
+    path: str
+    members: set[str]
+    output: fx.Node
+    inputs: list[fx.Node]  # fx nodes outside the group, argument order
+
+
+@dataclass
+class _Param:
+    fqn: str
+    transposed: bool  # the consumer sees the stored tensor with its last two dims swapped
+
+
+@dataclass
+class GraphConverter:
+    """ExportedProgram -> NodeInfos: parameters and constants, groups, kinds, layout, costs."""
+
+    program: torch.export.ExportedProgram
+    model: nn.Module
+    layout: HfLayout
+    params: dict[str, _Param] = field(default_factory=dict)  # fx node -> parameter it stands for
+    constants: set[str] = field(default_factory=set)  # buffers, lifted constants, their views
+    groups: dict[str, _Group] = field(default_factory=dict)  # member name -> its group
+    paths: dict[str, tuple[str, str]] = field(default_factory=dict)
+    param_meta: dict[str, TensorMeta] = field(default_factory=dict)  # fqn -> stored shape and dtype
+
+    def __post_init__(self) -> None:
+        self.graph = self.program.graph
+        self.by_name = {n.name: n for n in self.graph.nodes}
+        self.paths = {n.name: _module_path(n) for n in self.graph.nodes}
+        self.order = {n.name: i for i, n in enumerate(self.graph.nodes)}
+        sig = self.program.graph_signature
+        by_id = defaultdict(list)
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            by_id[id(p)].append(name)
+        self.aliases = {name: names for names in by_id.values() for name in names}
+        for n in self.graph.nodes:
+            if n.op == "placeholder" and n.name in sig.inputs_to_parameters:
+                self.params[n.name] = _Param(sig.inputs_to_parameters[n.name], False)
+                self.param_meta[self.params[n.name].fqn] = _meta(n.meta["val"], _NO_LAYOUT)
+            elif n.op == "placeholder" and (n.name in sig.inputs_to_buffers
+                                            or n.name in sig.inputs_to_lifted_tensor_constants):
+                self.constants.add(n.name)
+            elif n.op in ("get_attr",):
+                self.constants.add(n.name)
+            elif n.op == "call_function":
+                self._propagate_constant(n)
+
+    def _propagate_constant(self, n: fx.Node) -> None:
+        """Views and casts of a parameter stand for the parameter; of a buffer, for a constant."""
+        target = _target_name(n)
+        if target not in RESHAPES | COPIES | PERMUTES | {"to", "_to_copy", "type_as", "expand"}:
+            return
+        tensors = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if len(tensors) != 1:
+            return
+        source = tensors[0].name
+        if source in self.params:
+            swap = target in PERMUTES and _swaps_last_two(n)
+            self.params[n.name] = _Param(self.params[source].fqn, self.params[source].transposed ^ swap)
+        elif source in self.constants:
+            self.constants.add(n.name)
+
+    # ------------------------------------------------------------------ groups
+
+    def _find_groups(self) -> None:
+        for n in self.graph.nodes:
+            if n.op == "call_function" and _target_name(n) in ATTENTION_TARGETS:
+                self._add(self._attention_group(n))
+            elif n.op == "call_function" and _target_name(n) in NLL_TARGETS:
+                self._add(self._loss_group(n))
+        by_module: dict[tuple[str, str], list[fx.Node]] = defaultdict(list)
+        for n in self.graph.nodes:
+            if n.op == "call_function" and n.name not in self.groups and self._is_op(n):
+                path, cls = self.paths[n.name]
+                if path and NORM_CLASS.search(cls):
+                    by_module[("norm", path)].append(n)
+                elif path and ACTIVATION_CLASS.search(cls) and not NORM_CLASS.search(cls):
+                    by_module[("act", path)].append(n)
+        for (kind, path), members in by_module.items():
+            cls = self.paths[members[0].name][1]
+            if kind == "norm":
+                self._add(self._module_group(members, "norm", cls, path))
+            elif len(members) > 1:
+                target = next((a for a in ("gelu", "silu", "relu", "tanh", "mish") if a in cls.lower()), cls.lower())
+                self._add(self._module_group(members, "elementwise", target, path))
+
+    def _add(self, group: _Group | None) -> None:
+        if group is not None:
+            for m in group.members:
+                self.groups[m] = group
+
+    def _is_op(self, n: fx.Node) -> bool:
+        return (n.name not in self.params and n.name not in self.constants
+                and _target_name(n) not in SKIPPED)
+
+    def _module_group(self, members: list[fx.Node], kind: str, target: str, path: str) -> _Group | None:
+        names = {m.name for m in members}
+        outputs = [m for m in members if any(u.name not in names and _target_name(u) not in SKIPPED
+                                             for u in m.users)]
+        inputs = _ordered_unique(a for m in members for a in m.all_input_nodes
+                                 if a.name not in names and self._is_tensor_input(a))
+        if len(outputs) != 1 or not inputs or not isinstance(outputs[0].meta.get("val"), torch.Tensor):
+            return None
+        return _Group(self._free_name(path), kind, target, path, names, outputs[0], inputs)
+
+    def _attention_group(self, sdpa: fx.Node) -> _Group | None:
+        """The core of the attention module running `sdpa` (module docstring), or None when it does
+        not have the (B, T, H*d) -> (B, T, Hq*d) shape the planner's attention rule expects."""
+        path = self.paths[sdpa.name][0]
+        members = {sdpa.name}
+        todo = [a for a in sdpa.all_input_nodes]
+        while todo:  # backwards, inside the module's own ops, to the 3-D activations that enter it
+            a = todo.pop()
+            if (a.name in members or a.op != "call_function" or self.paths[a.name][0] != path
+                    or not self._is_op(a) or self._is_activation(a)):
+                continue
+            members.add(a.name)
+            todo.extend(a.all_input_nodes)
+        out = sdpa
+        while not self._is_activation(out):  # forwards to the (B, T, Hq*d) result
+            users = [u for u in out.users if _target_name(u) not in SKIPPED]
+            if len(users) != 1 or self.paths[users[0].name][0] != path:
+                return None
+            out = users[0]
+            members.add(out.name)
+        sources = [self._source(a, members) for a in sdpa.args[:3]]
+        for m in members - {out.name}:
+            if any(u.name not in members and _target_name(u) not in SKIPPED for u in self.by_name[m].users):
+                return None  # an inner tensor is used outside the core
+        if None in sources or len({s.name for s in sources}) != 3:
+            return None
+        return _Group(self._free_name(f"{path}.core"), "attention", "scaled_dot_product_attention", path,
+                      members, out, sources)
+
+    def _loss_group(self, nll: fx.Node) -> _Group | None:
+        """log_softmax -> (views) -> nll_loss as one cross-entropy node reading the logits and targets."""
+        members, a = {nll.name}, nll.args[0]
+        while isinstance(a, fx.Node) and _target_name(a) in RESHAPES | COPIES and len(a.users) == 1:
+            members.add(a.name)
+            a = a.args[0]
+        if not (isinstance(a, fx.Node) and _target_name(a) in SOFTMAX and "log" in _target_name(a)
+                and len(a.users) == 1 and isinstance(nll.args[1], fx.Node)):
+            return None
+        members.add(a.name)
+        path = self.paths[nll.name][0]
+        return _Group(nll.name, "cross_entropy", "cross_entropy", path, members, nll, [a.args[0], nll.args[1]])
+
+    def _source(self, a: object, members: set[str]) -> fx.Node | None:
+        """The activation outside the core that q (k, v) comes from, following first tensor args."""
+        while isinstance(a, fx.Node) and a.name in members:
+            a = next((x for x in a.args if isinstance(x, fx.Node)), None)
+        return a if isinstance(a, fx.Node) and self._is_activation(a) else None
+
+    def _is_activation(self, n: fx.Node) -> bool:
+        """A floating (B, T, F) activation in the canonical layout."""
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point():
+            return False
+        shape = self.layout.shape(tuple(val.shape))
+        return len(shape) == 3 and shape[:2] == (self.layout.batch, self.layout.seq)
+
+    def _is_tensor_input(self, a: fx.Node) -> bool:
+        return (isinstance(a.meta.get("val"), torch.Tensor) and a.name not in self.params
+                and a.name not in self.constants and _target_name(a) not in SKIPPED)
+
+    def _free_name(self, path: str) -> str:
+        name = re.sub(r"\W", "_", path) or "root"
+        taken = {g.name for g in self.groups.values()}
+        while name in self.by_name or name in taken:
+            name += "_"
+        return name
+
+    # ------------------------------------------------------------------ nodes
+
+    def nodes(self) -> tuple[NodeInfo, ...]:
+        self._find_groups()
+        drafts: list[NodeInfo] = []
+        emitted: set[str] = set()
+        for n in self.graph.nodes:
+            if n.name in self.groups:
+                group = self.groups[n.name]
+                if n is group.output and group.name not in emitted:
+                    drafts.append(self._group_info(group))
+                    emitted.add(group.name)
+                continue
+            if n.op == "placeholder" and (n.name in self.params or n.name in self.constants
+                                          or not isinstance(n.meta.get("val"), torch.Tensor)):
+                continue
+            if n.op == "call_function" and (not self._is_op(n) or _is_tuple(n)):
+                continue
+            if n.op == "get_attr":
+                continue
+            drafts.append(self._node_info(n))
+        return _zero_dead(_readable_names(drafts))
+
+    def _resolve(self, a: fx.Node) -> str | None:
+        """The NodeInfo name standing for fx node `a` as an input (None: parameter or constant)."""
+        if a.name in self.params or a.name in self.constants or _target_name(a) in SKIPPED:
+            return None
+        if a.name in self.groups:
+            return self.groups[a.name].name
+        return a.name
+
+    def _inputs(self, nodes: Iterable[fx.Node]) -> tuple[tuple[str, ...], tuple[TensorMeta, ...]]:
+        names, metas = [], []
+        for a in nodes:
+            name = self._resolve(a)
+            meta = _meta(a.meta.get("val"), self.layout)
+            if name is not None and meta is not None and name not in names:
+                names.append(name)
+                metas.append(meta)
+        return tuple(names), tuple(metas)
+
+    def _param_metas(self, nodes: Iterable[fx.Node], path: str) -> tuple[tuple[str, TensorMeta], ...]:
+        found: dict[str, TensorMeta] = {}
+        for a in nodes:
+            if a.name in self.params:
+                fqn = self.params[a.name].fqn
+                found[self._local_alias(fqn, path)] = self.param_meta[fqn]
+        return tuple(found.items())
+
+    def _local_alias(self, fqn: str, path: str) -> str:
+        """A tied parameter's name under the module using it (lm_head.weight vs wte.weight)."""
+        prefix = path + "." if path else ""
+        return next((a for a in self.aliases.get(fqn, [fqn]) if a.startswith(prefix)), fqn)
+
+    def _group_info(self, g: _Group) -> NodeInfo:
+        members = [self.by_name[m] for m in sorted(g.members, key=self.order.__getitem__)]
+        inputs, input_metas = self._inputs(g.inputs)
+        params = self._param_metas((a for m in members for a in m.all_input_nodes), g.path)
+        output = _meta(g.output.meta["val"], self.layout)
+        fwd = {"attention": lambda: 4 * input_metas[0].shape[0] * input_metas[0].shape[1] ** 2
+               * input_metas[0].shape[-1], "norm": lambda: 5 * output.numel,
+               "elementwise": lambda: output.numel, "cross_entropy": lambda: 5 * input_metas[0].numel}[g.kind]()
+        nbytes = sum(m.nbytes for m in input_metas) + sum(m.nbytes for _, m in params) + output.nbytes
+        scale = 2.0 if g.kind == "attention" else 1.0
+        return NodeInfo(g.name, g.kind, g.target, g.path, layer_of(g.path), inputs, input_metas, output,
+                        params, float(fwd), scale * fwd, float(nbytes), scale * nbytes)
+
+    def _node_info(self, n: fx.Node) -> NodeInfo:
+        path = self.paths[n.name][0]
+        source = n.args[0] if n.target is operator.getitem and isinstance(n.args[0], fx.Node) else None
+        tuple_op = source if source is not None and _is_tuple(source) else None
+        op_node = tuple_op if tuple_op is not None else n
+        tensor_args = [a for a in op_node.all_input_nodes]
+        inputs, input_metas = self._inputs(tensor_args)
+        params = self._param_metas(tensor_args, path)
+        output = _meta(n.meta.get("val"), self.layout)
+        kind, target = self._classify(n, op_node, params)
+        if kind == "linear":  # the activation only: grouped_mm's expert offsets are routing metadata
+            keep = [k for k, m in enumerate(input_metas) if m.dtype in FLOAT_DTYPES][:1]
+            inputs, input_metas = tuple(inputs[k] for k in keep), tuple(input_metas[k] for k in keep)
+        fwd, nbytes = _costs(kind, _target_name(op_node), op_node, n, input_metas, output, params)
+        if tuple_op is not None and n.args[1] != _first_getitem(tuple_op):
+            fwd = 0.0  # the op's FLOPs are counted once, on its first result
+        floating = output is not None and output.dtype in FLOAT_DTYPES
+        scale = (2.0 if kind == "linear" or _target_name(op_node) in MATMUL_TARGETS | ATTENTION_TARGETS
+                 else 1.0) if floating or kind == "cross_entropy" else 0.0
+        return NodeInfo(n.name, kind if n.op != "output" else "output", target, path, layer_of(path),
+                        inputs, input_metas, output, params, float(fwd), scale * fwd, float(nbytes),
+                        scale * nbytes)
+
+    def _classify(self, n: fx.Node, op_node: fx.Node, params) -> tuple[str, str]:
+        """(op kind, readable target) of a single node (module docstring)."""
+        if n.op in ("placeholder", "output"):
+            return n.op, n.op if n.op == "output" else n.name
+        target = _target_name(op_node)
+        if target in MATMUL_TARGETS:
+            weight = next((self.params[a.name] for a in op_node.all_input_nodes if a.name in self.params
+                           and a.meta["val"].dim() >= 2), None)
+            if weight is None:
+                return "other", target
+            stored_out_in = weight.transposed != (target == "linear")  # linear(x, W) reads W as (out, in)
+            base = "grouped_linear" if op_node.args[1].meta["val"].dim() == 3 else "linear"
+            return "linear", base if stored_out_in else f"{base}_in_out"
+        if target == "embedding" and params:
+            return "embedding", "embedding"
+        if target in NORM_TARGETS:
+            return "norm", target
+        if target in LOSS_TARGETS:
+            return "cross_entropy", "cross_entropy"
+        if target in ATTENTION_TARGETS:
+            return "other", target  # not fused: runs replicated (see the warning)
+        if op_node is not n:  # getitem of a tuple op
+            if target in SPLITS:
+                return "view", self._split_target(op_node, n)
+            return "other", f"{target}[{n.args[1]}]"
+        if target in RESHAPES | COPIES | PERMUTES | SPLITS | VIEW_OTHERS:
+            return "view", self._view_target(n, target)
+        if _is_pointwise(n) or target in EXTRA_ELEMENTWISE:
+            return "elementwise", _elementwise_name(target)
+        return "other", target
+
+    def _view_target(self, n: fx.Node, target: str) -> str:
+        """A view's rule-readable target: reshape, copy, expand, permute[p], slice[d], select[d], cat[d]."""
+        x = n.args[0] if not isinstance(n.args[0], (list, tuple)) else n.args[0][0]
+        val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+        if target in RESHAPES:
+            return "reshape"
+        if target in COPIES:
+            return "copy"
+        if target in ("expand", "expand_as"):
+            return "expand"
+        if target in PERMUTES:
+            perm = _permutation(n, len(shape))
+            canon = _canonical_perm(perm, shape, tuple(n.meta["val"].shape), self.layout) if perm else None
+            return f"permute[{','.join(map(str, canon))}]" if canon else "permute"
+        dim = n.args[1] if len(n.args) > 1 and isinstance(n.args[1], int) else n.kwargs.get("dim", 0)
+        if target in ("cat", "concat"):
+            dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+        name = {"narrow": "slice", "concat": "cat"}.get(target, target)
+        canon = self.layout.dim(shape, dim) if shape else None
+        return f"{name}[{canon}]" if canon is not None else name
+
+    def _split_target(self, op_node: fx.Node, n: fx.Node) -> str:
+        x = op_node.args[0]
+        shape = tuple(x.meta["val"].shape)
+        target = _target_name(op_node)
+        dim = (op_node.args[2] if len(op_node.args) > 2 else op_node.kwargs.get("dim", 0)) if target != "unbind" \
+            else (op_node.args[1] if len(op_node.args) > 1 else 0)
+        canon = self.layout.dim(shape, dim)
+        name = "select" if target == "unbind" else "split"
+        return f"{name}[{canon}]" if canon is not None else name
+
+
+_NO_LAYOUT = HfLayout(batch=0, seq=0, top_k=0)
+
+
+def _ordered_unique(items: Iterable[fx.Node]) -> list[fx.Node]:
+    seen: dict[str, fx.Node] = {}
+    for item in items:
+        seen.setdefault(item.name, item)
+    return list(seen.values())
+
+
+def _is_tuple(n: fx.Node) -> bool:
+    return n.op == "call_function" and isinstance(n.meta.get("val"), (tuple, list))
+
+
+def _first_getitem(n: fx.Node) -> int:
+    return min((u.args[1] for u in n.users if u.target is operator.getitem), default=0)
+
+
+def _is_pointwise(n: fx.Node) -> bool:
+    return isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags
+
+
+def _elementwise_name(target: str) -> str:
+    """aten names as `autoplan.cost_model.memory` reads them: add_ -> add, _to_copy -> to."""
+    if target in ("_to_copy", "type_as"):
+        return "to"
+    return target[:-1] if target.endswith("_") and not target.endswith("__") else target
+
+
+def _swaps_last_two(n: fx.Node) -> bool:
+    rank = n.meta["val"].dim()
+    perm = _permutation(n, rank)
+    return perm is not None and rank >= 2 and perm[-2:] == [rank - 1, rank - 2]
+
+
+def _permutation(n: fx.Node, rank: int) -> list[int] | None:
+    target = _target_name(n)
+    perm = list(range(rank))
+    if target == "t":
+        return perm[::-1]
+    if target in ("transpose", "swapaxes"):
+        a, b = (d % rank for d in n.args[1:3])
+        perm[a], perm[b] = perm[b], perm[a]
+        return perm
+    if target == "permute":
+        return [d % rank for d in n.args[1]]
+    return None
+
+
+def _canonical_perm(perm: list[int], shape: tuple, out_shape: tuple, layout: HfLayout) -> list[int] | None:
+    """The permutation in canonical dims; None when it moves the flattened token dim."""
+    if not layout.flattened(shape):
+        return None if layout.flattened(out_shape) else perm
+    if perm[0] != 0 or not layout.flattened(out_shape):
+        return None
+    return [0, 1] + [d + 1 for d in perm[1:]]
+
+
+def _costs(kind: str, target: str, op_node: fx.Node, n: fx.Node, inputs: tuple, output: TensorMeta | None,
+           params: tuple) -> tuple[float, float]:
+    """(forward FLOPs, forward bytes) of a single node (module docstring)."""
+    out_numel = output.numel if output is not None else 0
+    in_bytes = sum(m.nbytes for m in inputs)
+    out_bytes = output.nbytes if output is not None else 0
+    param_bytes = sum(m.nbytes for _, m in params)
+    if kind in ("placeholder", "output"):
+        return 0.0, 0.0
+    if target in MATMUL_TARGETS:
+        k = _contracted(op_node)
+        return 2.0 * out_numel * k, in_bytes + param_bytes + out_bytes
+    if target in ATTENTION_TARGETS:
+        q = op_node.args[0].meta["val"]  # (B, Hq, T, d)
+        return 4.0 * q.shape[0] * q.shape[-2] ** 2 * q.shape[1] * q.shape[-1], in_bytes + out_bytes
+    if kind == "embedding" or target in GATHERS:
+        return 0.0, in_bytes - (inputs[0].nbytes if target in GATHERS and inputs else 0) + 2 * out_bytes
+    if kind == "view":
+        copies = target in ("contiguous", "clone", "cat", "concat")
+        return 0.0, (in_bytes + out_bytes) if copies else 0.0
+    if kind == "norm":
+        return 5.0 * out_numel, in_bytes + param_bytes + out_bytes
+    if kind == "cross_entropy":
+        return 5.0 * (inputs[0].numel if inputs else 0), in_bytes + out_bytes
+    if kind == "elementwise":
+        return float(out_numel), in_bytes + param_bytes + out_bytes
+    if target in SOFTMAX:
+        return 5.0 * out_numel, in_bytes + out_bytes
+    if target in REDUCTIONS:
+        return float(sum(m.numel for m in inputs[:1])), in_bytes + out_bytes
+    return 0.0, in_bytes + out_bytes
+
+
+def _contracted(n: fx.Node) -> int:
+    """K of a matmul-like op: the last dim of its (activation) input."""
+    target = _target_name(n)
+    a = n.args[1] if target in ("addmm", "baddbmm") else n.args[0]
+    return int(a.meta["val"].shape[-1])
+
+
+def _readable_names(nodes: list[NodeInfo]) -> list[NodeInfo]:
+    """Single-op modules (linears, embeddings, norms) named after their module path, as
+    `autoplan.capture` names call_module nodes; others keep export's names."""
+    count = defaultdict(int)
+    for n in nodes:
+        if n.op_kind in ("linear", "embedding", "norm") and n.module_path:
+            count[n.module_path] += 1
+    taken = {n.name for n in nodes}
+    rename = {}
+    for n in nodes:
+        if n.op_kind in ("linear", "embedding", "norm") and count.get(n.module_path) == 1:
+            new = re.sub(r"\W", "_", n.module_path)
+            if new not in taken:
+                rename[n.name] = new
+                taken.add(new)
+    if not rename:
+        return nodes
+    return [NodeInfo(rename.get(n.name, n.name), n.op_kind, n.target, n.module_path, n.layer,
+                     tuple(rename.get(i, i) for i in n.inputs), n.input_metas, n.output, n.params,
+                     n.fwd_flops, n.bwd_flops, n.fwd_bytes, n.bwd_bytes) for n in nodes]
+
+
+def _zero_dead(nodes: list[NodeInfo]) -> tuple[NodeInfo, ...]:
+    """Nodes without a path to the output cost nothing (module docstring)."""
+    live = {nodes[-1].name} if nodes else set()
+    for n in reversed(nodes):
+        if n.name in live:
+            live.update(n.inputs)
+    return tuple(n if n.name in live or n.op_kind == "placeholder" else
+                 NodeInfo(n.name, n.op_kind, n.target, n.module_path, n.layer, n.inputs, n.input_metas,
+                          n.output, n.params, 0.0, 0.0, 0.0, 0.0) for n in nodes)
