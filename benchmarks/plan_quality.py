@@ -3,8 +3,9 @@
     python benchmarks/plan_quality.py                 # the zoo + the two timing cases
     python benchmarks/plan_quality.py --cases gpt3-175b llama3-8b-32k --no-timing
 
-For every case of the zoo (GPT-3 1.3B to 175B, Llama 3 8B / 70B / 405B, Mixtral 8x7B / 8x22B, and
-long sequences of 32k to 128k tokens; H100 clusters of 8 to 4096 GPUs) the search runs with its
+For every case of the zoo (GPT-3 1.3B to 175B, Llama 3 8B / 70B / 405B, Mixtral 8x7B / 8x22B, a
+BigMac-style MoE beside fine-grained DeepSeek-style MoEs, and long sequences of 32k to 128k tokens;
+H100 clusters of 8 to 4096 GPUs) the search runs with its
 baselines (`autoplan.baselines`: Megatron-style and FSDP / ZeRO-3, priced by the same cost model),
 and the table prints the chosen plan, the best baseline, and
 
@@ -22,8 +23,10 @@ in a fresh process (`python -c "...search(...)"`, imports and torch's first meta
 wall seconds with CPU seconds beside them (the CPU figure is the stable one on a shared machine). Writes benchmarks/out/plan_quality.json and
 benchmarks/out/plan_quality.png.
 
-Not here: a BigMac-style MoE (descend, all-to-all at the low dimension, ascend) and a fine-grained
-DeepSeek-style MoE need model kinds the zoo does not have yet.
+The MoE variants (`autoplan.models.moe`) at Mixtral 8x7B's total and active parameters, on its
+cluster, batch and sequence: bigmac-47b (descend 4096 -> 512, 64 experts top 16 at the low width,
+ascend) beside its fine-grained twin finegrained-moe-47b (64 experts top 16 at 4096, CDAC); and
+DeepSeekMoE 16B (64 routed experts top 6, 2 shared, a dense first layer) on 64 and 256 GPUs.
 """
 
 from __future__ import annotations
@@ -78,6 +81,11 @@ ZOO = (
     Case("llama3-405b", "llama3-405b", "512x8xh100", 2048, 8192, "dense"),
     Case("mixtral-8x7b", "mixtral-8x7b", "8x8xh100", 512, 4096, "moe"),
     Case("mixtral-8x22b", "mixtral-8x22b", "32x8xh100", 1024, 4096, "moe"),
+    Case("finegrained-moe-47b", "finegrained-moe-47b", "8x8xh100", 512, 4096, "moe"),
+    Case("bigmac-47b", "bigmac-47b", "8x8xh100", 512, 4096, "moe"),
+    Case("bigmac-47b-256", "bigmac-47b", "32x8xh100", 1024, 4096, "moe"),
+    Case("deepseek-moe-16b", "deepseek-moe-16b", "8x8xh100", 512, 4096, "moe"),
+    Case("deepseek-moe-16b-256", "deepseek-moe-16b", "32x8xh100", 1024, 4096, "moe"),
     Case("llama3-8b-32k", "llama3-8b", "8x8xh100", 64, 32768, "long", 131072),
     Case("llama3-8b-128k", "llama3-8b", "32x8xh100", 32, 131072, "long", 131072),
     Case("llama3-70b-64k", "llama3-70b", "64x8xh100", 64, 65536, "long", 131072),

@@ -6,8 +6,17 @@ the three built-in families (gpt, llama, moe). Parameter counts, exact (tested a
     attention (per layer)  h*(Hq*d) + 2*h*(Hkv*d) + (Hq*d)*h   (gpt: + Hq*d + 2*Hkv*d + h biases)
     gpt mlp                h*f + f + f*h + h;  two LayerNorms 2*2h
     llama mlp              3*h*f;              two RMSNorms 2*h
-    moe mlp                h*E (router) + 3*E*h*f; two RMSNorms 2*h
+    moe mlp                r*E (router) + 3*E*r*f             routed experts, r = expert width
+                           + 3*r*(S*f)                        S shared experts (one SwiGLU, S*f wide)
+                           + 2*h*r  when r != h               BigMac descend and ascend projections
+                           the first D layers instead: 3*h*f_dense (dense SwiGLU); two RMSNorms 2*h
     embeddings             V*h (gpt: + max_seq*h positions); final norm; lm_head h*V (untied)
+
+The moe family covers three layouts, all made of the same capture leaves (`autoplan.models.moe`):
+Mixtral (S = D = 0, r = h); fine-grained DeepSeekMoE (many small routed experts, S shared experts
+always on, the first D layers dense); BigMac (r = `expert_hidden` < h: a Linear descends every
+token to r before dispatch and another ascends after the combine, so the all-to-alls move r-wide
+tokens).
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ from autoplan.errors import ConfigError
 FAMILIES = ("gpt", "llama", "moe")
 _SHAPE_FIELDS = ("family", "num_layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
                  "max_seq", "experts", "top_k", "norm_eps", "rope_theta")
+# MoE layout fields: fingerprinted only when set, so configs without them keep their fingerprints.
+_MOE_LAYOUT_FIELDS = ("shared_experts", "dense_layers", "dense_ffn_hidden", "expert_hidden")
 
 
 @dataclass(frozen=True)
@@ -34,13 +45,17 @@ class ModelConfig:
     hidden: int
     heads: int
     kv_heads: int  # == heads for gpt
-    ffn_hidden: int
+    ffn_hidden: int  # dense MLP width; moe: the width of one routed expert
     vocab: int
     max_seq: int = 2048  # learned positions (gpt) / longest RoPE sequence (llama, moe)
     experts: int = 0  # moe only (>= 2)
     top_k: int = 0  # moe only (1..experts)
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    shared_experts: int = 0  # moe only: always-on experts, one SwiGLU of width shared_experts * ffn_hidden
+    dense_layers: int = 0  # moe only: the first dense_layers layers have a dense SwiGLU MLP instead
+    dense_ffn_hidden: int = 0  # moe only: that MLP's width (> 0 exactly when dense_layers > 0)
+    expert_hidden: int = 0  # moe only: BigMac's low width r < hidden the experts run at (0: hidden)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -65,9 +80,12 @@ class ModelConfig:
 
     def _check_moe_fields(self) -> None:
         if self.family != "moe":
-            if self.experts or self.top_k:
-                raise ConfigError(f"model {self.name!r}: experts={self.experts}, top_k="
-                                  f"{self.top_k} are only for family 'moe'; set them to 0")
+            extra = {k: getattr(self, k) for k in ("experts", "top_k") + _MOE_LAYOUT_FIELDS
+                     if getattr(self, k)}
+            if extra:
+                given = ", ".join(f"{k}={v}" for k, v in extra.items())
+                raise ConfigError(f"model {self.name!r}: {given}: these fields are only for "
+                                  f"family 'moe'; set them to 0")
             return
         if not (isinstance(self.experts, int) and self.experts >= 2):
             raise ConfigError(f"model {self.name!r}: family 'moe' needs experts >= 2, "
@@ -75,6 +93,30 @@ class ModelConfig:
         if not (isinstance(self.top_k, int) and 1 <= self.top_k <= self.experts):
             raise ConfigError(f"model {self.name!r}: top_k={self.top_k!r} must be in "
                               f"1..experts={self.experts}")
+        for key in _MOE_LAYOUT_FIELDS:
+            _check_non_negative_int(self.name, key, getattr(self, key))
+        if self.dense_layers >= self.num_layers:
+            raise ConfigError(f"model {self.name!r}: dense_layers={self.dense_layers} leaves no MoE "
+                              f"layer of num_layers={self.num_layers}; use dense_layers <= "
+                              f"{self.num_layers - 1}, or family 'llama' for a dense model")
+        if (self.dense_layers > 0) != (self.dense_ffn_hidden > 0):
+            raise ConfigError(f"model {self.name!r}: dense_layers={self.dense_layers} and "
+                              f"dense_ffn_hidden={self.dense_ffn_hidden} must be both 0 or both "
+                              f"positive (dense_ffn_hidden is the width of the dense layers' MLP)")
+        if self.expert_hidden >= self.hidden:
+            raise ConfigError(f"model {self.name!r}: expert_hidden={self.expert_hidden} must be "
+                              f"below hidden={self.hidden} (BigMac descends to a lower width); "
+                              f"use expert_hidden=0 for experts at the model width")
+
+    @property
+    def expert_width(self) -> int:
+        """r: the width of the tokens the routed experts see (and the all-to-alls move)."""
+        return self.expert_hidden or self.hidden
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers with a mixture of experts (0 outside the moe family)."""
+        return self.num_layers - self.dense_layers if self.family == "moe" else 0
 
     @property
     def head_dim(self) -> int:
@@ -95,6 +137,7 @@ class ModelConfig:
     def fingerprint(self) -> str:
         """First 16 hex chars of sha256 over the canonical (sorted-key) JSON of the shape fields."""
         shape = {k: getattr(self, k) for k in _SHAPE_FIELDS}
+        shape |= {k: getattr(self, k) for k in _MOE_LAYOUT_FIELDS if getattr(self, k)}
         text = json.dumps(shape, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -107,9 +150,24 @@ class ModelConfig:
             attn += q + 2 * kv + h
             block = attn + (h * f + f + f * h + h) + 2 * 2 * h
             return v * h + self.max_seq * h + self.num_layers * block + 2 * h + h * v
-        mlp = 3 * h * f if self.family == "llama" else h * self.experts + 3 * self.experts * h * f
-        block = attn + mlp + 2 * h
-        return v * h + self.num_layers * block + h + h * v
+        if self.family == "llama":
+            mlps = self.num_layers * 3 * h * f
+        else:
+            r = self.expert_width
+            moe = r * self.experts + 3 * self.experts * r * f + 3 * r * self.shared_experts * f
+            moe += 2 * h * r if r != h else 0
+            mlps = self.moe_layers * moe + self.dense_layers * 3 * h * self.dense_ffn_hidden
+        return v * h + self.num_layers * (attn + 2 * h) + mlps + h + h * v
+
+    def expert_parameters(self) -> int:
+        """Parameters of the routed experts' weights (w_gate, w_up, w_down: 3 E r f per MoE layer),
+        the ones expert parallelism divides; the router, shared experts and projections are dense."""
+        return self.moe_layers * 3 * self.experts * self.expert_width * self.ffn_hidden
+
+
+def _check_non_negative_int(name: str, key: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"model {name!r}: {key}={value!r} must be a non-negative integer")
 
 
 def _check_positive_int(name: str, key: str, value: object) -> None:
@@ -170,10 +228,39 @@ def known_models() -> dict[str, ModelConfig]:
                     top_k=2, rope_theta=1e6),
         ModelConfig("mixtral-8x22b", "moe", 56, 6144, 48, 8, 16384, 32768, 65536, experts=8,
                     top_k=2, rope_theta=1e6),
+        # DeepSeekMoE 16B (Dai et al. 2024, "DeepSeekMoE: Towards Ultimate Expert Specialization in
+        # Mixture-of-Experts Language Models", arXiv:2401.06066, sec. 5; HF deepseek-moe-16b-base
+        # config.json): 64 routed experts of width 1408, top 6, 2 shared experts, layer 0 dense
+        # (width 10944), MHA; 16.38B parameters. Its gate is softmax-then-top-k without
+        # renormalising, ours Mixtral's top-k-then-softmax: same shapes and FLOPs.
+        ModelConfig("deepseek-moe-16b", "moe", 28, 2048, 16, 16, 1408, 102400, 4096, experts=64,
+                    top_k=6, norm_eps=1e-6, shared_experts=2, dense_layers=1,
+                    dense_ffn_hidden=10944),
+        # A fine-grained (DeepSeekMoE-style, CDAC) MoE at Mixtral 8x7B's size: each of Mixtral's
+        # experts segmented 8-fold as DeepSeekMoE segments (Dai et al. 2024, sec. 3.1): 64 experts
+        # of width 14336/8 = 1792, top 2*8 = 16; total and active parameters equal Mixtral's, and
+        # each all-to-all moves top_k*h = 65536 values per token, 8x Mixtral's.
+        ModelConfig("finegrained-moe-47b", "moe", 32, 4096, 32, 8, 1792, 32000, 32768, experts=64,
+                    top_k=16, rope_theta=1e6),
+        # BigMac (Jin et al. 2025, "BigMac: A Communication-Efficient Mixture-of-Experts Model
+        # Structure for Fast Training and Inference", AAAI 2025, arXiv:2502.16927), the DCCA twin of
+        # finegrained-moe-47b: the same attention, 64 experts and top 16, but each MoE descends
+        # 4096 -> r = 512 (h/8), runs experts r -> 14336 -> r (3*512*14336 weights each, as many as
+        # a 4096 -> 1792 -> 4096 segment), and ascends 512 -> 4096. So expert weights per layer and
+        # active expert FLOPs per token equal Mixtral's (16*512 = 2*4096), +2.4% FLOPs for the
+        # projections; 46.8B parameters. An all-to-all moves top_k*r = 8192 values per token: 1/8
+        # of the fine-grained twin's, as much as Mixtral's. The price: 16 experts of width 14336
+        # per token keep 8x the twin's and Mixtral's expert activations (top_k * 3 * ffn per token).
+        ModelConfig("bigmac-47b", "moe", 32, 4096, 32, 8, 14336, 32000, 32768, experts=64,
+                    top_k=16, rope_theta=1e6, expert_hidden=512),
         # Tiny models for tests.
         ModelConfig("tiny-gpt", "gpt", 2, 64, 4, 4, 256, 128, 64),
         ModelConfig("tiny-llama", "llama", 2, 64, 4, 2, 128, 128, 64),
         ModelConfig("tiny-moe", "moe", 2, 64, 4, 2, 96, 128, 64, experts=4, top_k=2),
+        ModelConfig("tiny-deepseek", "moe", 3, 64, 4, 2, 32, 128, 64, experts=8, top_k=3,
+                    shared_experts=2, dense_layers=1, dense_ffn_hidden=128),
+        ModelConfig("tiny-bigmac", "moe", 2, 64, 4, 2, 64, 128, 64, experts=8, top_k=4,
+                    expert_hidden=16),
     ]
     return {c.name: c for c in presets}
 

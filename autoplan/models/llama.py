@@ -47,12 +47,13 @@ class Llama(nn.Module):
         super().__init__()
         self.config = c = config  # the runtime checks plans against it
         self.tok_emb = nn.Embedding(c.vocab, c.hidden)
-        self.layers = nn.ModuleList(LlamaBlock(c, self.make_mlp(c)) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(LlamaBlock(c, self.make_mlp(c, i)) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden, c.norm_eps)
         self.lm_head = nn.Linear(c.hidden, c.vocab, bias=False)
         self.loss = LMLoss()
 
-    def make_mlp(self, config: ModelConfig) -> nn.Module:
+    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
+        """The MLP of block `layer`."""
         return SwiGLUMLP(config.hidden, config.ffn_hidden)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
