@@ -172,8 +172,9 @@ def enumerate_configs(model: ModelConfig, cluster: ClusterSpec, global_batch: in
 
 
 def expert_parameters(model: ModelConfig) -> int:
-    """Parameters of the experts' FFNs (3 E h f per MoE layer), which ep divides."""
-    return model.num_layers * 3 * model.experts * model.hidden * model.ffn_hidden if model.experts else 0
+    """Parameters of the routed experts' FFNs (3 E r f per MoE layer, r = hidden or BigMac's low width),
+    which ep divides; dense first layers and shared experts are not among them."""
+    return model.expert_parameters() if model.experts else 0
 
 
 def memory_lower_bound(model: ModelConfig, cfg: Config, seq_len: int, dtype: str,
