@@ -28,7 +28,7 @@ import autoplan
 from autoplan.capture import CapturedGraph
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.compute import Efficiency
-from autoplan.cost_model.intra_op import CostContext
+from autoplan.cost_model.intra_op import CostContext, attention_head_dim
 from autoplan.cost_model.memory import is_batched, param_placements, selective_recompute_nodes
 from autoplan.cost_model.parallel_dims import batch_problem, check, cp_problem, ep_problem, tp_problem
 from autoplan.cost_model.pipeline import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED
@@ -72,11 +72,13 @@ class SearchContext:
                  dtype: str = "bfloat16", efficiency: Efficiency | None = None, registry: StrategyRegistry | None = None,
                  fold: bool = True, time_limit_s: float = 60.0, graph: CapturedGraph | None = None) -> None:
         self.config, self.cluster, self.global_batch, self.seq_len, self.dtype = config, cluster, global_batch, seq_len, dtype
-        self.efficiency, self.registry = efficiency or Efficiency(), registry or default_registry()
+        self.efficiency = (efficiency or Efficiency()).resolved(cluster.device)  # one GEMM curve for the search
+        self.registry = registry or default_registry()
         self.info, self.fold, self.time_limit_s = model_info(config), fold, time_limit_s
         if graph is None or graph.seq_len != seq_len:
             graph = capture_model(config, seq_len, dtype)
         self.graph = graph
+        self.head_dim = attention_head_dim(graph)
         self.fold_map = fold_for_search(graph, fold)
         self.steps = StepModel(StepEnv(config, cluster, seq_len, dtype, self.efficiency))
         self._blocks: dict[tuple, BlockCosts] = {}
@@ -126,7 +128,7 @@ class SearchContext:
             parts = self.solution(tp, math.ceil(microbatch), variant, assignment)
             mesh = MeshShape(dp=self.cluster.world_size // tp, tp=tp)
             ctx = CostContext(self.cluster, mesh, self.dtype, self.efficiency, self.graph.batch_size,
-                              float(microbatch) / self.graph.batch_size)
+                              float(microbatch) / self.graph.batch_size, head_dim=self.head_dim)
             self._blocks[key] = block_costs(self.graph, parts, ctx, variant, microbatch)
         return self._blocks[key]
 
@@ -323,7 +325,8 @@ def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq
     for b in found_baselines:
         if b.priced is not None:
             ranking.add(b.priced)
-    keys = _keys(fitting, ctx.flops_per_sequence(), cluster.device.peak_flops_for(dtype) * ctx.efficiency.matmul)
+    keys = _keys(fitting, ctx.flops_per_sequence(),
+                 cluster.device.peak_flops_for(dtype) * ctx.efficiency.max_matmul(cluster.device, dtype))
     pruned, priced_count, smallest = _branch_and_bound(ctx, keys, ranking, report)
     if not ranking.plans.items:
         raise infeasible(config, cluster, seq_len, dtype, smallest.peak_memory_bytes, smallest.config, bound=False)

@@ -12,6 +12,11 @@ the stage partition DP in `solver.stages`, the baselines in `autoplan.baselines`
 
 MFU = 3 * forward FLOPs * global_batch / (step_time * world * peak FLOP/s of the dtype), recompute not
 counted; tokens_per_s = global_batch * seq_len / step_time.
+
+`profile` (search, search_plans, estimate): a `HardwareProfile` of the cluster's kind of device
+(`autoplan.profiler.profile`); it replaces the GEMM efficiency curve, the HBM bandwidth and, for groups
+inside a node, the collective links (`cost_model.compute.calibrate`). A profile of another device is
+refused (ProfileError).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 from autoplan.capture import CapturedGraph, capture
 from autoplan.cluster import ClusterSpec, parse_cluster
 from autoplan.cost_model.comm import AxisGroup
-from autoplan.cost_model.compute import Efficiency
+from autoplan.cost_model.compute import Efficiency, calibrate
 from autoplan.cost_model.intra_op import (AssignmentCost, assignment_from_choice, build_intra_op_problem,
                                           make_context, price_assignment, resolve_strategies)
 from autoplan.cost_model.memory import (SavedTensor, largest_comm_buffer_bytes, parameter_count_by_layer,
@@ -40,6 +45,7 @@ from autoplan.strategies import FEAT, SEQ, Strategy, StrategyRegistry
 
 if TYPE_CHECKING:
     from autoplan.outer_search import SearchResult
+    from autoplan.profiler.profile import HardwareProfile
     from autoplan.search_space import SearchOptions
 
 Progress = Callable[[str], None]
@@ -80,7 +86,8 @@ def tp_solution(graph: CapturedGraph, registry: StrategyRegistry, info: Mapping,
     ctx = make_context(graph, cluster, mesh, microbatch_size, dtype, efficiency)
     by_layer = parameter_count_by_layer(graph, strategies, tp)
     return TpSolution(tp, microbatch_size, {n.name: strategies[n.name].name for n in graph.nodes}, strategies,
-                      price_assignment(graph, strategies, ctx), saved_tensors(graph, strategies, tp, info),
+                      price_assignment(graph, strategies, ctx), saved_tensors(graph, strategies, tp, info,
+                                                                              ctx.efficiency.attention),
                       float(sum(by_layer.values())), max(by_layer.values(), default=0.0),
                       largest_comm_buffer_bytes(graph, strategies, tp, microbatch_size),
                       AxisGroup.of(mesh, "dp", cluster.gpus_per_node), solver, status)
@@ -197,7 +204,7 @@ def search_plans(model: ModelConfig | str, cluster: ClusterSpec | str, global_ba
                  top: int = 1, baselines: bool = True, dtype: str = "bfloat16", fold: bool = True,
                  time_limit_s: float = 60.0, progress: Progress | None = None, max_microbatch_size: int = 16,
                  options: "SearchOptions | None" = None, efficiency: Efficiency | None = None,
-                 registry: StrategyRegistry | None = None) -> "SearchResult":
+                 registry: StrategyRegistry | None = None, profile: "HardwareProfile | None" = None) -> "SearchResult":
     """The `top` best plans (distinct configurations, best first), the baselines beside them, and search
     statistics (`autoplan.outer_search`). `options` narrows the space (`autoplan.search_space.SearchOptions`);
     `max_microbatch_size` is a shorthand for its field of that name."""
@@ -205,6 +212,7 @@ def search_plans(model: ModelConfig | str, cluster: ClusterSpec | str, global_ba
     from autoplan.search_space import SearchOptions
 
     config, cluster = resolve_inputs(model, cluster, global_batch, seq_len, dtype)
+    cluster, efficiency = calibrate(cluster, efficiency, profile)
     options = options or SearchOptions(max_microbatch_size=max_microbatch_size)
     return run_search(config, cluster, global_batch, seq_len, top=top, options=options, baselines=baselines,
                       dtype=dtype, fold=fold, time_limit_s=time_limit_s, efficiency=efficiency, registry=registry,
@@ -214,23 +222,25 @@ def search_plans(model: ModelConfig | str, cluster: ClusterSpec | str, global_ba
 def search(model: ModelConfig | str, cluster: ClusterSpec | str, global_batch: int, seq_len: int, *,
            dtype: str = "bfloat16", fold: bool = True, time_limit_s: float = 60.0, progress: Progress | None = None,
            max_microbatch_size: int = 16, options: "SearchOptions | None" = None,
-           efficiency: Efficiency | None = None, registry: StrategyRegistry | None = None) -> Plan:
+           efficiency: Efficiency | None = None, registry: StrategyRegistry | None = None,
+           profile: "HardwareProfile | None" = None) -> Plan:
     """The fastest plan that fits; InfeasibleError, with the numbers and what would help, when none does."""
     return search_plans(model, cluster, global_batch, seq_len, dtype=dtype, fold=fold, time_limit_s=time_limit_s,
                         progress=progress, max_microbatch_size=max_microbatch_size, options=options,
-                        efficiency=efficiency, registry=registry).plans[0]
+                        efficiency=efficiency, registry=registry, profile=profile).plans[0]
 
 
 def estimate(model: ModelConfig | str, cluster: ClusterSpec | str, global_batch: int, seq_len: int, *,
              mesh: MeshShape, microbatch_size: int, zero_stage: int, recompute: str, dtype: str = "bfloat16",
              fold: bool = True, time_limit_s: float = 60.0, efficiency: Efficiency | None = None,
              registry: StrategyRegistry | None = None, graph: CapturedGraph | None = None,
-             schedule: str = "1f1b", virtual_stages: int = 1) -> Plan:
+             schedule: str = "1f1b", virtual_stages: int = 1, profile: "HardwareProfile | None" = None) -> Plan:
     """The Plan of one given configuration (any pp, dp, ep, cp, tp), the intra-op solver choosing the
     strategies; it may not fit (its notes say). Bad values raise ConfigError naming values that work."""
     from autoplan.outer_search import check_config, price_given
 
     config, cluster = resolve_inputs(model, cluster, global_batch, seq_len, dtype)
+    cluster, efficiency = calibrate(cluster, efficiency, profile)
     cfg = check_config(config, cluster, global_batch, seq_len, mesh, microbatch_size, zero_stage, recompute, schedule,
                        virtual_stages)
     return price_given(config, cluster, global_batch, seq_len, cfg, assignment=None, dtype=dtype, efficiency=efficiency,

@@ -19,12 +19,18 @@ also pays its p2p sends (`cost_model.pipeline`). Per optimizer step:
 
 Data-parallel sync per stage, over dp x ep x cp ranks for dense parameters and dp x cp for expert
 ones, in (layers + 1) buckets so latencies count; window_b = the stage's backward of one microbatch
-(with recompute), window_f = its forward; exposed = collective - window, floored at 0:
+(with recompute), window_f = its forward. As PyTorch DDP / FSDP2 and Megatron-Core's overlapped
+gradient reduce do it, a bucket is reduced as soon as the last microbatch's backward has made it, so
+the traffic hides behind that backward, except the last bucket (layer 0 and the embedding), which is
+ready only when the backward ends: exposed = max(collective / buckets, collective - window):
 
-    ZeRO 0: all-reduce(grads) - window_b
-    ZeRO 1: reduce-scatter(grads) - window_b, + all-gather(weights) - window_f (next step's forward)
-    ZeRO 2: m * (reduce-scatter - window_b) + (all-gather - window_f)
-    ZeRO 3: m * ((all-gather - window_f) + (all-gather + reduce-scatter - window_b))
+    ZeRO 0: all-reduce(grads) against window_b
+    ZeRO 1: reduce-scatter(grads) against window_b, + all-gather(weights) against window_f (next forward)
+    ZeRO 2: m * (reduce-scatter against window_b) + (all-gather against window_f)
+    ZeRO 3: m * ((all-gather against window_f) + (all-gather + reduce-scatter against window_b))
+
+Megatron-LM of 2021, as Narayanan et al. ran it, all-reduced after the whole backward:
+`Efficiency(overlap_grad_reduce=False)` prices that (no window).
 
 Memory per rank of a stage: model states of its parts (ZeRO over the data-parallel ranks of each
 kind), + in-flight microbatches x activations + the transient, + temporary buffers (the largest tp
@@ -145,11 +151,12 @@ class StepModel:
         if cfg.cp > 1 and part.q_width:
             kv_width = max(part.kv_width, cfg.cp * env.model.head_dim)  # kv heads repeated up to cp
             total += ulysses_all_to_all_s(cfg.microbatch_size * env.seq_len, part.q_width, kv_width, itemsize,
-                                          env.cluster, self.group(cfg, ("cp",)))
+                                          env.cluster, self.group(cfg, ("cp",)), env.efficiency.collectives)
         if cfg.ep > 1 and part.moe_layers:
             tokens = float(block.microbatch) * env.seq_len * part.moe_token_share
             total += part.moe_layers * expert_all_to_all_s(tokens, env.model.hidden, env.model.top_k, itemsize,
-                                                           env.cluster, self.group(cfg, ("ep",)))
+                                                           env.cluster, self.group(cfg, ("ep",)),
+                                                           env.efficiency.collectives)
         return total
 
     def times(self, block: BlockCosts, cfg: Config) -> _Times:
@@ -292,19 +299,25 @@ class StepModel:
         groups = ((sums["dense"], self.group(cfg, ("dp", "ep", "cp"))), (sums["expert"], self.group(cfg, ("dp", "cp"))))
 
         def collective(kind: str, bytes_per_param: float) -> float:
-            return sum(buckets * group_collective_time_s(kind, bytes_per_param * count / buckets, self.env.cluster, g)
+            return sum(buckets * group_collective_time_s(kind, bytes_per_param * count / buckets, self.env.cluster, g,
+                                                         self.env.efficiency.collectives)
                        for count, g in groups if count and g.size > 1)
 
+        def beyond(traffic: float, window: float) -> float:  # the last bucket never hides (module docstring)
+            return max(traffic / buckets, traffic - window)
+
         window_b, window_f, m = sums["backward"], sums["forward"], cfg.num_microbatches
+        if not self.env.efficiency.overlap_grad_reduce:
+            window_b = window_f = 0.0
         if cfg.zero_stage == 0:
-            exposed = max(0.0, collective("all_reduce", self.state.grad) - window_b)
+            exposed = beyond(collective("all_reduce", self.state.grad), window_b)
         else:
             rs, ag = collective("reduce_scatter", self.state.grad), collective("all_gather", self.state.weight)
             if cfg.zero_stage == 1:
-                exposed = max(0.0, rs - window_b) + max(0.0, ag - window_f)
+                exposed = beyond(rs, window_b) + beyond(ag, window_f)
             elif cfg.zero_stage == 2:
-                exposed = m * max(0.0, rs - window_b) + max(0.0, ag - window_f)
+                exposed = m * beyond(rs, window_b) + beyond(ag, window_f)
             else:
-                exposed = m * (max(0.0, ag - window_f) + max(0.0, ag + rs - window_b))
+                exposed = m * (beyond(ag, window_f) + beyond(ag + rs, window_b))
         memo[key] = exposed
         return exposed

@@ -19,13 +19,29 @@ A dtype the profile did not measure falls back to the default curve below.
 **Default** (`GemmEfficiency.from_device_default`): a saturating curve in the ideal time
 t_ideal = 2mnk / peak,
 
-    efficiency = E_MAX * (1 - exp(-t_ideal / TAU0_S)),
+    efficiency = ceiling(device) * (1 - exp(-t_ideal / TAU0_S)).
 
-E_MAX = 0.80: large bf16 GEMMs on the H200 reach about 789 of 989 TFLOP/s (ENVIRONMENT.md, torch
-2.11). TAU0_S = 18.4 us: that sweep's low of about 325 TFLOP/s, taken to be at its smallest shape
-(2048 x 1536 x 1536, 9.66 GFLOP, t_ideal 9.77 us), solves 0.80 (1 - exp(-9.77 / tau0)) = 325 / 989.
-Measuring time rather than FLOPs lets one constant serve devices of any peak. As t_ideal -> 0 the
-modelled time tends to TAU0_S / E_MAX = 23 us, a pessimistic floor for tiny GEMMs: profile to do better.
+ceiling: the SUSTAINED efficiency of large GEMMs, what a training run sees with every GPU of the node
+busy and clocks settled at the power limit, not a short burst (`SUSTAINED_CEILINGS`):
+  h100, h200  0.711 = 703 / 989 TFLOP/s: bf16 "maximum sustainable matmul FLOPS" (MSMF) of the H200
+              (H100 SXM is the same chip and TDP), ml-engineering `mamf-finder.py` tables (Bekman; 698.6
+              to 702.9 TFLOP/s over 5 runs, alone and with all 8 GPUs busy). Its burst peak (MAMF) is
+              828; our own sweep reached ~789 (ENVIRONMENT.md), also a burst.
+  a100        0.738 = 271.2 / 312 (A100 SXM bf16 MAMF, same tables, torch 2.6 + cu126) x 0.849, the
+              H200's measured sustained / burst ratio (703 / 828): no MSMF of an A100 is published, and
+              a 400 W A100 drops its clock under sustained tensor-core load as the 700 W H200 does
+              (NVIDIA rates A100 HPL at the 1305 MHz it sustains at its power limit, not the 1410 MHz
+              boost: 0.93; the H200 ratio is the more conservative of the two).
+  others      the H100 / H200 value.
+TAU0_S = 18.4 us: the H200 sweep (ENVIRONMENT.md, torch 2.11) reached about 325 TFLOP/s at its smallest
+shape (2048 x 1536 x 1536, 9.66 GFLOP, t_ideal 9.77 us) and ~789 at its largest: 1 - exp(-9.77 / tau0)
+= 325 / 789. Measuring time rather than FLOPs lets one constant serve devices of any peak. Shapes of
+~20 GFLOP and more on an A100 (t_ideal >= 64 us) are within 3% of the ceiling; as t_ideal -> 0 the
+modelled time tends to TAU0_S / ceiling, a pessimistic floor for tiny GEMMs: profile to do better.
+
+**Collectives from a profile** (`CollectiveCalibration`): the profile's alpha-beta fits per (kind,
+group size) replace the datasheet links for groups inside one node (`effective_link`); a profile
+measured on one machine says nothing about the network between nodes, so those keep the ClusterSpec.
 """
 
 from __future__ import annotations
@@ -41,9 +57,21 @@ from autoplan.cluster import DeviceSpec
 from autoplan.errors import ConfigError
 from autoplan.profiler.profile import HardwareProfile, ProfileError, same_device
 
-E_MAX = 0.80
+E_MAX = 0.711  # sustained large-GEMM efficiency of the H100 / H200 (module docstring)
 TAU0_S = 18.4e-6
-DEFAULT_SOURCE = "default curve E_MAX=0.80, TAU0_S=18.4us (H200 bf16 sweep, ENVIRONMENT.md)"
+SUSTAINED_CEILINGS: dict[str, tuple[float, str]] = {  # GPU family -> (ceiling, source); module docstring
+    "h100": (E_MAX, "H200 bf16 MSMF 703 of 989 TFLOP/s (ml-engineering mamf-finder tables)"),
+    "h200": (E_MAX, "H200 bf16 MSMF 703 of 989 TFLOP/s (ml-engineering mamf-finder tables)"),
+    "a100": (271.2 / 312 * 703 / 828, "A100 SXM bf16 MAMF 271.2 of 312 TFLOP/s x the H200's sustained / burst "
+                                      "ratio 703 / 828 (ml-engineering mamf-finder tables)"),
+}
+DEFAULT_SOURCE = "default curve: sustained ceiling x (1 - exp(-t_ideal / 18.4 us)) (calibration module docstring)"
+
+
+def default_ceiling(device: DeviceSpec | None) -> float:
+    """The sustained large-GEMM efficiency the default curve saturates at, for `device`'s family."""
+    family = re.match(r"[a-z]+\d+", device.name.lower()) if device is not None else None
+    return SUSTAINED_CEILINGS.get(family.group() if family else "", (E_MAX, ""))[0]
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,6 +124,8 @@ class GemmEfficiency:
         self._grids = grids
         self._peaks = peaks  # peaks of the measured dtypes, as used to form their efficiencies
         self.source = source
+        self._ceiling = default_ceiling(device)
+        self._memo: dict[tuple[float, float, float, str], float] = {}  # this object's own answers
 
     @classmethod
     def from_profile(cls, profile: HardwareProfile, device: DeviceSpec | None = None) -> "GemmEfficiency":
@@ -134,8 +164,11 @@ class GemmEfficiency:
             raise ConfigError(f"dtype {dtype!r} was not profiled (profiled: {list(self.measured_dtypes)}) and no DeviceSpec gives its peak")
         return self.device.peak_flops_for(dtype)
 
-    def efficiency(self, m: int, n: int, k: int, dtype: str) -> float:
+    def efficiency(self, m: float, n: float, k: float, dtype: str) -> float:
         """achieved / peak FLOP/s for C (m, n) = A (m, k) @ B (k, n), in (0, 1]."""
+        key = (m, n, k, dtype)
+        if key in self._memo:
+            return self._memo[key]
         if min(m, n, k) < 1:
             raise ConfigError(f"GEMM shape ({m}, {n}, {k}) must have positive m, n, k")
         grid = self._grids.get(dtype)
@@ -143,8 +176,14 @@ class GemmEfficiency:
             value = grid.at((math.log2(m), math.log2(n), math.log2(k)))
         else:
             ideal_s = 2.0 * m * n * k / self.peak_flops(dtype)
-            value = E_MAX * -math.expm1(-ideal_s / TAU0_S)
-        return min(1.0, max(value, 1e-12))
+            value = self._ceiling * -math.expm1(-ideal_s / TAU0_S)
+        self._memo[key] = min(1.0, max(value, 1e-12))
+        return self._memo[key]
+
+    def max_efficiency(self, dtype: str) -> float:
+        """An upper bound of efficiency() over every shape (what sound time bounds divide by)."""
+        grid = self._grids.get(dtype)
+        return min(1.0, float(grid.values.max())) if grid is not None else self._ceiling
 
     def gemm_time_s(self, m: int, n: int, k: int, dtype: str) -> float:
         """2mnk / (efficiency * peak)."""
@@ -162,6 +201,24 @@ def effective_link(profile: HardwareProfile, kind: str, group_size: int) -> tupl
         return None
     best = min(fits, key=lambda f: (abs(math.log2(f.group_size) - math.log2(group_size)), -f.group_size))
     return best.bandwidth_bytes_per_s, best.latency_s
+
+
+class CollectiveCalibration:
+    """Measured collective costs for groups inside one node: (kind, group size) -> the profile's fit
+    (`effective_link`), or None where the profile has no fit of that kind (the caller then prices the
+    datasheet link)."""
+
+    def __init__(self, profile: HardwareProfile) -> None:
+        self.source = f"collective fits of {profile.device_name!r} ({profile.created}, {profile.collective_backend})"
+        self._profile = profile
+        self._memo: dict[tuple[str, int], tuple[float, float] | None] = {}
+
+    def link(self, kind: str, group_size: int) -> tuple[float, float] | None:
+        """(bus bandwidth bytes/s, latency s) for t = latency + message bytes * ring factor / bandwidth."""
+        key = (kind, group_size)
+        if key not in self._memo:
+            self._memo[key] = effective_link(self._profile, kind, group_size)
+        return self._memo[key]
 
 
 def check_profile_device(profile: HardwareProfile, device: DeviceSpec) -> None:

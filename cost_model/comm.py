@@ -21,7 +21,12 @@ bandwidth measured by nccl-tests across nodes). Its latency is hierarchical: (k-
 plus (r-1) intra-node hops per ring pass. An all-to-all across nodes sends (n-r)/n of each rank's
 bytes through its own NIC and (r-1)/n over NVLink, concurrently.
 
-Ignored (the profiler calibrates later): protocol efficiency (NCCL reaches ~80-90% of link bandwidth
+A hardware profile's collective fits (`calibration.CollectiveCalibration`), when given, replace the
+datasheet link for groups inside one node: t = latency + message * ring_factor / bus bandwidth, with the
+message as nccl-tests counts it (B, or B / n per rank for an all-to-all); groups across nodes keep the
+ClusterSpec's links (a profile of one machine says nothing about its network).
+
+Ignored (a profile measures them): protocol efficiency (NCCL reaches ~80-90% of link bandwidth
 on large messages), tree / NVLS / SHARP algorithms for small messages, contention between
 collectives of different axes running at once, and oversubscribed network cores.
 """
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from autoplan.cluster import ClusterSpec, LinkSpec
+from autoplan.cost_model.calibration import CollectiveCalibration
 from autoplan.errors import ConfigError
 from autoplan.mesh import MeshShape
 
@@ -108,12 +114,21 @@ def link_for_axis(cluster: ClusterSpec, mesh: MeshShape, axis: str) -> LinkSpec:
     return cluster.intra_node if mesh.nodes_spanned(axis, cluster.gpus_per_node) == 1 else cluster.inter_node
 
 
-def collective_time_s(kind: str, nbytes: float, cluster: ClusterSpec, mesh: MeshShape, axis: str) -> float:
+def collective_time_s(kind: str, nbytes: float, cluster: ClusterSpec, mesh: MeshShape, axis: str,
+                      measured: CollectiveCalibration | None = None) -> float:
     """Time of one `kind` collective over a group of mesh `axis` (B = full tensor bytes; module doc)."""
-    return group_collective_time_s(kind, nbytes, cluster, AxisGroup.of(mesh, axis, cluster.gpus_per_node))
+    return group_collective_time_s(kind, nbytes, cluster, AxisGroup.of(mesh, axis, cluster.gpus_per_node), measured)
 
 
-def group_collective_time_s(kind: str, nbytes: float, cluster: ClusterSpec, group: AxisGroup) -> float:
+def measured_time_s(kind: str, nbytes: float, n: int, bandwidth_bytes_per_s: float, latency_s: float) -> float:
+    """A profile's fit for a group of n: latency + message * ring factor / bus bandwidth (nccl-tests' message)."""
+    message = nbytes / n if kind == "all_to_all" else nbytes
+    factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+    return latency_s + message * factor / bandwidth_bytes_per_s
+
+
+def group_collective_time_s(kind: str, nbytes: float, cluster: ClusterSpec, group: AxisGroup,
+                            measured: CollectiveCalibration | None = None) -> float:
     """`collective_time_s` for a precomputed `AxisGroup` (the per-op pricing calls this in a loop)."""
     n, nodes, per_node = group.size, group.nodes, group.ranks_per_node
     formula = collective_formula(kind)
@@ -121,6 +136,9 @@ def group_collective_time_s(kind: str, nbytes: float, cluster: ClusterSpec, grou
         return 0.0
     intra, inter = cluster.intra_node, cluster.inter_node
     if nodes == 1:
+        fit = measured.link(kind, n) if measured is not None else None
+        if fit is not None:
+            return measured_time_s(kind, nbytes, n, *fit)
         return formula(nbytes, n, intra.bandwidth_bytes_per_s, intra.latency_s)
     hops = (nodes - 1) * inter.latency_s + (per_node - 1) * intra.latency_s
     if kind == "all_to_all":

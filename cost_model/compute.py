@@ -1,49 +1,258 @@
-"""Compute time: a roofline with achievable-efficiency factors.
+"""Compute time: a roofline per kernel, with shape-dependent GEMM efficiency.
 
-    op_time_s = max(flops / (peak_flops[dtype] * efficiency.matmul),
-                    bytes / (hbm_bandwidth * efficiency.memory))
+    kernel_time_s = max(flops / (peak_flops[dtype] * e_gemm(m, n, k)),  bytes / (hbm_bandwidth * e_memory))
 
-Matmul-heavy ops (linear, attention, MoE experts) land on the FLOP side; norms, pointwise ops,
-embeddings and cross-entropy move many bytes per FLOP and land on the bandwidth side, so one formula
-serves both. Peak FLOP/s is the dense Tensor Core figure of the DeviceSpec, which is why the matmul
-efficiency is below 1 even for large GEMMs.
+and an op's time is the sum over the kernels it launches (they run one after another on the device):
 
-Ignored: kernel launch overheads, tile quantisation of small or skinny GEMMs (they reach far less
-than the default efficiency: down to ~0.33 of peak on the H200 sweep), overlap between kernels.
+    linear (m tokens, k in, n out)   fwd: one GEMM (m, n, k); bwd: dX (m, k, n) and dW (n, k, m)
+    attention, flash                 one fused kernel each way; no T x T tensor reaches HBM
+    attention, materialized          Megatron-LM <= 2021 / eager PyTorch: QK^T and PV batched GEMMs with
+                                     the T x T scores in HBM, a fused scale-mask-softmax, an optional
+                                     dropout (`attention_kernels`)
+    norm, pointwise, cross-entropy,  memory-bound: their bytes (`memory_op_bytes`) at the HBM roofline
+    embedding
+
+GEMM bytes are A + B + C once each. e_gemm is `calibration.GemmEfficiency`: a hardware profile's
+measurements when one is loaded, else the default curve of the device (sustained ceiling, lower for
+small GEMMs); small and skinny GEMMs are not at peak. e_memory = 0.80: device-to-device copies reach
+~4.07 of 4.8 TB/s on the H200 (0.85, ENVIRONMENT.md) and elementwise kernels a little less.
+
+Memory-bound bytes per element of a tensor of the op (i = its itemsize), forward / backward:
+
+    norm            read x, write y / read x and dy, write dx (1.5x forward; the weight-gradient sums are
+                    per-block partials)
+    add, sub        read both, write one / the same: the gradient passes through, but where the residual
+                    stream forks (x feeds the norm and the add) autograd sums two gradients
+    mul, div        read 2, write 1 / read dy and both inputs, write 2 gradients
+    neg, casts      read 1, write 1 / the same
+    other unary     (gelu, silu, tanh, ...) read 1, write 1 / read x and dy, write dx
+    cross-entropy   logits (N of them, itemsize i): cast to fp32 (i + 4), log-softmax (4 + 4) / the
+                    one-hot gradient (4), log-softmax backward (4 + 4 + 4), the cast back (4 + i)
+    embedding       read the ids and the gathered rows, write the output / read dy, write the rows into
+                    a zero-filled dense (V, h) gradient (the zero fill is bytes of the whole local table)
+
+Every op with parameters also pays, in backward, autograd's accumulation of the microbatch's weight
+gradient into .grad (read both, write one: 3 x the gradient bytes per parameter; the first microbatch
+of a step could skip it, which is ignored).
+
+FLOPs of memory-bound ops are priced at the tensor-core rate, which keeps every op at least as long as
+its FLOPs at the best GEMM rate (the search's time bound relies on it); they are memory-bound anyway.
+
+Ignored: kernel launch overheads (~5 us; the smallest kernels of the built-in models run for tens of
+microseconds at a microbatch of one sequence), overlap between kernels, L2 cache reuse between kernels,
+hidden dropout (the built-in models have none), the bias adds of linear layers (fused in GEMM epilogues).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from autoplan.cluster import DeviceSpec
+from autoplan.cluster import ClusterSpec, DeviceSpec
+from autoplan.cost_model.calibration import CollectiveCalibration, GemmEfficiency, device_spec_from_profile
 from autoplan.errors import ConfigError
+
+if TYPE_CHECKING:
+    from autoplan.capture import NodeInfo
+    from autoplan.profiler.profile import HardwareProfile
+
+ATTENTION_KINDS = ("flash", "materialized")
+MASK_BYTES = 1  # a dropout mask element (torch keeps a bool / uint8 mask)
+FP32_BYTES = 4
+PASS_THROUGH = frozenset({"add", "iadd", "add_", "sub", "isub", "sub_"})
+COPY_LIKE = frozenset({"neg", "float", "to"})
+BINARY_PRODUCT = frozenset({"mul", "imul", "mul_", "truediv", "div"})
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    """How the attention core runs (module docstring): "flash" keeps the T x T scores on chip;
+    "materialized" writes them to HBM (Megatron-LM before FlashAttention, eager PyTorch), with the
+    attention-probability `dropout` of GPT-2/3 training when set."""
+
+    kind: str = "flash"
+    dropout: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in ATTENTION_KINDS:
+            raise ConfigError(f"attention kernel {self.kind!r} must be one of {ATTENTION_KINDS}")
+        if self.dropout and self.kind == "flash":
+            raise ConfigError("attention dropout is priced only for the materialized kernel; use kind='materialized'")
 
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Achievable fraction of peak: dense matmul FLOP/s and HBM bandwidth.
+    """What turns FLOPs and bytes into seconds (module docstring).
 
-    Defaults: large bf16 GEMMs on the H200 reach ~789 of 989 TFLOP/s (0.80) and device copies
-    ~4.07 of 4.8 TB/s (0.85), measured with torch 2.11 (/work/shared/ENVIRONMENT.md). A model's GEMMs
-    are not all large, so matmul takes 0.75 and memory 0.80 until the profiler calibrates them.
-    """
+    matmul: a flat GEMM efficiency, or None for the shape-dependent curve `gemm` (a profile's,
+    `GemmEfficiency.from_profile`; None: the device's default curve, filled in by `resolved`).
+    memory: achievable fraction of HBM bandwidth. attention: the attention kernel. collectives:
+    measured collective fits (a profile's) that replace the datasheet links inside a node.
+    overlap_grad_reduce: data-parallel gradient buckets are reduced while the backward runs (PyTorch
+    DDP / FSDP2, Megatron-Core's --overlap-grad-reduce; `autoplan.pricing`), or, when False, after the
+    whole backward (Megatron-LM of 2021)."""
 
-    matmul: float = 0.75
+    matmul: float | None = None
     memory: float = 0.80
-    source: str = "H200 bf16 GEMM ~789/989 TFLOP/s and copy ~4.07/4.8 TB/s, rounded down (ENVIRONMENT.md)"
+    source: str = "GEMMs: calibration.GemmEfficiency; HBM: H200 copy ~4.07/4.8 TB/s, rounded down (ENVIRONMENT.md)"
+    gemm: GemmEfficiency | None = None
+    attention: AttentionKernel = AttentionKernel()
+    collectives: CollectiveCalibration | None = None
+    overlap_grad_reduce: bool = True
 
     def __post_init__(self) -> None:
         for name in ("matmul", "memory"):
             value = getattr(self, name)
-            if not 0 < value <= 1:
+            if value is not None and not 0 < value <= 1:
                 raise ConfigError(f"efficiency {name}={value!r} must be in (0, 1]")
+
+    def resolved(self, device: DeviceSpec) -> "Efficiency":
+        """This efficiency with the default GEMM curve of `device` where none was given (do it once per
+        search: the curve remembers its answers)."""
+        if self.matmul is not None or self.gemm is not None:
+            return self
+        return replace(self, gemm=GemmEfficiency.from_device_default(device))
+
+    def gemm_efficiency(self, m: float, n: float, k: float, device: DeviceSpec, dtype: str) -> float:
+        if self.matmul is not None:
+            return self.matmul
+        return (self.gemm or GemmEfficiency.from_device_default(device)).efficiency(m, n, k, dtype)
+
+    def max_matmul(self, device: DeviceSpec, dtype: str) -> float:
+        """The best GEMM efficiency of any shape: every op takes at least its FLOPs at this rate."""
+        if self.matmul is not None:
+            return self.matmul
+        return (self.gemm or GemmEfficiency.from_device_default(device)).max_efficiency(dtype)
+
+
+def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "HardwareProfile | None"
+              ) -> tuple[ClusterSpec, Efficiency]:
+    """The cluster and efficiency the cost model prices with. Without a profile: the datasheet device
+    and the device's default GEMM curve. With one (it must be of the cluster's kind of device, else
+    ProfileError): the measured HBM bandwidth (`device_spec_from_profile`), the measured GEMM
+    efficiencies (`GemmEfficiency.from_profile`; they replace a flat `matmul`), and the measured
+    collective fits for groups inside a node; the attention kernel and memory fraction stay as given."""
+    efficiency = efficiency or Efficiency()
+    if profile is None:
+        return cluster, efficiency.resolved(cluster.device)
+    device = device_spec_from_profile(profile, cluster.device)
+    collectives = CollectiveCalibration(profile) if profile.fits else None
+    calibrated = replace(efficiency, matmul=None, gemm=GemmEfficiency.from_profile(profile, device),
+                         collectives=collectives, source=f"{efficiency.source}; calibrated by the profile of "
+                                                         f"{profile.device_name!r} ({profile.created})")
+    return replace(cluster, device=device), calibrated
 
 
 def op_time_s(flops: float, nbytes: float, device: DeviceSpec, dtype: str, efficiency: Efficiency) -> float:
-    """Roofline time of an op doing `flops` FLOPs and moving `nbytes` bytes of HBM traffic."""
+    """Roofline time of an op doing `flops` FLOPs at the best GEMM rate and moving `nbytes` bytes of HBM traffic."""
     if flops < 0 or nbytes < 0:
         raise ConfigError(f"op_time_s needs flops >= 0 and bytes >= 0, got flops={flops}, bytes={nbytes}")
-    compute_s = flops / (device.peak_flops_for(dtype) * efficiency.matmul)
+    compute_s = flops / (device.peak_flops_for(dtype) * efficiency.max_matmul(device, dtype))
     memory_s = nbytes / (device.memory_bandwidth_bytes_per_s * efficiency.memory)
     return max(compute_s, memory_s)
+
+
+def memory_time_s(nbytes: float, device: DeviceSpec, efficiency: Efficiency) -> float:
+    """Seconds to move `nbytes` bytes of HBM traffic."""
+    return nbytes / (device.memory_bandwidth_bytes_per_s * efficiency.memory)
+
+
+def gemm_time_s(m: float, n: float, k: float, itemsize: float, device: DeviceSpec, dtype: str, efficiency: Efficiency,
+                batch: float = 1.0) -> float:
+    """A batch of `batch` GEMMs C (m, n) = A (m, k) @ B (k, n): the roofline of their FLOPs at the
+    efficiency of one (batch * m, n, k) GEMM and of their bytes (A, B, C once each)."""
+    if min(m, n, k) <= 0:
+        return 0.0
+    flops = 2.0 * batch * m * n * k
+    nbytes = batch * (m * k + k * n + m * n) * itemsize
+    rate = device.peak_flops_for(dtype) * efficiency.gemm_efficiency(batch * m, n, k, device, dtype)
+    return max(flops / rate, memory_time_s(nbytes, device, efficiency))
+
+
+def linear_time_s(m: float, n: float, k: float, itemsize: float, device: DeviceSpec, dtype: str,
+                  efficiency: Efficiency) -> tuple[float, float]:
+    """(forward, backward) seconds of y (m, n) = x (m, k) @ W^T: forward one GEMM; backward dX and dW."""
+    fwd = gemm_time_s(m, n, k, itemsize, device, dtype, efficiency)
+    bwd = (gemm_time_s(m, k, n, itemsize, device, dtype, efficiency)
+           + gemm_time_s(n, k, m, itemsize, device, dtype, efficiency))
+    return fwd, bwd
+
+
+def attention_kernels(kernel: AttentionKernel, itemsize: float) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """(forward, backward) kernels of the materialized attention core: per kernel (T x T x d GEMMs per
+    head it does, bytes per score element it moves); module docstring. Forward: S = QK^T (writes S),
+    softmax (reads S, writes P), dropout (reads P, writes P' and a mask), O = P'V (reads P'). Backward:
+    dP' = dO V^T (writes), dropout (reads dP' and the mask, writes dP), softmax (reads dP and P, writes
+    dS), dQ = dS K, dK = dS^T Q, dV = P'^T dO (each reads its T x T operand)."""
+    i = itemsize
+    drop_fwd = [(0, 2 * i + MASK_BYTES)] if kernel.dropout else []
+    drop_bwd = [(0, 2 * i + MASK_BYTES)] if kernel.dropout else []
+    forward = [(1, i), (0, 2 * i)] + drop_fwd + [(1, i)]
+    backward = [(1, i)] + drop_bwd + [(0, 3 * i), (1, i), (1, i), (1, i)]
+    return forward, backward
+
+
+def attention_time_s(batch_heads: float, seq: int, head_dim: int, itemsize: float, device: DeviceSpec, dtype: str,
+                     efficiency: Efficiency) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core over `batch_heads` (sequence, head) pairs.
+
+    FLOPs are counted in full (4 T^2 d forward, 8 T^2 d backward per head), as Narayanan et al. 2021
+    count them. Flash: one kernel each way whose HBM traffic is q, k, v, o (and dO, dq, dk, dv); a causal
+    flash kernel skips the masked half of those FLOPs but runs at well below the GEMM rate (FlashAttention-2
+    reaches 50-73% of A100 peak forward and less backward, Dao 2023), so the full count at the GEMM rate
+    stands for both. Materialized: `attention_kernels`, each at its own roofline."""
+    vectors = batch_heads * seq * head_dim * itemsize  # one of q, k, v, o
+    peak = device.peak_flops_for(dtype)
+    if efficiency.attention.kind == "flash":
+        rate = peak * efficiency.gemm_efficiency(batch_heads * seq, seq, head_dim, device, dtype)
+        per_head = 2.0 * seq * seq * head_dim  # one T x T x d GEMM
+        fwd = max(2 * batch_heads * per_head / rate, memory_time_s(4 * vectors, device, efficiency))
+        bwd = max(4 * batch_heads * per_head / rate, memory_time_s(8 * vectors, device, efficiency))
+        return fwd, bwd
+    scores = batch_heads * seq * seq  # elements of the T x T tensor
+
+    def run(kernels: list[tuple[int, float]]) -> float:
+        total = 0.0
+        for gemms, per_score in kernels:
+            if gemms:  # a batched T x T x d GEMM: its own operands plus the T x T one
+                total += gemm_time_s(seq, seq, head_dim, itemsize, device, dtype, efficiency, batch_heads)
+            else:
+                total += memory_time_s(scores * per_score, device, efficiency)
+        return total
+
+    forward, backward = attention_kernels(efficiency.attention, itemsize)
+    return run(forward), run(backward)
+
+
+def _tensor_bytes(metas) -> float:
+    return float(sum(m.nbytes for m in metas))
+
+
+def memory_op_bytes(node: "NodeInfo", local_param_bytes: float = 0.0) -> tuple[float, float]:
+    """(forward, backward) HBM bytes of a memory-bound op at the capture batch, unsharded, without the
+    weight-gradient accumulation (module docstring); `local_param_bytes`: the parameter bytes one rank
+    holds (an embedding's zero-filled gradient)."""
+    kind, out = node.op_kind, node.output
+    if kind == "norm":
+        moved = node.input_metas[0].nbytes + out.nbytes
+        return moved, 1.5 * moved
+    if kind == "elementwise":
+        moved = _tensor_bytes(node.input_metas) + out.nbytes
+        if node.target in PASS_THROUGH or node.target in COPY_LIKE:
+            return moved, moved
+        if node.target in BINARY_PRODUCT:
+            return moved, moved * 5 / 3
+        return moved, 1.5 * moved
+    if kind == "cross_entropy":
+        logits = node.input_metas[0]
+        i = logits.nbytes / logits.numel
+        return logits.numel * (i + 2 * FP32_BYTES + FP32_BYTES), logits.numel * (5 * FP32_BYTES + i)
+    if kind == "embedding":
+        ids = node.input_metas[0].nbytes
+        return ids + 2 * out.nbytes, ids + 2 * out.nbytes + local_param_bytes
+    return float(node.fwd_bytes), float(node.bwd_bytes)
+
+
+def grad_accumulation_bytes(local_param_bytes: float) -> float:
+    """Backward bytes of adding one microbatch's weight gradients into .grad (read both, write one)."""
+    return 3.0 * local_param_bytes

@@ -3,9 +3,9 @@
 For one tp degree and microbatch size, every captured node v gets its strategies S_v
 (`autoplan.strategies`) and, per strategy s, per microbatch:
 
-    node cost   c_v[s] = t_fwd + t_bwd                     (roofline, `compute.op_time_s`, on s's share
-                        + sum of s.fwd_comm and s.bwd_comm  of FLOPs; collectives on the tp axis,
-                                                            `comm.collective_time_s`)
+    node cost   c_v[s] = t_fwd + t_bwd                     (the op's kernels at their rooflines on s's
+                        + sum of s.fwd_comm and s.bwd_comm  share, `node_compute_s`; collectives on the
+                                                            tp axis, `comm.collective_time_s`)
     node memory m_v[s] = (weight + grad + optimizer) bytes of v's parameters at s's tp sharding
 
 and every tensor edge u -> v (v's input i) a matrix C[s_u, s_v] = resharding time from s_u.output to
@@ -19,6 +19,13 @@ s_v.inputs[i] (`reshard_collectives`):
 
 Tensors without gradients (token ids, targets) have no backward term. The graph is captured once at
 a small batch; FLOPs and activation bytes scale by microbatch / capture batch, parameter bytes do not.
+
+Shared conversions: the runtime converts a tensor once for all the consumers that need the same
+placement (q, k and v read one all-gathered norm output and sum their partial input gradients in one
+collective). The ILP's edges are pairwise, so it counts such a conversion once per consumer: a
+conservative surrogate that moves every choice of the shared input alike. `price_assignment` counts
+it once, and reports what the ILP counted on top (`AssignmentCost.shared_comm_s`): priced + shared =
+the ILP objective of the same choice.
 
 Segments (the exact folded solve, `autoplan.fold.solve_folded`): `segment_arrays` prices the nodes
 of one block and the edges inside it once per (tp, microbatch); `segment_problem` is the block's own
@@ -44,7 +51,8 @@ import numpy as np
 
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.comm import AxisGroup, group_collective_time_s
-from autoplan.cost_model.compute import Efficiency, op_time_s
+from autoplan.cost_model.compute import (Efficiency, attention_time_s, grad_accumulation_bytes, linear_time_s,
+                                         memory_op_bytes, memory_time_s, op_time_s)
 from autoplan.cost_model.memory import (StateBytes, comm_tensor_nbytes, local_nbytes, param_placements,
                                         scaled_nbytes, selective_recompute_nodes, state_bytes_for)
 from autoplan.errors import AutoplanError
@@ -57,6 +65,7 @@ if TYPE_CHECKING:
     from autoplan.capture import CapturedGraph, NodeInfo, TensorMeta
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+DEFAULT_HEAD_DIM = 128  # when a graph's attention modules do not say
 Collectives = tuple[tuple[str, bool], ...]  # (kind, acts on the 1/tp shard rather than the full tensor)
 
 
@@ -71,28 +80,99 @@ class CostContext:
     capture_batch: int
     batch_scale: float  # microbatch size / capture batch
     axis: str = "tp"
+    head_dim: int = DEFAULT_HEAD_DIM  # of the attention cores (`attention_head_dim`)
     group: AxisGroup = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "group", AxisGroup.of(self.mesh, self.axis, self.cluster.gpus_per_node))
+        object.__setattr__(self, "efficiency", self.efficiency.resolved(self.cluster.device))
 
     @property
     def degree(self) -> int:
         return self.mesh.degree(self.axis)
 
     def collective_s(self, kind: str, nbytes: float) -> float:
-        return group_collective_time_s(kind, nbytes, self.cluster, self.group)
+        return group_collective_time_s(kind, nbytes, self.cluster, self.group, self.efficiency.collectives)
 
 
-def make_context(graph: "CapturedGraph", cluster: ClusterSpec, mesh: MeshShape, microbatch_size: int,
+def attention_head_dim(graph: "CapturedGraph") -> int:
+    """The head dim of the graph's attention cores (read from their modules), else DEFAULT_HEAD_DIM."""
+    for node in graph.nodes:
+        if node.op_kind == "attention":
+            try:
+                return int(graph.graph_module.get_submodule(node.module_path).head_dim)
+            except (AttributeError, TypeError, ValueError):
+                return DEFAULT_HEAD_DIM
+    return DEFAULT_HEAD_DIM
+
+
+def make_context(graph: "CapturedGraph", cluster: ClusterSpec, mesh: MeshShape, microbatch_size: float,
                  dtype: str = "bfloat16", efficiency: Efficiency | None = None) -> CostContext:
-    if microbatch_size < 1:
-        raise AutoplanError(f"microbatch_size must be >= 1, got {microbatch_size}")
+    if microbatch_size <= 0:
+        raise AutoplanError(f"microbatch_size must be > 0, got {microbatch_size}")
     return CostContext(cluster, mesh, dtype, efficiency or Efficiency(), graph.batch_size,
-                       microbatch_size / graph.batch_size)
+                       microbatch_size / graph.batch_size, head_dim=attention_head_dim(graph))
 
 
 # ---------------------------------------------------------------------------------- node costs
+
+
+def _local_param_bytes(node: "NodeInfo", strategy: Strategy, tp: int) -> float:
+    return float(sum(local_nbytes(m.nbytes, p, tp) for _, m, p in param_placements(node, strategy)))
+
+
+def _linear_shape(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tuple[float, float, float]:
+    """(m tokens, n out, k in) of the GEMM one rank runs: the weight's tp shard splits n (column) or
+    k (row), otherwise a split strategy splits the tokens (sequence)."""
+    x = node.input_metas[0]
+    m, k, n = x.numel / x.shape[-1] * ctx.batch_scale, float(x.shape[-1]), float(node.output.shape[-1])
+    weight = next((p for name, _, p in param_placements(node, strategy) if name.endswith("weight")), None)
+    if isinstance(weight, Shard):
+        return (m, n / ctx.degree, k) if weight.dim == 0 else (m, n, k / ctx.degree)
+    return m * strategy.compute_fraction, n, k
+
+
+def _moe_shape(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tuple[float, float, float]:
+    """A representative expert GEMM (tokens per expert, ffn per rank, expert width) for the MoE's
+    efficiency; tokens per expert from the FLOPs (6 width ffn per routed token and expert)."""
+    shapes = {name.rsplit(".", 1)[-1]: meta.shape for name, meta in node.params}
+    x = node.input_metas[0]
+    if len(shapes.get("w_gate", ())) != 3:
+        return x.numel / x.shape[-1] * ctx.batch_scale, float(x.shape[-1]), float(x.shape[-1])
+    experts, width, ffn = shapes["w_gate"]
+    per_expert = max(1.0, node.fwd_flops * ctx.batch_scale / (6.0 * width * ffn * experts))
+    return per_expert, max(1.0, ffn * strategy.compute_fraction), float(width)
+
+
+def node_compute_s(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tuple[float, float]:
+    """(forward, backward) seconds of the node's share under `strategy` at the microbatch: its kernels
+    at their rooflines (`cost_model.compute`), plus the weight-gradient accumulation in backward."""
+    if node.fwd_flops == 0 and node.fwd_bytes == 0:
+        return 0.0, 0.0
+    device, dtype, eff = ctx.cluster.device, ctx.dtype, ctx.efficiency
+    params = _local_param_bytes(node, strategy, ctx.degree)
+    share = ctx.batch_scale * strategy.compute_fraction
+    accumulate = memory_time_s(grad_accumulation_bytes(params), device, eff)
+    if node.op_kind == "linear":
+        fwd, bwd = linear_time_s(*_linear_shape(node, strategy, ctx), node.output.nbytes / node.output.numel,
+                                 device, dtype, eff)
+        return fwd, bwd + accumulate
+    if node.op_kind == "attention":
+        q = node.input_metas[0]
+        batch_heads = q.shape[0] * ctx.batch_scale * q.shape[-1] / ctx.head_dim * strategy.compute_fraction
+        return attention_time_s(batch_heads, q.shape[1], ctx.head_dim, q.nbytes / q.numel, device, dtype, eff)
+    if node.op_kind == "moe":
+        e = eff.gemm_efficiency(*_moe_shape(node, strategy, ctx), device, dtype)
+        rate = device.peak_flops_for(dtype) * e
+        moved = (node.fwd_bytes - _traffic_param_bytes(node)) * share + params
+        fwd = max(node.fwd_flops * share / rate, memory_time_s(moved, device, eff))
+        bwd = max(node.bwd_flops * share / rate, memory_time_s(2 * moved, device, eff))
+        return fwd, bwd + accumulate
+    fwd_bytes, bwd_bytes = memory_op_bytes(node, params)
+    extra = params if node.op_kind != "embedding" else 0.0  # a norm reads its weights (the embedding's rows are in)
+    fwd = op_time_s(node.fwd_flops * share, fwd_bytes * share + extra, device, dtype, eff)
+    bwd = op_time_s(node.bwd_flops * share, bwd_bytes * share + extra, device, dtype, eff)
+    return fwd, bwd + accumulate
 
 
 def _traffic_param_bytes(node: "NodeInfo") -> float:
@@ -100,22 +180,6 @@ def _traffic_param_bytes(node: "NodeInfo") -> float:
     if node.op_kind in ("embedding", "placeholder", "output", "other"):
         return 0.0
     return float(sum(meta.nbytes for _, meta in node.params))
-
-
-def node_compute_s(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tuple[float, float]:
-    """(forward, backward) roofline seconds of the node's share under `strategy` at the microbatch."""
-    if node.fwd_flops == 0 and node.fwd_bytes == 0:
-        return 0.0, 0.0
-    param_bytes = _traffic_param_bytes(node)
-    local_params = sum(local_nbytes(m.nbytes, p, ctx.degree) for _, m, p in param_placements(node, strategy))
-    local_params = local_params if param_bytes else 0.0
-    fwd_bytes = (node.fwd_bytes - param_bytes) * ctx.batch_scale * strategy.compute_fraction + local_params
-    bwd_ratio = node.bwd_bytes / node.fwd_bytes if node.fwd_bytes else 0.0
-    share = ctx.batch_scale * strategy.compute_fraction
-    device = ctx.cluster.device
-    fwd = op_time_s(node.fwd_flops * share, fwd_bytes, device, ctx.dtype, ctx.efficiency)
-    bwd = op_time_s(node.bwd_flops * share, fwd_bytes * bwd_ratio, device, ctx.dtype, ctx.efficiency)
-    return fwd, bwd
 
 
 def node_comm_s(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tuple[float, float]:
@@ -407,15 +471,17 @@ class AssignmentCost:
     layer_fwd_compute_s: float  # the layers' forward: what full recompute re-runs
     layer_fwd_comm_s: float
     selective_fwd_compute_s: float  # the ops selective recompute re-runs
+    shared_comm_s: float = 0.0  # conversions shared by several consumers, counted again by the pairwise ILP
 
     @property
     def total_s(self) -> float:
-        """Equals the (unfolded) intra-op objective of the same choice."""
+        """The intra-op objective of the same choice, less `shared_comm_s` (module docstring)."""
         return self.fwd_compute_s + self.bwd_compute_s + self.fwd_comm_s + self.bwd_comm_s
 
 
 def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy], ctx: CostContext) -> AssignmentCost:
-    """Per-microbatch compute and tp communication of `strategies` (node name -> Strategy).
+    """Per-microbatch compute and tp communication of `strategies` (node name -> Strategy), each
+    conversion of a tensor counted once however many consumers share it (module docstring).
 
     Equal nodes (the same op in every layer) are priced once: the memo keys hold strategies and
     placements by identity (all alive in `strategies` for the whole call), which hashes far faster
@@ -423,7 +489,15 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
     selective = set(selective_recompute_nodes(graph))
     node_memo: dict[tuple, tuple[float, float, float, float]] = {}
     edge_memo: dict[tuple, tuple[float, float]] = {}
-    sums = dict.fromkeys(("fc", "bc", "fm", "bm", "lfc", "lfm", "sel"), 0.0)
+    converted: set[tuple] = set()  # (producer, source placement, input spec): conversions already made
+    canonical: dict[int, str] = {}  # id -> repr of the placements and specs met: equal values, equal keys
+
+    def value(obj) -> str:
+        if id(obj) not in canonical:
+            canonical[id(obj)] = repr(obj)
+        return canonical[id(obj)]
+
+    sums = dict.fromkeys(("fc", "bc", "fm", "bm", "lfc", "lfm", "sel", "shared"), 0.0)
     for node in graph.nodes:
         strategy = strategies[node.name]
         key = (_rule_key(node), node.fwd_flops, node.bwd_flops, node.fwd_bytes, node.bwd_bytes, id(strategy))
@@ -435,6 +509,11 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
             edge = (meta.shape, meta.dtype, id(src), id(spec))
             if edge not in edge_memo:
                 edge_memo[edge] = reshard_s(meta, src, spec, ctx)
+            conversion = (producer, value(src), value(spec))
+            if conversion in converted:
+                sums["shared"] += edge_memo[edge][0] + edge_memo[edge][1]
+                continue
+            converted.add(conversion)
             comm_f, comm_b = comm_f + edge_memo[edge][0], comm_b + edge_memo[edge][1]
         sums["fc"] += fwd
         sums["bc"] += bwd
@@ -445,4 +524,5 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
             sums["lfm"] += comm_f
         if node.name in selective:
             sums["sel"] += fwd
-    return AssignmentCost(sums["fc"], sums["bc"], sums["fm"], sums["bm"], sums["lfc"], sums["lfm"], sums["sel"])
+    return AssignmentCost(sums["fc"], sums["bc"], sums["fm"], sums["bm"], sums["lfc"], sums["lfm"], sums["sel"],
+                          sums["shared"])

@@ -14,7 +14,11 @@ every op keeps the tensors its backward needs (`_saved_inputs`), each (producer,
 autograd does when several ops save the same tensor:
 
     linear, norm       their input (norm also 2 fp32 statistics per token)
-    attention          q, k, v, its output and the log-sum-exp (B, Hq, T) fp32: flash-style, no T x T
+    attention          flash kernel (the default): q, k, v, its output and the log-sum-exp (B, Hq, T) fp32,
+                       no T x T tensor; materialized kernel (`compute.AttentionKernel`, Megatron-LM before
+                       FlashAttention): q, k, v and, per score element, the softmax output (itemsize)
+                       and, with attention dropout, its mask (1 B) and the dropped probabilities
+                       (itemsize): Korthikanti et al.'s 5 a s^2 b bytes per layer
     pointwise          mul / div: both inputs; add / sub / neg / casts: nothing; others (gelu, silu,
                        tanh, ...): their input
     cross_entropy      fp32 log-probabilities (4 B per logit) and the targets
@@ -51,11 +55,13 @@ from autoplan.strategies import Comm, Strategy
 
 if TYPE_CHECKING:
     from autoplan.capture import CapturedGraph, NodeInfo, TensorMeta
+    from autoplan.cost_model.compute import AttentionKernel
 
 NO_SAVE_POINTWISE = frozenset({"add", "iadd", "add_", "sub", "isub", "sub_", "neg", "float", "to"})
 SAVE_ALL_POINTWISE = frozenset({"mul", "imul", "mul_", "truediv", "div"})
 FP32_BYTES = 4
 INT64_BYTES = 8
+MASK_BYTES = 1  # a dropout mask element (torch keeps a bool mask)
 
 
 @dataclass(frozen=True)
@@ -184,11 +190,16 @@ def _saved_inputs(node: "NodeInfo") -> tuple[int, ...]:
     return ()
 
 
-def _internal_tensors(node: "NodeInfo", strategy: Strategy, info: Mapping) -> list[tuple[str, float]]:
+def _internal_tensors(node: "NodeInfo", strategy: Strategy, info: Mapping,
+                      attention: "AttentionKernel | None" = None) -> list[tuple[str, float]]:
     """(name, full bytes at the capture batch) of tensors an op keeps besides its inputs."""
     if node.op_kind == "attention":
         batch, seq, width = node.output.shape
         heads = width // int(info.get("head_dim", 128))
+        if attention is not None and attention.kind == "materialized":
+            scores, itemsize = batch * heads * seq * seq, node.output.nbytes / node.output.numel
+            kept = [("probs", scores * itemsize)]
+            return kept + ([("mask", scores * MASK_BYTES), ("dropped", scores * itemsize)] if attention.dropout else [])
         return [("out", node.output.nbytes), ("lse", batch * heads * seq * FP32_BYTES)]
     if node.op_kind == "norm":
         return [("stats", 2 * FP32_BYTES * node.output.numel / node.output.shape[-1])]
@@ -205,8 +216,9 @@ def _internal_tensors(node: "NodeInfo", strategy: Strategy, info: Mapping) -> li
 
 
 def saved_tensors(graph: "CapturedGraph", strategies: Mapping[str, Strategy], tp: int,
-                  info: Mapping | None = None) -> tuple[SavedTensor, ...]:
-    """Every tensor kept for backward at the capture batch (module docstring), each once."""
+                  info: Mapping | None = None, attention: "AttentionKernel | None" = None) -> tuple[SavedTensor, ...]:
+    """Every tensor kept for backward at the capture batch (module docstring), each once; `attention`:
+    the attention kernel (None: flash)."""
     info = info or {}
     by_name = {n.name: n for n in graph.nodes}
     found: dict[tuple[str, str], SavedTensor] = {}
@@ -221,7 +233,7 @@ def saved_tensors(graph: "CapturedGraph", strategies: Mapping[str, Strategy], tp
                 found[key] = SavedTensor(producer, str(placement), local_nbytes(meta.nbytes, placement, tp),
                                          is_batched(meta, graph.batch_size), node.layer,
                                          _cheap_to_recompute(by_name[producer]))
-        for what, nbytes in _internal_tensors(node, strategy, info):
+        for what, nbytes in _internal_tensors(node, strategy, info, attention):
             found[(f"{node.name}:{what}", "")] = SavedTensor(
                 f"{node.name}:{what}", str(strategy.output), nbytes * strategy.compute_fraction, True, node.layer,
                 node.op_kind == "attention")
@@ -244,12 +256,12 @@ def _layer_inputs(graph: "CapturedGraph", strategies: Mapping[str, Strategy], tp
 
 def activation_bytes(graph: "CapturedGraph", strategies: Mapping[str, Strategy], tp: int, microbatch_size: int,
                      recompute: str, info: Mapping | None = None,
-                     saved: tuple[SavedTensor, ...] | None = None) -> float:
+                     saved: tuple[SavedTensor, ...] | None = None, attention: "AttentionKernel | None" = None) -> float:
     """Bytes per rank kept for backward by one microbatch under `recompute` (module docstring)."""
     if recompute not in RECOMPUTE_POLICIES:
         raise ConfigError(f"recompute {recompute!r} must be one of {RECOMPUTE_POLICIES}")
     scale = microbatch_size / graph.batch_size
-    saved = saved if saved is not None else saved_tensors(graph, strategies, tp, info)
+    saved = saved if saved is not None else saved_tensors(graph, strategies, tp, info, attention)
 
     def size(nbytes: float, batched: bool) -> float:
         return nbytes * (scale if batched else 1.0)
@@ -309,11 +321,11 @@ def temporary_bytes(comm_buffer_bytes: float, largest_layer_params: float, zero_
 
 def memory_breakdown(graph: "CapturedGraph", strategies: Mapping[str, Strategy], tp: int, dp: int,
                      microbatch_size: int, zero_stage: int, recompute: str, dtype: str = "bfloat16",
-                     info: Mapping | None = None) -> MemoryBreakdown:
+                     info: Mapping | None = None, attention: "AttentionKernel | None" = None) -> MemoryBreakdown:
     """Peak memory per rank, by component (module docstring)."""
     state = state_bytes_for(dtype)
     weights, grads, optimizer = model_state_bytes(local_parameter_count(graph, strategies, tp), dp, zero_stage, state)
-    activations = activation_bytes(graph, strategies, tp, microbatch_size, recompute, info)
+    activations = activation_bytes(graph, strategies, tp, microbatch_size, recompute, info, attention=attention)
     temporary = temporary_bytes(largest_comm_buffer_bytes(graph, strategies, tp, microbatch_size),
                                 largest_layer_parameter_count(graph, strategies, tp), zero_stage, state)
     return MemoryBreakdown(weights, grads, optimizer, activations, temporary)

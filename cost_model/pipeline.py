@@ -14,8 +14,12 @@ The bubble fraction is (pp - 1) / (v m) of the steady state, as in the paper.
 Point-to-point: per microbatch and per chunk, a stage receives the activation of the stage before and
 sends its own forward, and the same for gradients backward; a send and a receive run at once on the
 full-duplex link, so each stage pays 2 * v * (B / bw + alpha) per microbatch, with B the bytes of the
-boundary tensor per rank, over the link the pp axis crosses (`comm.link_for_axis`). These sends are
-counted as exposed (Megatron overlaps them only partly).
+boundary tensor per rank, over the link the pp axis crosses (`comm.link_for_axis`). With tensor
+parallelism each rank sends only its 1 / tp of the boundary: with sequence parallelism it holds only
+that; without, Megatron's scatter / gather optimisation (Narayanan et al. 2021, section 4.1) sends 1 / tp
+per rank, every rank of a node on its own NIC, and all-gathers it over NVLink on arrival (not priced:
+under 1% of a stage's time in their configurations). These sends are counted as exposed: Megatron-LM's
+1F1B issues them between compute kernels and waits for them.
 
 Activations in flight (Narayanan et al. 2021, section 2.2; Korthikanti et al. 2022, section 4.2.3):
 

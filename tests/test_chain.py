@@ -15,6 +15,7 @@ from autoplan.errors import AutoplanError, InfeasibleError
 from autoplan.fold import fold_graph, solve_folded
 from autoplan.mesh import MeshShape
 from autoplan.models import build_model, get_model_config
+from autoplan.models.config import ModelConfig
 from autoplan.planner import model_info, solve_tp
 from autoplan.solver.chain import chain_cost, solve_chain, solve_chain_brute_force
 from autoplan.solver.ilp import restrict, solve_brute_force, solve_ilp, solve_ilp_variants
@@ -141,7 +142,8 @@ def assert_folded_equals_unfolded(graph, info, tp, microbatch, registry=None, cl
     assert built.problem.objective_s(spread) == pytest.approx(folded.objective, rel=1e-9)
     strategies = resolve_strategies(graph, registry, info, tp, folded.assignment)
     ctx = make_context(graph, cluster, mesh, microbatch)
-    assert price_assignment(graph, strategies, ctx).total_s == pytest.approx(folded.objective, rel=1e-9)
+    cost = price_assignment(graph, strategies, ctx)  # shared conversions: once here, per consumer in the ILP
+    assert cost.total_s + cost.shared_comm_s == pytest.approx(folded.objective, rel=1e-9)
     return folded, unfolded, built
 
 
@@ -176,10 +178,11 @@ def test_folded_equals_unfolded_on_mixed_blocks(model, tp):
 def test_the_chain_closes_the_gap_of_layer_uniform_folding():
     """Layer-uniform folding forces every layer to the same strategies; the chain lets the first layer
     differ at its boundary, which is what the unfolded optimum does here."""
-    cfg, graph = zoo_graph("tiny-llama", 2)
+    cfg = ModelConfig("small-llama", "llama", 2, 512, 8, 4, 1024, 4096, 1024)  # wide enough that tp pays
+    graph = capture(build_model(cfg, "meta", torch.bfloat16), cfg, 1, 256)
     registry, info, cluster, mesh = default_registry(), model_info(cfg), zero_latency(), MeshShape(dp=4, tp=2)
-    uniform = solve_ilp(build_intra_op_problem(graph, registry, info, 2, cluster, mesh, 1, fold=True).problem)
-    folded, unfolded, _ = assert_folded_equals_unfolded(graph, info, 2, 1)
+    uniform = solve_ilp(build_intra_op_problem(graph, registry, info, 2, cluster, mesh, 8, fold=True).problem)
+    folded, unfolded, _ = assert_folded_equals_unfolded(graph, info, 2, 8)
     assert folded.objective < uniform.objective * (1 - 1e-4)
 
 

@@ -144,10 +144,14 @@ def test_gemm_efficiency_fills_an_unmeasured_grid_point_between_its_neighbours()
 
 
 def test_default_efficiency_curve_matches_its_h200_anchors():
+    """Sustained ceiling 703 / 989 (MSMF); the sweep's smallest shape at 325 / 789 of its largest."""
     h200 = preset("h200").device
     eff = GemmEfficiency.from_device_default(h200)
-    assert eff.efficiency(16384, 16384, 16384, "bfloat16") == pytest.approx(E_MAX, rel=1e-3)
-    assert eff.efficiency(2048, 1536, 1536, "bfloat16") == pytest.approx(325 / 989, rel=0.01)
+    assert eff.efficiency(16384, 16384, 16384, "bfloat16") == pytest.approx(E_MAX, rel=1e-3) == pytest.approx(703 / 989, rel=1e-3)
+    assert eff.efficiency(2048, 1536, 1536, "bfloat16") == pytest.approx(E_MAX * 325 / 789, rel=0.01)
+    a100 = GemmEfficiency.from_device_default(preset("a100").device)
+    assert a100.efficiency(16384, 16384, 16384, "bfloat16") == pytest.approx(271.2 / 312 * 703 / 828, rel=1e-3)
+    assert a100.max_efficiency("bfloat16") == pytest.approx(271.2 / 312 * 703 / 828)
     sizes = [eff.efficiency(s, s, s, "bfloat16") for s in (64, 256, 1024, 4096)]
     assert sizes == sorted(sizes) and 0 < sizes[0] < 0.01
     assert eff.gemm_time_s(4096, 4096, 4096, "bfloat16") == pytest.approx(2 * 4096**3 / (sizes[-1] * h200.peak_flops_for("bfloat16")))

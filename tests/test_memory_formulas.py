@@ -1,0 +1,128 @@
+"""Activation memory per layer against Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", section 4), for a GPT-3 175B layer (h 12288, a 96 heads, s 2048, b 1, t 8), tier 1.
+
+Their fp16 accounting per layer, in bytes (section 4.1-4.2; masks 1 byte per element):
+
+    no parallelism                   s b h (34 + 5 a s / h)
+    tensor parallelism t             s b h (10 + 24 / t + 5 a s / (h t))
+    t with sequence parallelism      s b h / t (34 + 5 a s / h)
+    t, sequence par., selective      34 s b h / t          (the attention core recomputed)
+    full recomputation               2 s b h               (the layer input; / t with sequence parallelism)
+
+The 34 s b h: layer norms 4 (their inputs), attention 11 (QKV input 2, Q K 4, V 2, projection input 2,
+hidden-dropout mask 1), MLP 19 (input 2, GeLU input 8, its output 8, hidden-dropout mask 1); the
+5 a s / h term is the T x T attention state (softmax output 2, attention-dropout mask 1, its output 2).
+
+Where our model differs, and why (each term is checked below; what is left is the layer norms' fp32
+statistics and the log-sum-exp, under 1%):
+
+  - our GPT has no hidden dropout: no 2 x 1 s b h masks;
+  - flash attention (the default kernel) keeps no T x T state (no 5 a s / h term) but keeps its output O
+    for backward besides the projection's input (the transpose + reshape between them is a copy): + 2;
+    the materialized kernel (`AttentionKernel("materialized", dropout=True)`) keeps exactly their 5 a s / h;
+  - with sequence parallelism our runtime keeps the all-gathered norm outputs that the QKV and MLP-input
+    GEMMs saw (2 x 2 s b h, whole), where Megatron-LM keeps the 1/t shards and all-gathers them again in
+    backward: + 2 x 2 (1 - 1/t);
+  - our selective recomputation also re-runs the pointwise ops that keep their own inputs (GeLU) and
+    drops the attention core's output (the projection input): - (8 + 2) / t beside theirs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from autoplan.capture import capture
+from autoplan.cost_model.compute import AttentionKernel
+from autoplan.cost_model.intra_op import resolve_strategies
+from autoplan.cost_model.memory import activation_bytes
+from autoplan.models import build_model, get_model_config
+from autoplan.planner import megatron_assignment, model_info
+from autoplan.strategies import default_registry
+
+S, B, H, A, T = 2048, 1, 12288, 96, 8
+SBH = S * B * H
+SCORES = 5 * A * S / H  # Korthikanti's attention-state term, in units of s b h (= 80 here)
+MATERIALIZED = AttentionKernel("materialized", dropout=True)
+TOLERANCE = 0.01  # fp32 norm statistics (8 s b per norm) and the log-sum-exp (4 a s b): < 0.1 s b h here
+BASE = get_model_config("gpt3-175b")
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    """The 175B layer captured in models of 2 and 3 layers: the difference is one layer's bytes."""
+    found = {}
+    for layers in (2, 3):
+        config = dataclasses.replace(BASE, num_layers=layers)
+        found[layers] = capture(build_model(config, "meta", torch.float16), config, B, S, torch.float16)
+    return found
+
+
+def per_layer_sbh(graphs, tp: int, sequence_parallel: bool, recompute: str, attention=None) -> float:
+    """Bytes one more layer adds to what a rank keeps for backward, in units of s b h."""
+    registry, info = default_registry(), model_info(BASE)
+    totals = []
+    for layers in (2, 3):
+        graph = graphs[layers]
+        if tp == 1:
+            assignment = {n.name: "replicate" for n in graph.nodes}
+        else:
+            assignment = megatron_assignment(graph, registry, tp, info, sequence_parallel=sequence_parallel)
+        strategies = resolve_strategies(graph, registry, info, tp, assignment)
+        totals.append(activation_bytes(graph, strategies, tp, B, recompute, info, attention=attention))
+    return (totals[1] - totals[0]) / SBH
+
+
+HIDDEN_MASKS = 2  # their hidden-dropout masks, which our GPT does not have
+FLASH_OUTPUT = 2  # the flash kernel's own copy of its output
+GATHERED_NORMS = 2 * 2 * (1 - 1 / T)  # the two all-gathered norm outputs kept whole under sequence parallelism
+
+
+def test_korthikanti_no_parallelism(graphs):
+    """s b h (34 + 5 a s / h): the materialized kernel keeps their T x T term exactly."""
+    assert per_layer_sbh(graphs, 1, False, "none", MATERIALIZED) == pytest.approx(34 + SCORES - HIDDEN_MASKS, rel=TOLERANCE)
+    assert per_layer_sbh(graphs, 1, False, "none") == pytest.approx(34 - HIDDEN_MASKS + FLASH_OUTPUT, rel=TOLERANCE)
+
+
+def test_korthikanti_tensor_parallel(graphs):
+    """s b h (10 + 24 / t + 5 a s / (h t)): the norms' inputs and outputs (8) and the masks (2) replicated."""
+    theirs = 10 + 24 / T
+    assert per_layer_sbh(graphs, T, False, "none", MATERIALIZED) == pytest.approx(
+        theirs + SCORES / T - HIDDEN_MASKS, rel=TOLERANCE)
+    assert per_layer_sbh(graphs, T, False, "none") == pytest.approx(
+        theirs - HIDDEN_MASKS + FLASH_OUTPUT / T, rel=TOLERANCE)
+
+
+def test_korthikanti_sequence_parallel(graphs):
+    """s b h / t (34 + 5 a s / h), plus the all-gathered norm outputs our runtime keeps whole."""
+    theirs = (34 + SCORES) / T
+    assert per_layer_sbh(graphs, T, True, "none", MATERIALIZED) == pytest.approx(
+        theirs - HIDDEN_MASKS / T + GATHERED_NORMS, rel=TOLERANCE)
+    assert per_layer_sbh(graphs, T, True, "none") == pytest.approx(
+        34 / T - HIDDEN_MASKS / T + FLASH_OUTPUT / T + GATHERED_NORMS, rel=TOLERANCE)
+
+
+def test_korthikanti_selective_recompute(graphs):
+    """34 s b h / t: the T x T state is recomputed whatever the kernel, so both kernels keep the same."""
+    ours = 34 / T - HIDDEN_MASKS / T - (8 + 2) / T + GATHERED_NORMS
+    for attention in (None, MATERIALIZED):
+        assert per_layer_sbh(graphs, T, True, "selective", attention) == pytest.approx(ours, rel=TOLERANCE)
+
+
+def test_korthikanti_full_recompute(graphs):
+    """2 s b h per layer (its input), 2 s b h / t when sequence parallelism shards it: exactly."""
+    for attention in (None, MATERIALIZED):
+        assert per_layer_sbh(graphs, 1, False, "full", attention) == pytest.approx(2.0, rel=1e-12)
+        assert per_layer_sbh(graphs, T, False, "full", attention) == pytest.approx(2.0, rel=1e-12)
+        assert per_layer_sbh(graphs, T, True, "full", attention) == pytest.approx(2.0 / T, rel=1e-12)
+
+
+def test_their_worked_numbers_for_the_175b_layer(graphs):
+    """Their headline for this layer: 34 s b h / t = 107 MB with t = 8, sequence parallelism and selective
+    recompute, against 2 s b h / t = 6.3 MB with full recompute; ours, as stated above: 157 MB (88 MB of
+    it the whole gathered norm outputs) and the same 6.3 MB."""
+    assert 34 * SBH / T / 1e6 == pytest.approx(107.0, rel=0.01)
+    assert per_layer_sbh(graphs, T, True, "full") * SBH / 1e6 == pytest.approx(2 * SBH / T / 1e6)
+    assert per_layer_sbh(graphs, T, True, "selective") * SBH / 1e6 == pytest.approx(157.3, rel=0.01)
