@@ -4,7 +4,10 @@
     torchrun --nproc-per-node 2 -m autoplan.train --model tiny-gpt --global-batch 8 --seq 32 --steps 20
 
 Without --plan, the plan is searched for the launched world (a `1xNxcpu` cluster on CPU, or
-`--cluster`). Data is a text file (`--data`, bytes mapped into the vocabulary) or synthetic tokens:
+`--cluster`). `--save DIR` writes a checkpoint (model and optimizer state under full names and
+shapes, through torch.distributed.checkpoint) at the end and every `--save-every` steps;
+`--resume DIR` continues from one, saved under this plan or any other plan of the same model:
+steps count on from the checkpoint's, so `--steps` is the total. Data is a text file (`--data`, bytes mapped into the vocabulary) or synthetic tokens:
 a seeded random sequence repeated with a fixed period, so the loss can fall. Rank 0 shows progress,
 logs the loss and can draw the loss curve (`--loss-png`, needs matplotlib).
 """
@@ -35,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", help="a text file; default: synthetic tokens")
+    p.add_argument("--save", help="save a checkpoint here at the end (and every --save-every steps)")
+    p.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
+    p.add_argument("--resume", help="continue from this checkpoint (saved under any plan of the model)")
     p.add_argument("--log-json", help="rank 0 writes the per-step losses here")
     p.add_argument("--loss-png", help="rank 0 draws the loss curve here")
     return p
@@ -82,14 +88,20 @@ def train(args) -> list[float]:
     plan = resolve_plan(args, config)
     program = parallelize(build_model(config, device="meta"), plan.cluster, plan=plan, seed=args.seed)
     optimizer = program.make_optimizer(torch.optim.AdamW, lr=args.lr)
+    start = program.load_checkpoint(args.resume)["step"] if args.resume else 0
     stream = token_stream(config.vocab, args.data, args.seed)
     rank = torch.distributed.get_rank()
-    losses = []
-    for step in _progress(range(args.steps), rank == 0):
+    losses, saved_at = [], start if args.resume else None
+    for step in _progress(range(start, args.steps), rank == 0):
         tokens, targets = batch_at(stream, step, plan.global_batch, plan.seq_len)
         losses.append(program.train_step(tokens, targets, optimizer))
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step:5d}  loss {losses[-1]:.4f}", flush=True)
+        if args.save and args.save_every and (step + 1) % args.save_every == 0:
+            program.save_checkpoint(args.save, step=step + 1)
+            saved_at = step + 1
+    if args.save and saved_at != max(args.steps, start):
+        program.save_checkpoint(args.save, step=max(args.steps, start))
     return losses
 
 

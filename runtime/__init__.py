@@ -4,6 +4,16 @@
     optimizer = program.make_optimizer(torch.optim.AdamW, lr=3e-4)
     loss = program.train_step(global_tokens, global_targets, optimizer)
     print(program.graph_module.code)                                     # this rank's program
+    program.save_checkpoint("ckpt", step=100)     # full names and shapes: resumable under any plan
+    program.load_checkpoint("ckpt")               # (after make_optimizer) -> its metadata
+    with program.count_collectives() as counts:   # (kind, group) -> calls; compare with
+        program.train_step(...)                   # expected_collectives(plan, config, pp_index)
+
+Every mesh axis runs: dp (ZeRO 0-3), tp (with sequence parallelism), cp (Ulysses), ep (expert
+dispatch), pp (torch.distributed.pipelining schedules); recompute and bf16 autocast as the plan
+says. Module map: launch (checks, groups) -> rewrite (tp modules and conversions, then context,
+recompute) -> program (materialise, pipeline, data parallel, checkpoints); collectives, losses,
+modules, experts are the pieces the graph calls; counting predicts a step's collectives.
 
 Names are imported lazily, so importing the package has no side effects.
 """
@@ -19,6 +29,10 @@ _EXPORTS = {
     "rewrite": "autoplan.runtime.rewrite",
     "init_parameters": "autoplan.runtime.init",
     "init_shard": "autoplan.runtime.init",
+    "check_memory_fits": "autoplan.runtime.launch",
+    "expected_collectives": "autoplan.runtime.counting",
+    "count_collectives": "autoplan.runtime.collectives",
+    "CheckpointError": "autoplan.runtime.checkpoint",
 }
 
 

@@ -12,19 +12,55 @@ builds the backward communication by itself. With n ranks in the group and x_r t
                             fwd  y = cat_d(x_r)              bwd  dx = (sum_r dy_r)[rank-th 1/n of d]
                             (sequence parallelism: the consumer's input grad is a partial sum)
     all_to_all_dims(a, b)   fwd  sharded on dim a -> sharded on dim b    bwd  b -> a
+    all_to_all_uneven       fwd  rows [send_0 | send_1 | ...] to ranks 0, 1, ...; receive recv_j
+                            rows from rank j (expert dispatch)            bwd  the reverse exchange
 
-A group of one rank makes every function the identity. Collectives whose name moved between torch
+A group of one rank makes every function the identity. On meta tensors (shape inference) nothing
+communicates: the results only have the right shapes.
+
+Every collective the runtime issues goes through one of the raw functions below, which report it to
+the `count_collectives()` context when one is open: (kind, group name) -> calls, with kinds
+"all_reduce", "all_gather", "reduce_scatter", "all_to_all" (a reduce-scatter counts as one even where
+gloo runs it as an all-reduce). Collectives whose name moved between torch
 2.11 and 2.13 (`all_gather_into_tensor` -> `all_gather_single`, `reduce_scatter_tensor` ->
 `reduce_scatter_single`) are called only through `_gather_into` and `_reduce_scatter_into`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections import Counter
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
 Group = dist.ProcessGroup | None
+
+# The open counting context: (Counter, {process group: name}); None when nobody counts.
+_COUNTING: contextvars.ContextVar[tuple[Counter, dict] | None] = contextvars.ContextVar(
+    "autoplan_collective_counting", default=None)
+
+
+@contextlib.contextmanager
+def count_collectives(names: dict | None = None) -> Iterator[Counter]:
+    """Count the collectives issued inside the block: {(kind, group name): calls}. `names` maps
+    process groups to names (e.g. "tp"); unnamed groups count as "world" (None) or "other"."""
+    counts: Counter = Counter()
+    token = _COUNTING.set((counts, dict(names or {})))
+    try:
+        yield counts
+    finally:
+        _COUNTING.reset(token)
+
+
+def _record(kind: str, group: Group) -> None:
+    counting = _COUNTING.get()
+    if counting is not None:
+        counts, names = counting
+        counts[(kind, names.get(group, "world" if group is None else "other"))] += 1
 
 
 def group_size(group: Group) -> int:
@@ -65,9 +101,18 @@ def _reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Group) -> 
 def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     """A new tensor holding the reduction of `x` over the group (no autograd)."""
     out = x.clone(memory_format=torch.contiguous_format)
-    if group_size(group) > 1:
+    if group_size(group) > 1 and not x.is_meta:
+        _record("all_reduce", group)
         dist.all_reduce(out, op=op, group=group)
     return out
+
+
+def all_reduce_(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum `x` over the group in place (no autograd); returns `x`."""
+    if group_size(group) > 1 and not x.is_meta:
+        _record("all_reduce", group)
+        dist.all_reduce(x, group=group)
+    return x
 
 
 def all_gather_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
@@ -77,7 +122,9 @@ def all_gather_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         return x
     moved = x.movedim(dim, 0).contiguous()  # (m, ...)
     out = moved.new_empty((n * moved.shape[0], *moved.shape[1:]))
-    _gather_into(out, moved, group)
+    if not x.is_meta:  # meta tensors (shape inference) only get the shape
+        _record("all_gather", group)
+        _gather_into(out, moved, group)
     return _from_dim0(out, dim)
 
 
@@ -89,7 +136,9 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     _check_divisible(x, dim, n)
     moved = x.movedim(dim, 0).contiguous()  # (n*m, ...)
     out = moved.new_empty((moved.shape[0] // n, *moved.shape[1:]))
-    _reduce_scatter_into(out, moved, group)
+    if not x.is_meta:
+        _record("reduce_scatter", group)
+        _reduce_scatter_into(out, moved, group)
     return _from_dim0(out, dim)
 
 
@@ -120,8 +169,35 @@ def all_to_all_dim(x: torch.Tensor, src_dim: int, dst_dim: int, group: Group) ->
     _check_divisible(x, dst_dim, n)
     send = torch.stack(x.chunk(n, dim=dst_dim)).contiguous()  # (n, ..., dst/n, ...)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    if not x.is_meta:
+        _record("all_to_all", group)
+        dist.all_to_all_single(recv, send, group=group)
     return torch.cat(recv.unbind(0), dim=src_dim).contiguous()
+
+
+def exchange(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """x (n, ...): row j goes to rank j; returns (n, ...) whose row j came from rank j (no autograd)."""
+    if group_size(group) == 1:
+        return x
+    recv = torch.empty_like(x)
+    if not x.is_meta:
+        _record("all_to_all", group)
+        dist.all_to_all_single(recv, x.contiguous(), group=group)
+    return recv
+
+
+def all_to_all_rows(x: torch.Tensor, send_rows: list[int], recv_rows: list[int], group: Group
+                    ) -> torch.Tensor:
+    """Rows [sum(send_rows[:j]), sum(send_rows[:j+1])) of x go to rank j; the result holds
+    recv_rows[j] rows from each rank j, in rank order (no autograd; uneven splits)."""
+    if group_size(group) == 1:
+        return x
+    out = x.new_empty((sum(recv_rows), *x.shape[1:]))
+    if not x.is_meta:
+        _record("all_to_all", group)
+        dist.all_to_all_single(out, x.contiguous(), list(recv_rows), list(send_rows),
+                               group=group)
+    return out
 
 
 def _check_divisible(x: torch.Tensor, dim: int, n: int) -> None:
@@ -209,6 +285,17 @@ class _AllToAll(Function):
         return all_to_all_dim(dy, ctx.dst_dim, ctx.src_dim, ctx.group), None, None, None
 
 
+class _AllToAllUneven(Function):
+    @staticmethod
+    def forward(ctx, x, send_rows, recv_rows, group):
+        ctx.send_rows, ctx.recv_rows, ctx.group = send_rows, recv_rows, group
+        return all_to_all_rows(x, send_rows, recv_rows, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_to_all_rows(dy, ctx.recv_rows, ctx.send_rows, ctx.group), None, None, None
+
+
 def _norm_dim(x: torch.Tensor, dim: int) -> int:
     return dim % x.dim()
 
@@ -250,3 +337,12 @@ def all_to_all_dims(x: torch.Tensor, src_dim: int, dst_dim: int, group: Group) -
     if group_size(group) == 1:
         return x
     return _AllToAll.apply(x, _norm_dim(x, src_dim), _norm_dim(x, dst_dim), group)
+
+
+def all_to_all_uneven(x: torch.Tensor, send_rows: list[int], recv_rows: list[int],
+                      group: Group) -> torch.Tensor:
+    """Send send_rows[j] rows of x (in order) to rank j, receive recv_rows[j] from rank j; the
+    backward sends the grads back the same way."""
+    if group_size(group) == 1:
+        return x
+    return _AllToAllUneven.apply(x, list(send_rows), list(recv_rows), group)

@@ -1,8 +1,16 @@
-"""Process groups of the mesh axes.
+"""Process groups of the mesh axes, and of the axes' combinations the runtime reduces over.
 
-Every process calls `torch.distributed.new_group` for every group of every axis, in the same
-order (axes in `AXES_WITH_GROUPS` order, groups by first rank as `MeshShape.groups` lists them),
-which torch requires; each keeps the one it belongs to.
+    tp, cp, ep, dp, pp   one group per axis: the ranks that differ only in that coordinate
+    data                 dp x ep x cp: the ranks that hold the same dense parameter shards (same pp
+                         and tp coordinates) and see different tokens; dense gradients are summed
+                         over it and the loss averaged over it
+    expert_data          dp x cp: the ranks that hold the same experts (same pp, ep, tp); expert
+                         gradients are summed over it
+
+Every process calls `torch.distributed.new_group` for every distinct rank set of every kind, in the
+same order (kinds in `GROUP_AXES` order, groups by first rank), which torch requires; each keeps the
+ones it belongs to. A rank set that two kinds share (data = dp when ep = cp = 1) gets one process
+group. A kind of one rank gets no process group: nothing communicates on it.
 """
 
 from __future__ import annotations
@@ -12,14 +20,18 @@ from torch import nn
 
 from autoplan.mesh import MeshShape
 
-AXES_WITH_GROUPS = ("dp", "tp")  # the axes this runtime executes; pp, cp and ep are refused
+GROUP_AXES: dict[str, tuple[str, ...]] = {
+    "tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "dp": ("dp",), "pp": ("pp",),
+    "data": ("dp", "ep", "cp"), "expert_data": ("dp", "cp"),
+}
 
 
 class AxisGroup(nn.Module):
-    """One process group along a mesh axis. An `nn.Module` (without parameters) so that the rewritten
-    GraphModule can fetch it as `self.tp` and pass it to the collectives, keeping the code readable.
+    """One process group along a mesh axis (or several). An `nn.Module` (without parameters) so that
+    the rewritten GraphModule can fetch it as `self.tp` and pass it to the collectives, keeping the
+    code readable.
 
-    `ranks` are mesh ranks in axis order; `index` is this process's coordinate on the axis."""
+    `ranks` are mesh ranks in group order (ascending); `index` is this process's position in it."""
 
     def __init__(self, axis: str, ranks: tuple[int, ...], index: int,
                  group: dist.ProcessGroup | None) -> None:
@@ -34,24 +46,41 @@ class AxisGroup(nn.Module):
         return f"axis={self.axis}, ranks={list(self.ranks)}, index={self.index}"
 
 
+def group_of(mesh: MeshShape, rank: int, axes: tuple[str, ...]) -> tuple[int, ...]:
+    """The ranks that share every coordinate of `rank` except those along `axes`, ascending."""
+    coords = mesh.coords(rank)
+    found = [rank - sum(coords[a] * mesh.stride(a) for a in axes)]
+    for axis in axes:
+        found = [base + i * mesh.stride(axis) for base in found for i in range(mesh.degree(axis))]
+    return tuple(sorted(found))
+
+
+def groups_of(mesh: MeshShape, axes: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """Every group along `axes`, each once, ordered by its first rank."""
+    seen: dict[tuple[int, ...], None] = {}
+    for rank in range(mesh.world_size):
+        seen.setdefault(group_of(mesh, rank, axes), None)
+    return tuple(seen)
+
+
 def build_axis_groups(mesh: MeshShape, mesh_rank: int, global_rank_of=lambda r: r
                       ) -> dict[str, AxisGroup]:
-    """Create the groups of every axis in AXES_WITH_GROUPS on every process; return this rank's.
+    """Create the groups of every kind in GROUP_AXES on every process; return this rank's.
 
-    An axis of degree 1 gets a one-rank AxisGroup with no process group: nothing communicates on
-    it. `global_rank_of` maps a mesh rank to a rank of the default process group."""
+    `global_rank_of` maps a mesh rank to a rank of the default process group."""
+    made: dict[tuple[int, ...], dist.ProcessGroup] = {}
     groups: dict[str, AxisGroup] = {}
-    coords = mesh.coords(mesh_rank)
-    for axis in AXES_WITH_GROUPS:
-        mine = mesh.group_of(mesh_rank, axis)
-        if mesh.degree(axis) == 1:
-            groups[axis] = AxisGroup(axis, mine, 0, None)
+    for kind, axes in GROUP_AXES.items():
+        mine = group_of(mesh, mesh_rank, axes)
+        if len(mine) == 1:
+            groups[kind] = AxisGroup(kind, mine, 0, None)
             continue
-        for ranks in mesh.groups(axis):
-            pg = dist.new_group([global_rank_of(r) for r in ranks])
-            if ranks == mine:
-                if dist.get_rank(pg) != coords[axis]:  # collectives assume axis order = group order
-                    raise RuntimeError(f"{axis} group {ranks}: process group rank "
-                                       f"{dist.get_rank(pg)} != mesh coordinate {coords[axis]}")
-                groups[axis] = AxisGroup(axis, ranks, coords[axis], pg)
+        for ranks in groups_of(mesh, axes):
+            if ranks not in made:
+                made[ranks] = dist.new_group([global_rank_of(r) for r in ranks])
+        pg, index = made[mine], mine.index(mesh_rank)
+        if dist.get_rank(pg) != index:  # collectives assume group order = ascending mesh rank
+            raise RuntimeError(f"{kind} group {mine}: process group rank {dist.get_rank(pg)} != "
+                               f"position {index} of mesh rank {mesh_rank}")
+        groups[kind] = AxisGroup(kind, mine, index, pg)
     return groups

@@ -104,6 +104,21 @@ def shard_bounds(shape: tuple[int, ...], placement: Placement, rank: int, degree
     return full[:dim] + ((rank * step, (rank + 1) * step),) + full[dim + 1:]
 
 
+def nested_bounds(shape: tuple[int, ...], pieces: list[tuple[Placement, int, int]]) -> Bounds:
+    """The index range of one rank's piece when several mesh axes split a tensor in turn, each
+    (placement, this rank's index on the axis, the axis degree) taking its share of the range the
+    previous ones left (outer axis first: ep, then tp)."""
+    bounds = tuple((0, s) for s in shape)
+    for placement, rank, degree in pieces:
+        if isinstance(placement, Replicate) or degree == 1:
+            continue
+        dim = placement.dim % len(shape)
+        (lo, hi), = shard_bounds((bounds[dim][1] - bounds[dim][0],), Shard(0), rank, degree)
+        start = bounds[dim][0]
+        bounds = bounds[:dim] + ((start + lo, start + hi),) + bounds[dim + 1:]
+    return bounds
+
+
 def init_local(name: str, shape: tuple[int, ...], rule: InitRule, seed: int, bounds: Bounds,
                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
     """Exactly `full_init(name)[bounds]`, generating only the row chunks that `bounds` touches."""

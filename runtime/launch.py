@@ -2,11 +2,13 @@
 has initialised (or set the environment for) the default process group.
 
 Everything that can be checked without communicating is checked first, so a wrong launch fails on
-every rank with a message instead of hanging in a collective:
+every rank with a message instead of hanging in a collective, and before any parameter is allocated:
 
-    launched world size == plan.mesh.world_size
     model fingerprint (its ModelConfig's) == plan.model.fingerprint
-    the plan uses only what this runtime executes (pp = cp = ep = 1)
+    the plan's batch, sequence, microbatches and schedule suit its mesh (`check_plan`)
+    launched world size == plan.mesh.world_size
+    the requested backend exists in this torch build (gloo on CPU, nccl on CUDA by default)
+    plan.predicted.peak_memory_bytes <= this rank's device memory (`check_memory`)
 """
 
 from __future__ import annotations
@@ -26,16 +28,16 @@ from autoplan.runtime.init import init_rules
 from autoplan.runtime.program import RankProgram
 from autoplan.runtime.rewrite import rewrite
 
-UNSUPPORTED_AXES = {"pp": "pipeline parallelism", "cp": "context parallelism",
-                    "ep": "expert parallelism"}
-LATER_ISSUE = "a later runtime issue adds it"
+GIB = float(1 << 30)
 
 
 def parallelize(model: nn.Module, cluster: ClusterSpec | str | None, plan: Plan, *, seed: int = 0,
-                group: dist.ProcessGroup | None = None, config: ModelConfig | None = None
-                ) -> RankProgram:
+                group: dist.ProcessGroup | None = None, config: ModelConfig | None = None,
+                backend: str | None = None, check_memory: bool = True) -> RankProgram:
     """This rank's program for `plan`. `model` may be on meta (preferred) or CPU; its weights are
-    not used: parameters come from the seeded init. `config` defaults to `model.config`."""
+    not used: parameters come from the seeded init. `config` defaults to `model.config`.
+    `backend` names the torch.distributed backend when this call initialises the process group
+    (default: nccl with CUDA, else gloo)."""
     config = _config_of(model, config)
     check_plan(plan, config, cluster)
     world = _launched_world_size(group)
@@ -43,16 +45,19 @@ def parallelize(model: nn.Module, cluster: ClusterSpec | str | None, plan: Plan,
         raise PlanError(f"launched world size {world} != plan mesh world size "
                         f"{plan.mesh.world_size} ({plan.mesh}); launch {plan.mesh.world_size} "
                         f"processes or plan for {world}")
-    _init_process_group()
+    backend = _check_backend(backend)
+    if check_memory:
+        check_memory_fits(plan, _device_for(backend))
+    _init_process_group(backend)
     if group is not None and world != dist.get_world_size():
         raise PlanError(f"group has {world} ranks but the job has {dist.get_world_size()}: every "
                         f"process must join, because each one creates every mesh group")
     mesh_rank = dist.get_rank(group)
     to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
     groups = build_axis_groups(plan.mesh, mesh_rank, to_global)
-    rewritten = rewrite(model, config, plan, groups["tp"])
+    rewritten = rewrite(model, config, plan, groups)
     rules = init_rules(model, config.num_layers)
-    return RankProgram(rewritten, plan, groups, rules, seed, _device())
+    return RankProgram(rewritten, plan, groups, rules, seed, _device(), mesh_rank, to_global)
 
 
 def check_plan(plan: Plan, config: ModelConfig, cluster: ClusterSpec | str | None = None) -> None:
@@ -66,10 +71,64 @@ def check_plan(plan: Plan, config: ModelConfig, cluster: ClusterSpec | str | Non
         if spec.world_size != plan.mesh.world_size:
             raise PlanError(f"cluster {spec.describe()} has {spec.world_size} devices but the plan "
                             f"mesh {plan.mesh} has {plan.mesh.world_size} ranks")
-    for axis, what in UNSUPPORTED_AXES.items():
-        if plan.mesh.degree(axis) > 1:
-            raise PlanError(f"plan has {axis}={plan.mesh.degree(axis)}: {what} is not executed "
-                            f"by this runtime yet ({LATER_ISSUE}); plan with {axis}=1")
+    mesh = plan.mesh
+    if mesh.ep > 1 and (not config.experts or config.experts % mesh.ep):
+        raise PlanError(f"ep={mesh.ep} does not divide the {config.experts} experts of "
+                        f"{config.name} (expert parallelism needs a mixture-of-experts model whose "
+                        f"expert count ep divides)")
+    shards = mesh.dp * mesh.ep
+    if plan.global_batch % shards or (plan.global_batch // shards) % plan.num_microbatches:
+        raise PlanError(f"global batch {plan.global_batch} does not split into dp x ep = "
+                        f"{mesh.dp} x {mesh.ep} data shards of {plan.num_microbatches} equal "
+                        f"microbatches")
+    if plan.seq_len % mesh.cp:
+        raise PlanError(f"seq_len {plan.seq_len} is not divisible by cp={mesh.cp}")
+    if plan.zero_stage >= 2 and (mesh.ep > 1 or mesh.pp > 1):
+        raise PlanError(f"zero_stage {plan.zero_stage} (FSDP2) with ep={mesh.ep}, pp={mesh.pp}: "
+                        f"this runtime shards parameters over dp only without expert or pipeline "
+                        f"parallelism; plan zero_stage <= 1")
+    _check_pipeline(plan)
+
+
+def _check_pipeline(plan: Plan) -> None:
+    pp = plan.mesh.pp
+    if pp == 1:
+        return
+    chunks = len(plan.stages) // pp
+    if plan.schedule == "interleaved-1f1b" and chunks < 2:
+        raise PlanError(f"schedule 'interleaved-1f1b' needs virtual stages (2+ chunks per "
+                        f"pipeline rank); the plan has {len(plan.stages)} stages for pp={pp}")
+    if plan.schedule != "interleaved-1f1b" and chunks != 1:
+        raise PlanError(f"the plan has {len(plan.stages)} stages for pp={pp} (virtual stages) "
+                        f"but schedule {plan.schedule!r}: use 'interleaved-1f1b'")
+    if plan.schedule == "1f1b" and plan.num_microbatches < pp:
+        raise PlanError(f"schedule '1f1b' needs num_microbatches >= pp: got "
+                        f"{plan.num_microbatches} < {pp}")
+
+
+def device_memory_bytes(device: torch.device) -> tuple[float, str]:
+    """(bytes, description) of the memory one rank may use: the GPU's, or on CPU the machine's
+    RAM divided among the ranks on this node (LOCAL_WORLD_SIZE)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return float(props.total_memory), f"{device} ({props.name})"
+    ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return ram / max(local, 1), f"cpu ({ram / GIB:.1f} GiB RAM shared by {local} local ranks)"
+
+
+def check_memory_fits(plan: Plan, device: torch.device) -> None:
+    """Refuse, before any allocation, a plan whose predicted peak exceeds this rank's memory."""
+    need = plan.predicted.peak_memory_bytes
+    have, what = device_memory_bytes(device)
+    if need > have:
+        m = plan.predicted.memory
+        raise PlanError(
+            f"plan predicts a peak of {need / GIB:.2f} GiB per rank (parameters "
+            f"{m.parameters_bytes / GIB:.2f}, gradients {m.gradients_bytes / GIB:.2f}, optimizer "
+            f"{m.optimizer_bytes / GIB:.2f}, activations {m.activations_bytes / GIB:.2f} GiB) but "
+            f"this rank's device {what} has {have / GIB:.2f} GiB: it would not fit. Plan for this "
+            f"device (autoplan search --cluster ...), or pass check_memory=False to try anyway")
 
 
 def _config_of(model: nn.Module, config: ModelConfig | None) -> ModelConfig:
@@ -91,9 +150,29 @@ def _launched_world_size(group: dist.ProcessGroup | None) -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
-def _init_process_group() -> None:
-    """Initialise the default group from torchrun's environment if nobody has (gloo on CPU,
-    nccl on CUDA)."""
+def _check_backend(backend: str | None) -> str:
+    """The backend to run on: the initialised group's, else `backend`, else nccl / gloo; it must
+    exist in this torch build (and nccl needs CUDA)."""
+    if dist.is_initialized():
+        found = str(dist.get_backend())
+        if backend is not None and backend not in found.split(":"):
+            raise ConfigError(f"backend {backend!r} was requested but the process group is "
+                              f"already initialised with {found!r}")
+        return found
+    wanted = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    available = [b for b in ("gloo", "nccl", "mpi", "ucc", "xccl")
+                 if dist.is_backend_available(b)]
+    if wanted not in available:
+        raise ConfigError(f"torch.distributed backend {wanted!r} is not available in this torch "
+                          f"build (torch {torch.__version__}); available: {available}")
+    if wanted == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("backend 'nccl' needs CUDA devices, but torch.cuda.is_available() is "
+                          "False; use backend 'gloo' on CPU")
+    return wanted
+
+
+def _init_process_group(backend: str) -> None:
+    """Initialise the default group from torchrun's environment if nobody has."""
     if dist.is_initialized():
         return
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -101,10 +180,15 @@ def _init_process_group() -> None:
         raise ConfigError(f"no process group is initialised and the environment lacks "
                           f"{missing}: launch with torchrun, or call "
                           f"torch.distributed.init_process_group first")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
+
+
+def _device_for(backend: str) -> torch.device:
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 def _device() -> torch.device:

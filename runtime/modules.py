@@ -12,7 +12,8 @@ Every module keeps the parameter names of the module it replaces (`weight`, `bia
                             wrapped in copy-to-region so its grad is summed over tp
     ParallelMoE             "ffn": experts split on the FFN dim, router replicated, experts' input
                             and gate weights wrapped in copy-to-region, output all-reduced;
-                            "sequence": every weight wrapped in copy-to-region, local tokens only
+                            "sequence": every weight wrapped in copy-to-region, local tokens only;
+                            with an ep group, E/ep experts here and tokens dispatched to them
     VocabParallelLoss, SequenceParallelLoss   see runtime.losses
 """
 
@@ -23,8 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoplan.models.layers import swiglu
-from autoplan.runtime.collectives import (copy_to_region, reduce_from_region,
+from autoplan.runtime.collectives import (copy_to_region, group_size, reduce_from_region,
                                           reduce_scatter_along)
+from autoplan.runtime.experts import expert_parallel_ffn
 from autoplan.runtime.losses import sequence_parallel_cross_entropy, vocab_parallel_cross_entropy
 
 
@@ -116,24 +118,33 @@ class ParallelMoE(nn.Module):
     swiglu_local(x)). The gate weights w_j and the experts' x see partial grads, so both pass
     through copy-to-region; the router runs replicated and its grads are already whole.
     mode "sequence": full weights, each through copy-to-region, on this rank's tokens.
+    mode "replicate": full weights on every tp rank (only with expert parallelism).
+    With `ep_group` (expert parallelism) this rank holds E/ep experts and every routed token
+    travels to its expert's rank and back (runtime.experts); the router stays whole.
     Every expert runs even on zero tokens, so the autograd graph (and the order of the collectives
     in backward) is the same on every rank whatever the routing."""
 
     def __init__(self, hidden: int, ffn_local: int, experts: int, top_k: int, group,
-                 mode: str) -> None:
+                 mode: str, ep_group=None) -> None:
         super().__init__()
-        self.top_k, self.group, self.mode = top_k, group, mode
-        self.router = nn.Linear(hidden, experts, bias=False, device="meta")
+        self.top_k, self.group, self.mode, self.ep_group = top_k, group, mode, ep_group
+        self.ep = ep = group_size(ep_group) if ep_group is not None else 1
+        self.router = nn.Linear(hidden, experts * ep, bias=False, device="meta")
         self.w_gate = _meta_param(experts, hidden, ffn_local)
         self.w_up = _meta_param(experts, hidden, ffn_local)
         self.w_down = _meta_param(experts, ffn_local, hidden)
 
     def extra_repr(self) -> str:
         experts, hidden, ffn = self.w_gate.shape
-        return f"hidden={hidden}, ffn_local={ffn}, experts={experts}, top_k={self.top_k}, {self.mode}"
+        ep = self.ep
+        return (f"hidden={hidden}, ffn_local={ffn}, experts={experts}"
+                f"{f' of {experts * ep} (ep={ep})' if ep > 1 else ''}, top_k={self.top_k}, "
+                f"{self.mode}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, seq = self.group, self.mode == "sequence"
+        if x.is_meta:  # shape inference: routing is data-dependent, the shape is not
+            return torch.empty_like(x)
+        g, seq, ffn = self.group, self.mode == "sequence", self.mode == "ffn"
         wrap = (lambda t: copy_to_region(t, g)) if seq else (lambda t: t)
         router_w, w_gate, w_up, w_down = (wrap(p) for p in (self.router.weight, self.w_gate,
                                                              self.w_up, self.w_down))
@@ -142,14 +153,18 @@ class ParallelMoE(nn.Module):
         top_logits, top_idx = F.linear(flat, router_w).topk(self.top_k, dim=-1)  # (N, k)
         weights = F.softmax(top_logits.float(), dim=-1).to(x.dtype)  # (N, k)
         expert_in = flat
-        if not seq:  # partial grads from the FFN shards: sum them over tp in backward
+        if ffn:  # partial grads from the FFN shards: sum them over tp in backward
             weights, expert_in = copy_to_region(weights, g), copy_to_region(flat, g)
-        out = torch.zeros_like(flat)  # (N, h)
-        for e in range(w_gate.shape[0]):
-            token, slot = torch.where(top_idx == e)
-            y = swiglu(expert_in.index_select(0, token), w_gate[e], w_up[e], w_down[e])
-            out = out.index_add(0, token, y * weights[token, slot].unsqueeze(-1))
-        if not seq:
+        if self.ep > 1:
+            out = expert_parallel_ffn(expert_in, top_idx, weights, w_gate, w_up, w_down,
+                                      self.ep_group)
+        else:
+            out = torch.zeros_like(flat)  # (N, h)
+            for e in range(w_gate.shape[0]):
+                token, slot = torch.where(top_idx == e)
+                y = swiglu(expert_in.index_select(0, token), w_gate[e], w_up[e], w_down[e])
+                out = out.index_add(0, token, y * weights[token, slot].unsqueeze(-1))
+        if ffn:
             return reduce_from_region(out.view(shape), g)
         return out.view(shape)
 

@@ -1,62 +1,77 @@
 """RankProgram: one rank's share of a Plan, ready to train.
 
 It holds the rewritten GraphModule (runtime.rewrite) with only this rank's parameter shards
-allocated, filled with exactly the slice of the single-device initialisation for the same seed
-(runtime.init), and the process groups of its `dp` and `tp` axes.
+allocated (only those of its pipeline stages), filled with exactly the slice of the single-device
+initialisation for the same seed (runtime.init), and the process groups of its mesh axes. Under
+pipelining `graph_module` stays the whole per-rank graph, for reading (other stages' parameters
+stay on meta); this rank's stages run as `pipeline.modules` (runtime.pipeline).
 
-One step on a global batch of G = microbatch_size * num_microbatches * dp sequences:
+One step on a global batch of G sequences of T tokens:
 
-    rank d of dp takes rows [d G/dp, (d+1) G/dp)               (shard_batch)
-    for each of the num_microbatches microbatches m:  (loss_m / num_microbatches).backward()
-    grads averaged over dp in one all-reduce per dtype bucket  (sync_gradients)
+    data shards: D = dp * ep ranks see different sequences, cp ranks different tokens of them:
+      rank (d, e, c) takes rows [i G/D, (i+1) G/D) with i = d ep + e, and tokens [c T/cp, (c+1) T/cp)
+    without pipelining: for each of the num_microbatches microbatches m,
+      (loss_m / num_microbatches).backward()
+    with pipelining (runtime.pipeline): the schedule runs the microbatches through the stages
+    gradients summed over the ranks that hold the same shard (dense: dp x ep x cp; experts: dp x
+      cp), one all-reduce per dtype bucket, divided by D * cp             (sync_gradients)
     optimizer.step()
 
-so every gradient is the gradient of the global mean token loss, as on one device. ZeRO stage 1
-shards the optimizer states over dp with `ZeroRedundancyOptimizer` (`make_optimizer`); stages 2
-and 3 shard gradients and parameters over dp with FSDP2 (runtime.zero), which then reduce-scatters
-the gradients in backward instead of `sync_gradients`.
+Every rank's loss is the mean over its own tokens and all hold equally many, so every gradient is
+the gradient of the global mean token loss, as on one device. ZeRO stage 1 shards the optimizer
+states over the data ranks with `ZeroRedundancyOptimizer` (`make_optimizer`); stages 2 and 3 shard
+gradients and parameters over them with FSDP2 (runtime.zero), which then reduce-scatters the
+gradients in backward instead of `sync_gradients`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from autoplan.errors import ConfigError
+from autoplan.errors import ConfigError, PlanError
 from autoplan.placement import Shard
 from autoplan.plan import Plan
-from autoplan.runtime.collectives import all_gather_dim, all_reduce
+from autoplan.runtime import collectives as C
 from autoplan.runtime.groups import AxisGroup
-from autoplan.runtime.init import InitRule, init_shard
-from autoplan.runtime.rewrite import Rewritten
+from autoplan.runtime.init import InitRule, init_local, nested_bounds
+from autoplan.runtime.rewrite import ParamLayout, Rewritten
 from autoplan.runtime.zero import full_tensor, shard_over_dp
 
 
 class RankProgram(nn.Module):
-    """The per-rank program: `forward(tokens, targets)` on this rank's dp share -> mean loss."""
+    """The per-rank program: `forward(tokens, targets)` on this rank's data share -> mean loss."""
 
     def __init__(self, rewritten: Rewritten, plan: Plan, groups: dict[str, AxisGroup],
-                 rules: dict[str, InitRule], seed: int, device: torch.device) -> None:
+                 rules: dict[str, InitRule], seed: int, device: torch.device,
+                 mesh_rank: int = 0, global_rank_of=lambda r: r) -> None:
         super().__init__()
         self.graph_module = rewritten.graph_module
         self.plan, self.seed, self.device = plan, seed, device
-        self.layouts = rewritten.params
+        self.mesh_rank, self.global_rank_of = mesh_rank, global_rank_of
         self.strategies = rewritten.strategies
         self.groups = groups  # a plain dict: not submodules
+        self.all_layouts = rewritten.params
+        self.pipeline = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        if plan.mesh.pp > 1:
+            self.pipeline = self._build_pipeline(rewritten)
+        used = self._local_parameter_names()
+        self.layouts: dict[str, ParamLayout] = {n: l for n, l in self.all_layouts.items()
+                                                if n in used}
         self._materialize(rules)
-        self.fsdp = plan.zero_stage >= 2 and self.dp.size > 1
+        self.fsdp = plan.zero_stage >= 2 and self.data.size > 1
         if self.fsdp:
-            shard_over_dp(self.graph_module, self.dp.group, device, plan.zero_stage)
-        if plan.recompute != "none":
-            warnings.warn(f"plan asks for recompute={plan.recompute!r}; this runtime does not "
-                          f"recompute activations yet (numerics are unchanged, memory is higher)",
-                          stacklevel=2)
+            shard_over_dp(self.graph_module, rewritten.module_targets, self.data.group, device,
+                          plan.zero_stage)
 
+    # ------------------------------------------------------------ groups
     @property
     def tp(self) -> AxisGroup:
         return self.groups["tp"]
@@ -65,15 +80,57 @@ class RankProgram(nn.Module):
     def dp(self) -> AxisGroup:
         return self.groups["dp"]
 
+    @property
+    def data(self) -> AxisGroup:
+        """dp x ep x cp: the ranks that hold the same dense shards and see different tokens."""
+        return self.groups["data"]
+
+    @property
+    def data_shards(self) -> int:
+        """How many ranks hold distinct tokens of one batch (of one pipeline and tp coordinate)."""
+        return self.data.size
+
+    def _replicas(self, name: str) -> AxisGroup:
+        """The ranks holding the same piece of parameter `name`."""
+        return self.groups["expert_data" if self.layouts[name].expert else "data"]
+
     # ------------------------------------------------------------ parameters
+    def _build_pipeline(self, rewritten: Rewritten):
+        from autoplan.runtime import pipeline as P
+
+        programs, loss_module = P.split(self.graph_module, rewritten.infos, self.plan)
+        rows = self._local_rows() // self.plan.num_microbatches
+        seq = self.plan.seq_len // self.groups["cp"].size
+        meta = torch.zeros((rows, seq), dtype=torch.int64, device="meta")
+        shapes = P.meta_shapes(self.graph_module, meta, meta)
+        return P.PipelineRunner(programs, loss_module, self.plan, self.groups["pp"], shapes,
+                                (rows, seq), self.device)
+
+    def _local_parameter_names(self) -> set[str]:
+        modules = [self.graph_module] if self.pipeline is None else self.pipeline.modules
+        if self.pipeline is not None:
+            modules = modules + [self.pipeline.loss_module]
+        return {self._name_of(m, n) for m in modules for n, _ in m.named_parameters()}
+
+    def _name_of(self, module: nn.Module, name: str) -> str:
+        """A parameter's user name from its path in a (stage or recompute region) module: the
+        path of a leaf module that the rewritten graph also holds under its own name."""
+        parts = name.split(".")
+        for start in range(len(parts) - 1):
+            candidate = ".".join(parts[start:])
+            if candidate in self.all_layouts:
+                return candidate
+        raise RuntimeError(f"parameter {name!r} of a stage matches no parameter of the model")
+
     @torch.no_grad()
     def _materialize(self, rules: dict[str, InitRule]) -> None:
-        """Replace every meta parameter by this rank's shard, filled by the seeded init."""
+        """Replace every meta parameter this rank uses by its shard, filled by the seeded init."""
         for name, layout in self.layouts.items():
             owner, _, attr = name.rpartition(".")
             module = self.graph_module.get_submodule(owner)
-            local = init_shard(name, layout.shape, rules[name], self.seed, layout.placement,
-                               self.tp.index, self.tp.size, torch.float32, self.device)
+            bounds = nested_bounds(layout.shape, layout.pieces(self.groups))
+            local = init_local(name, layout.shape, rules[name], self.seed, bounds, torch.float32,
+                               self.device)
             expected = tuple(module._parameters[attr].shape)
             if tuple(local.shape) != expected:
                 raise RuntimeError(f"parameter {name!r}: init made {tuple(local.shape)}, the "
@@ -82,69 +139,104 @@ class RankProgram(nn.Module):
 
     def named_local_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(name in the user's model, this rank's shard), in a fixed order (under ZeRO 2/3, a
-        DTensor sharding the tp-local shard over dp)."""
+        DTensor sharding the tp-local shard over the data ranks)."""
         for name in self.layouts:
             owner, _, attr = name.rpartition(".")
             yield name, self.graph_module.get_submodule(owner)._parameters[attr]
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter gathered over tp, on CPU (a collective: call it on every rank)."""
+        """This rank's parameters (those of its pipeline stages) gathered over tp and ep, on CPU (a
+        collective: call it on every rank)."""
         return {n: self._gather(n, p.detach()) for n, p in self.named_local_parameters()}
 
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor]:
-        """Every gradient gathered over tp, on CPU (zeros where none); call it on every rank."""
+        """This rank's gradients gathered over tp and ep, on CPU (zeros where none); call it on
+        every rank."""
         return {n: self._gather(n, p.grad if p.grad is not None else torch.zeros_like(p))
                 for n, p in self.named_local_parameters()}
 
     def _gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
         local = full_tensor(local)
-        placement = self.layouts[name].placement
-        if isinstance(placement, Shard) and self.tp.size > 1:
-            local = all_gather_dim(local, placement.dim % local.dim(), self.tp.group)
+        layout = self.layouts[name]
+        if isinstance(layout.placement, Shard) and self.tp.size > 1:
+            local = C.all_gather_dim(local, layout.placement.dim % local.dim(), self.tp.group)
+        if layout.expert and self.groups["ep"].size > 1:
+            local = C.all_gather_dim(local, 0, self.groups["ep"].group)
         return local.cpu()
 
     # ------------------------------------------------------------ running
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean token loss of this rank's (B, T) tokens and targets (B = its dp share)."""
-        tokens, targets = tokens.to(self.device), targets.to(self.device)
+    def _autocast(self) -> contextlib.AbstractContextManager:
         dtype = getattr(torch, self.plan.dtype)
-        with contextlib.ExitStack() as stack:
-            if self.fsdp:  # FSDP2 warns on every Linear (its 3-D output is a view); the warning is
-                # about in-place ops on such views, which runtime.zero refused to shard
-                stack.enter_context(warnings.catch_warnings())
-                warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-            if dtype != torch.float32:
-                stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean token loss of this rank's (B, T/cp) tokens and targets (B = its data share)."""
+        if self.pipeline is not None:
+            raise PlanError("a pipelined program runs whole steps only: use train_step")
+        tokens, targets = tokens.to(self.device), targets.to(self.device)
+        with self._quiet(), self._autocast():
             return self.graph_module(tokens, targets)
+
+    def _quiet(self) -> contextlib.AbstractContextManager:
+        """FSDP2 warns on every Linear (its 3-D output is a view), in forward and in recomputing
+        backward; the warning is about in-place ops on such views, which runtime.zero refused."""
+        stack = contextlib.ExitStack()
+        if self.fsdp:
+            stack.enter_context(warnings.catch_warnings())
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+        return stack
+
+    def _local_rows(self) -> int:
+        shards = self.plan.mesh.dp * self.plan.mesh.ep
+        if self.plan.global_batch % shards:
+            raise ConfigError(f"global batch {self.plan.global_batch} is not divisible by dp x ep "
+                              f"= {self.plan.mesh.dp} x {self.plan.mesh.ep}")
+        return self.plan.global_batch // shards
 
     def shard_batch(self, tokens: torch.Tensor, targets: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's dp slice (contiguous rows) of the global (G, T) tokens and targets."""
-        if tokens.shape != targets.shape or tokens.shape[0] % self.dp.size:
+        """This rank's rows (dp x ep) and tokens (cp) of the global (G, T) tokens and targets."""
+        mesh = self.plan.mesh
+        shards = mesh.dp * mesh.ep
+        if tokens.shape != targets.shape or tokens.shape[0] % shards:
             raise ConfigError(f"global tokens {tuple(tokens.shape)} and targets "
                               f"{tuple(targets.shape)} must have one shape whose batch is "
-                              f"divisible by dp={self.dp.size}")
-        rows = tokens.shape[0] // self.dp.size
-        lo = self.dp.index * rows
-        return tokens[lo:lo + rows], targets[lo:lo + rows]
+                              f"divisible by dp x ep = {shards}")
+        coords = mesh.coords(self.mesh_rank)
+        rows = tokens.shape[0] // shards
+        lo = (coords["dp"] * mesh.ep + coords["ep"]) * rows
+        cp, c = mesh.cp, coords["cp"]
+        if tokens.shape[1] % cp:
+            raise ConfigError(f"sequence length {tokens.shape[1]} is not divisible by cp={cp}")
+        width = tokens.shape[1] // cp
+        cols = slice(c * width, (c + 1) * width)
+        return tokens[lo:lo + rows, cols], targets[lo:lo + rows, cols]
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
-        """Average gradients over dp: one all-reduce per dtype of the flattened grads (nothing to
-        do under ZeRO 2/3, where FSDP2 reduce-scatters them in backward)."""
-        if self.dp.size == 1 or self.fsdp:
+        """Sum gradients over the ranks holding the same shard and divide by the data shards: one
+        all-reduce per (group, dtype) bucket of flattened grads (nothing to do under ZeRO 2/3,
+        where FSDP2 reduce-scatters them in backward)."""
+        if self.fsdp:
             return
-        params = [p for _, p in self.named_local_parameters()]
-        for p in params:
+        scale = 1.0 / self.data_shards
+        buckets: dict[tuple, list[torch.Tensor]] = {}
+        for name, p in self.named_local_parameters():
+            group = self._replicas(name)
+            if group.size == 1:  # no replica (experts with dp = cp = 1): only the scale
+                if p.grad is not None and scale != 1.0:
+                    p.grad.mul_(scale)
+                continue
             if p.grad is None:  # e.g. unused on this rank: still part of every rank's bucket
                 p.grad = torch.zeros_like(p)
-        for dtype in sorted({p.grad.dtype for p in params}, key=str):
-            grads = [p.grad for p in params if p.grad.dtype == dtype]
+            buckets.setdefault((group.axis, str(p.grad.dtype)), []).append(p.grad)
+        for (axis, _), grads in sorted(buckets.items()):
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.dp.group)
-            flat.div_(self.dp.size)
+            C.all_reduce_(flat, self.groups[axis].group).mul_(scale)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -160,29 +252,78 @@ class RankProgram(nn.Module):
                               f"{plan.seq_len})")
         local_tokens, local_targets = self.shard_batch(tokens, targets)
         optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=self.device)
-        for mb_tokens, mb_targets in zip(local_tokens.chunk(plan.num_microbatches),
-                                         local_targets.chunk(plan.num_microbatches)):
-            loss = self(mb_tokens, mb_targets) / plan.num_microbatches
-            loss.backward()
-            total += loss.detach().float()
+        if self.pipeline is not None:
+            with self._autocast():
+                total = self.pipeline.step(local_tokens.to(self.device),
+                                           local_targets.to(self.device))
+        else:
+            total = torch.zeros((), device=self.device)
+            for mb_tokens, mb_targets in zip(local_tokens.chunk(plan.num_microbatches),
+                                             local_targets.chunk(plan.num_microbatches)):
+                loss = self(mb_tokens, mb_targets) / plan.num_microbatches
+                with self._quiet():
+                    loss.backward()
+                total += loss.detach().float()
         self.sync_gradients()
         optimizer.step()
-        if self.dp.size > 1:
-            total = all_reduce(total, self.dp.group) / self.dp.size
-        return float(total)
+        return self._global_loss(total)
+
+    def _global_loss(self, total: torch.Tensor) -> float:
+        """The mean of every data shard's loss (only the last pipeline stage has one)."""
+        for group in (self.groups["pp"], self.data):
+            if group.size > 1:
+                total = C.all_reduce(total, group.group)
+        return float(total) / self.data_shards
 
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
                        **kwargs) -> torch.optim.Optimizer:
-        """`optimizer_class` over this rank's parameters; with zero_stage 1 and dp > 1 its states
-        are sharded over dp by `torch.distributed.optim.ZeroRedundancyOptimizer`."""
+        """`optimizer_class` over this rank's parameters; with zero_stage 1 its states are sharded
+        over the data ranks (dp x cp, and ep when no layer is expert-parallel) by
+        `torch.distributed.optim.ZeroRedundancyOptimizer`. The program remembers it for
+        `save_checkpoint` / `load_checkpoint`."""
         params = [p for _, p in self.named_local_parameters()]
-        if self.plan.zero_stage == 1 and self.dp.size > 1:
+        zero_group = self.groups["expert_data" if any(l.expert for l in self.layouts.values())
+                                 else "data"]
+        if self.plan.zero_stage == 1 and zero_group.size > 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class,
-                                           process_group=self.dp.group, **kwargs)
-        return optimizer_class(params, **kwargs)
+            self.optimizer = ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class,
+                                                     process_group=zero_group.group, **kwargs)
+        else:
+            self.optimizer = optimizer_class(params, **kwargs)
+        return self.optimizer
+
+    # ------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None,
+                        *, step: int = 0) -> Path:
+        """Save parameters and optimizer states (default: the one `make_optimizer` made) under
+        their full names and shapes, atomically (runtime.checkpoint); call it on every rank."""
+        from autoplan.runtime.checkpoint import save
+
+        return save(self, directory, optimizer or self.optimizer, step)
+
+    def load_checkpoint(self, directory: str | Path,
+                        optimizer: torch.optim.Optimizer | None = None, *,
+                        parameters_only: bool = False) -> dict:
+        """Load a checkpoint saved under any plan of this model into the parameters and the
+        optimizer (default: the one `make_optimizer` made; none with `parameters_only`); returns
+        its metadata (with "step"). Call it on every rank."""
+        from autoplan.runtime.checkpoint import load
+
+        return load(self, directory, None if parameters_only else optimizer or self.optimizer)
+
+    # ------------------------------------------------------------ inspection
+    def count_collectives(self) -> contextlib.AbstractContextManager[Counter]:
+        """Count the collectives issued inside the block by (kind, axis group), e.g.
+        ("all_reduce", "tp"); see runtime.counting for what a plan predicts."""
+        from autoplan.runtime.counting import NAME_ORDER
+
+        names = {}
+        for kind in NAME_ORDER:  # later kinds are narrower: the narrowest name wins
+            group = self.groups[kind].group
+            if group is not None:
+                names[group] = kind
+        return C.count_collectives(names)
 
     def explain(self) -> str:
         """One line per node that is not replicated: its strategy."""

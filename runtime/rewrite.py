@@ -1,4 +1,4 @@
-"""The graph rewrite: a model on meta + a Plan + this rank's tp coordinate -> a per-rank GraphModule.
+"""The graph rewrite: a model on meta + a Plan + this rank's mesh groups -> a per-rank GraphModule.
 
 1. Capture the model with `autoplan.capture.capture` at the plan's (microbatch_size, seq_len): the
    node names are the planner's. Each node's strategy is `plan.op(node).strategy`, resolved through
@@ -19,13 +19,21 @@
    One conversion node serves every consumer that needs the same one (so the q, k and v
    projections share a single all-reduce of their partial input grads).
 
+4. Context parallelism (cp > 1, runtime.context): every activation holds this rank's T/cp tokens;
+   each attention core's q, k, v pass through `cp_heads` (all-to-all from sequence to head shards)
+   and its output through `cp_sequence` (back); position indices get this rank's global offset.
+5. Expert parallelism (ep > 1): each MoE layer holds E/ep experts and dispatches tokens to their
+   experts' ranks (runtime.experts).
+6. Recomputation as the plan says (runtime.recompute): "full" wraps each layer's subgraph, "selective"
+   the attention cores and pointwise ops, in torch.utils.checkpoint.
+
 The result prints as Python: `print(rewritten.graph_module.code)`.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -34,13 +42,15 @@ from torch import nn
 from autoplan.capture import NodeInfo, capture
 from autoplan.errors import PlanError
 from autoplan.models.config import ModelConfig
-from autoplan.placement import Partial, Placement, Replicate
+from autoplan.placement import Partial, Placement, Replicate, Shard
 from autoplan.plan import Plan
 from autoplan.runtime import collectives as C
+from autoplan.runtime.context import apply_context_parallel
 from autoplan.runtime.groups import AxisGroup
 from autoplan.runtime.modules import (GradSummed, ParallelMoE, RowParallelLinear,
                                       SequenceParallelLoss, VocabParallelEmbedding,
                                       VocabParallelLoss)
+from autoplan.runtime.recompute import apply_recompute
 from autoplan.strategies import Strategy, default_registry
 
 R = Replicate()
@@ -100,6 +110,15 @@ class ParamLayout:
     shape: tuple[int, ...]  # full shape
     placement: Placement  # on tp
     grad_partial: bool  # replicated, used on a shard of the tokens: grad summed over tp
+    expert: bool = False  # an expert weight: dim 0 (experts) split over ep
+    node: str = ""  # the captured node that uses it
+
+    def pieces(self, groups: dict[str, AxisGroup]) -> list[tuple[Placement, int, int]]:
+        """(placement, index, degree) per splitting axis, outer first: the argument of
+        `init.nested_bounds`."""
+        ep, tp = groups["ep"], groups["tp"]
+        outer = [(Shard(0), ep.index, ep.size)] if self.expert else []
+        return outer + [(self.placement, tp.index, tp.size)]
 
 
 @dataclass
@@ -107,6 +126,9 @@ class Rewritten:
     graph_module: fx.GraphModule
     params: dict[str, ParamLayout]
     strategies: dict[str, Strategy]  # by node name
+    infos: dict[str, NodeInfo] = field(default_factory=dict)  # the capture's, by node name
+    module_targets: tuple[str, ...] = ()  # call_module targets, in graph order (FSDP units)
+    regions: int = 0  # recompute regions
 
 
 def model_info(config: ModelConfig) -> dict:
@@ -124,27 +146,48 @@ def meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def rewrite(model: nn.Module, config: ModelConfig, plan: Plan, tp: AxisGroup) -> Rewritten:
-    """The per-rank program of `plan` for the tp rank `tp.index` (parameters stay on meta)."""
+def rewrite(model: nn.Module, config: ModelConfig, plan: Plan,
+            groups: dict[str, AxisGroup] | AxisGroup) -> Rewritten:
+    """The per-rank program of `plan` for this rank's coordinates in `groups` (runtime.groups; a
+    single AxisGroup means tp, every other axis of degree 1). Parameters stay on meta."""
+    groups = _complete(groups)
+    tp, ep = groups["tp"], groups["ep"]
     captured = capture(meta_copy(model), config, plan.microbatch_size, plan.seq_len,
                        getattr(torch, plan.dtype))
     gm, infos = captured.graph_module, {n.name: n for n in captured.nodes}
     strategies = resolve_strategies(plan, captured.nodes, model_info(config))
     params: dict[str, ParamLayout] = {}
-    planned = {p.name: dict(p.placements).get("tp") for p in plan.params}
+    planned = {p.name: dict(p.placements) for p in plan.params}
+    targets = []
     for node in gm.graph.nodes:
         if node.op == "call_module":
+            targets.append(node.target)
             original = gm.get_submodule(node.target)
-            params.update(_layouts(node.target, original, strategies[node.name], planned))
-            replacement = _parallel_module(original, infos[node.name], strategies[node.name], tp)
+            expert = ep.size > 1 and infos[node.name].op_kind == "moe"
+            params.update(_layouts(node.name, node.target, original, strategies[node.name], planned,
+                                   expert))
+            replacement = _parallel_module(original, infos[node.name], strategies[node.name], tp,
+                                           ep if expert else None)
             if replacement is not original:
                 _set_submodule(gm, node.target, replacement)
     if tp.size > 1:
         gm.add_submodule("tp", tp)
         _insert_conversions(gm.graph, infos, strategies)
+    if groups["cp"].size > 1:
+        apply_context_parallel(gm, infos, strategies, groups["cp"], tp.size, config.head_dim)
+    regions = apply_recompute(gm, plan.recompute, infos, captured)
     gm.graph.lint()
     gm.recompile()
-    return Rewritten(gm, params, strategies)
+    return Rewritten(gm, params, strategies, infos, tuple(targets), regions)
+
+
+def _complete(groups: dict[str, AxisGroup] | AxisGroup) -> dict[str, AxisGroup]:
+    """Every axis kind of runtime.groups, one-rank groups where `groups` does not say."""
+    if isinstance(groups, AxisGroup):
+        groups = {"tp": groups}
+    full = {k: AxisGroup(k, (0,), 0, None) for k in ("tp", "cp", "ep", "dp", "pp", "data",
+                                                      "expert_data")}
+    return {**full, **groups}
 
 
 def resolve_strategies(plan: Plan, nodes: tuple[NodeInfo, ...], info: dict) -> dict[str, Strategy]:
@@ -169,17 +212,25 @@ def resolve_strategies(plan: Plan, nodes: tuple[NodeInfo, ...], info: dict) -> d
     return found
 
 
-def _layouts(path: str, module: nn.Module, strategy: Strategy,
-             planned: dict[str, Placement | None]) -> dict[str, ParamLayout]:
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # MoE weights whose dim 0 is the expert
+
+
+def _layouts(node: str, path: str, module: nn.Module, strategy: Strategy,
+             planned: dict[str, dict], expert_parallel: bool) -> dict[str, ParamLayout]:
     out = {}
     for pname, param in module.named_parameters():
         name = f"{path}.{pname}"
         placement = strategy.param_placement(pname)
-        if planned.get(name) not in (None, placement):
-            raise PlanError(f"parameter {name!r}: the plan places it {planned[name]} on tp but the "
+        said = planned.get(name, {})
+        if said.get("tp") not in (None, placement):
+            raise PlanError(f"parameter {name!r}: the plan places it {said['tp']} on tp but the "
                             f"strategy {strategy.name!r} of its op needs {placement}")
+        expert = expert_parallel and pname in EXPERT_WEIGHTS
+        if said.get("ep") not in (None, Shard(0) if expert else R):
+            raise PlanError(f"parameter {name!r}: the plan places it {said['ep']} on ep; the "
+                            f"runtime splits expert weights on dim 0 (S(0)) and replicates the rest")
         grad_partial = any(s.name == pname and s.grad_partial for s in strategy.params)
-        out[name] = ParamLayout(name, tuple(param.shape), placement, grad_partial)
+        out[name] = ParamLayout(name, tuple(param.shape), placement, grad_partial, expert, node)
     return out
 
 
@@ -215,16 +266,27 @@ def _insert_conversions(graph: fx.Graph, infos: dict[str, NodeInfo],
                     made[key] = graph.create_node("call_function", fn,
                                                   (by_name[producer_name], *dims, tp_node),
                                                   name=f"{producer_name}_{fn.__name__[3:]}")
+                made[key].meta.update(layer=info.layer, tp_placement=spec.placement,
+                                      conversion=(fn.__name__, str(src), str(spec.placement)))
             node.replace_input_with(by_name[producer_name], made[key])
 
 
 # ---------------------------------------------------------------- parallel modules
 
 
-def _parallel_module(module: nn.Module, info: NodeInfo, strategy: Strategy, tp: AxisGroup
-                     ) -> nn.Module:
-    """The module that runs `strategy` for node `info` on this rank (meta parameters)."""
+def _parallel_module(module: nn.Module, info: NodeInfo, strategy: Strategy, tp: AxisGroup,
+                     ep: AxisGroup | None = None) -> nn.Module:
+    """The module that runs `strategy` for node `info` on this rank (meta parameters); `ep` for a
+    MoE layer whose experts are split over ep ranks."""
     kind, name, g, n, r = info.op_kind, strategy.name, tp.group, tp.size, tp.index
+    if kind == "moe" and ep is not None:
+        experts, hidden, ffn = module.w_gate.shape
+        if experts % ep.size:
+            raise PlanError(f"node {info.name!r}: {experts} experts cannot be split over ep="
+                            f"{ep.size} ranks; plan an ep dividing {experts}")
+        ffn_local = ffn // n if name == "ffn" else ffn
+        return ParallelMoE(hidden, ffn_local, experts // ep.size, module.top_k, g, name,
+                           ep_group=ep.group)
     if name == "replicate" or (kind, name) == ("attention", "heads"):
         return module
     if kind == "linear" and name == "column":

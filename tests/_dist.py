@@ -88,27 +88,105 @@ def spawn(fn, world: int, *args, timeout_s: float = TIMEOUT_S) -> list:
         return results
 
 
+# ------------------------------------------------------------------------------- runs
+
+
+def batches(global_batch: int, seq_len: int, steps: int, vocab: int = 128
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded (steps, global_batch, seq_len) tokens and targets."""
+    gen = torch.Generator().manual_seed(global_batch * 1000 + seq_len)
+    shape = (steps, global_batch, seq_len)
+    return torch.randint(0, vocab, shape, generator=gen), torch.randint(0, vocab, shape,
+                                                                        generator=gen)
+
+
+def reference(config, seed: int, tokens: torch.Tensor, targets: torch.Tensor, lr: float,
+              eps: float) -> dict:
+    """One process, plain AdamW, the same seeded init: losses per step, the first step's
+    gradients, the parameters after the last step."""
+    from autoplan.models import build_model
+    from autoplan.runtime.init import init_parameters
+
+    model = init_parameters(build_model(config, device="cpu"), seed, config.num_layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
+    losses, grads = [], None
+    for step in range(tokens.shape[0]):
+        optimizer.zero_grad()
+        loss = model(tokens[step], targets[step])
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loss.item())
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params}
+
+
+def train_program(program, optimizer, tokens: torch.Tensor, targets: torch.Tensor,
+                  keep: bool = True) -> dict:
+    """Steps of a RankProgram: losses, the first step's full gradients and the final full
+    parameters of this rank's stages (only when `keep`; gathering is collective either way), and
+    the collectives of the first step ("counts")."""
+    losses, grads, counts = [], None, None
+    for step in range(tokens.shape[0]):
+        if step == 0:
+            with program.count_collectives() as counted:
+                losses.append(program.train_step(tokens[step], targets[step], optimizer))
+            counts = dict(counted)
+            grads = program.full_gradients()
+        else:
+            losses.append(program.train_step(tokens[step], targets[step], optimizer))
+    params = program.full_parameters()
+    return {"losses": losses, "grads": grads if keep else None, "params": params if keep else None,
+            "counts": counts}
+
+
+def assert_matches(got: dict, ref: dict, what: str, loss_rtol: float = 1e-5,
+                   grad_tol: dict | None = None, param_tol: dict | None = None,
+                   grads: bool = True) -> None:
+    """Losses, gradients and parameters of one rank against a reference (names this rank holds)."""
+    grad_tol = grad_tol or dict(rtol=1e-4, atol=1e-6)
+    param_tol = param_tol or dict(rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
+                               rtol=loss_rtol, atol=0, msg=f"{what}: losses")
+    if got.get("params") is None:
+        return
+    assert set(got["params"]) <= set(ref["params"]) and got["params"], what
+    for name in got["params"]:
+        if grads and got.get("grads") is not None:
+            torch.testing.assert_close(got["grads"][name], ref["grads"][name], **grad_tol,
+                                       msg=lambda m: f"{what} grad {name}: {m}")
+        torch.testing.assert_close(got["params"][name], ref["params"][name], **param_tol,
+                                   msg=lambda m: f"{what} param {name}: {m}")
+
+
 # ------------------------------------------------------------------------------- plans
 
 
-def make_plan(model_name: str, dp: int, tp: int, assignment="replicate", *, seq_len: int = 16,
+def make_plan(model_name, dp: int, tp: int, assignment="replicate", *, seq_len: int = 16,
               microbatch_size: int = 1, num_microbatches: int = 1, zero_stage: int = 0,
-              dtype: str = "float32", recompute: str = "none", direct: bool = False):
-    """A Plan for a preset model from the planner's `plan_from_assignment`.
+              dtype: str = "float32", recompute: str = "none", direct: bool = False,
+              cp: int = 1, ep: int = 1, pp: int = 1, virtual_stages: int = 1,
+              schedule: str | None = None):
+    """A Plan for a preset model (a name, or a ModelConfig) from the planner's
+    `plan_from_assignment`.
 
     `assignment`: "replicate", "megatron" / "megatron-sp" (the planner's `megatron_assignment`,
     without / with sequence parallelism), "random:<seed>" (a seeded random valid strategy per
     node), or a dict node -> strategy name. `direct=True` builds the Plan from autoplan.plan types
     with zero predictions instead, for meshes the planner refuses but the runtime runs (tp=4 with
-    2 kv heads: attention stays replicated)."""
+    2 kv heads: attention stays replicated; and every plan with cp, ep or pp > 1, whose tiny
+    sequences and layer counts the planner's rules refuse). Pipeline stages split the layers
+    evenly over pp * virtual_stages stages, stage g = chunk * pp + stage holding the g-th slice."""
     from autoplan.cluster import parse_cluster
     from autoplan.mesh import MeshShape
     from autoplan.models import get_model_config
+    from autoplan.models.config import ModelConfig
     from autoplan.planner import (capture_model, megatron_assignment, model_info,
                                   plan_from_assignment)
     from autoplan.strategies import default_registry
 
-    config = get_model_config(model_name)
+    config = model_name if isinstance(model_name, ModelConfig) else get_model_config(model_name)
     graph = capture_model(config, seq_len, dtype)
     registry, info = default_registry(), model_info(config)
     if isinstance(assignment, dict):
@@ -122,17 +200,23 @@ def make_plan(model_name: str, dp: int, tp: int, assignment="replicate", *, seq_
         chosen = {n.name: rng.choice(registry.strategies(n, tp, info)).name for n in graph.nodes}
     else:
         raise ValueError(f"unknown assignment {assignment!r}")
-    cluster, mesh = parse_cluster(f"{dp * tp}xcpu"), MeshShape(dp=dp, tp=tp)
-    if direct:
+    mesh = MeshShape(dp=dp, tp=tp, cp=cp, ep=ep, pp=pp)
+    cluster = parse_cluster(f"{mesh.world_size}xcpu")
+    schedule = schedule or ("interleaved-1f1b" if virtual_stages > 1 else "1f1b")
+    if direct or max(cp, ep, pp) > 1:
         return _direct_plan(graph, config, cluster, mesh, chosen, registry, info, microbatch_size,
-                            num_microbatches, zero_stage, recompute, dtype)
+                            num_microbatches, zero_stage, recompute, dtype, virtual_stages,
+                            schedule)
     return plan_from_assignment(graph, config, cluster, mesh, chosen, microbatch_size,
                                 num_microbatches, zero_stage, recompute, registry=registry,
                                 dtype=dtype)
 
 
 def _direct_plan(graph, config, cluster, mesh, chosen, registry, info, microbatch_size,
-                 num_microbatches, zero_stage, recompute, dtype):
+                 num_microbatches, zero_stage, recompute, dtype, virtual_stages=1,
+                 schedule="1f1b"):
+    from autoplan.errors import PlanError
+    from autoplan.placement import Shard
     from autoplan.plan import (MemoryBreakdown, ModelRef, OpPlacement, ParamPlacement, Plan,
                                Predicted, Provenance, StageSpec, TimeBreakdown)
 
@@ -142,12 +226,28 @@ def _direct_plan(graph, config, cluster, mesh, chosen, registry, info, microbatc
         output = (("tp", strategy.output),) if node.output is not None else ()
         ops.append(OpPlacement(node.name, strategy.name, output))
         prefix = node.module_path + "."
-        params += [ParamPlacement(n, (("tp", strategy.param_placement(n[len(prefix):])),))
-                   for n, _ in node.params]
+        for n, _ in node.params:
+            where = (("tp", strategy.param_placement(n[len(prefix):])),)
+            if mesh.ep > 1 and node.op_kind == "moe" and n.rsplit(".", 1)[-1] != "weight":
+                where += (("ep", Shard(0)),)
+            params.append(ParamPlacement(n, where))
+    count = mesh.pp * virtual_stages
+    per = config.num_layers // count
+    if per * count != config.num_layers:
+        raise ValueError(f"{config.num_layers} layers do not split into {count} stages")
+    stages = tuple(StageSpec(g % mesh.pp, g * per, (g + 1) * per, g // mesh.pp)
+                   for g in range(count))
     zero = Predicted(0.0, 0.0, 0.0, 0.0, MemoryBreakdown(0, 0, 0, 0), TimeBreakdown(0, 0, 0, 0))
-    return Plan(ModelRef(config.name, config.fingerprint(), config.num_layers,
-                         config.num_parameters()),
-                cluster, mesh, microbatch_size, num_microbatches,
-                microbatch_size * num_microbatches * mesh.dp, graph.seq_len, zero_stage, recompute,
-                "1f1b", (StageSpec(0, 0, config.num_layers),), tuple(params), tuple(ops), zero,
-                Provenance("0.1.0", 0.0, "tests/_dist.py"), dtype=dtype)
+
+    def plan(batch):
+        return Plan(ModelRef(config.name, config.fingerprint(), config.num_layers,
+                             config.num_parameters()),
+                    cluster, mesh, microbatch_size, num_microbatches, batch, graph.seq_len,
+                    zero_stage, recompute, schedule, stages, tuple(params), tuple(ops), zero,
+                    Provenance("0.1.0", 0.0, "tests/_dist.py"), dtype=dtype)
+
+    batch = microbatch_size * num_microbatches * mesh.dp
+    try:  # a Plan version that counts ep ranks as data-parallel wants them in the batch
+        return plan(batch * mesh.ep)
+    except PlanError:
+        return plan(batch)

@@ -3,7 +3,8 @@
 For tiny-gpt, tiny-llama and tiny-moe under dp=2, tp=2, tp=4 and dp2 x tp2, with the Megatron-style
 assignment and seeded random valid assignments (a random strategy per node from the registry), the
 loss of 3 AdamW steps, the gradients of the first step and the parameters after the third equal a
-single-process run of the same model from the same seeded init; so do ZeRO 1
+single-process run of the same model from the same seeded init, and the collectives of the first
+step equal what the plan predicts (runtime.counting); so do ZeRO 1
 (ZeroRedundancyOptimizer) and ZeRO 2 / 3 (FSDP2) runs. One spawn per world size runs every
 configuration. Tolerances (fp32; sums run in another order, so results differ by round-off):
 
@@ -22,6 +23,7 @@ with attention replicated: those are built directly from autoplan.plan types.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -93,6 +95,7 @@ def _batches(plan) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _run_config(rank: int, model_name: str, plan, model_device: str = "meta") -> dict:
     from autoplan.models import build_model, get_model_config
+    from autoplan.runtime.counting import expected_collectives
     from autoplan.runtime.init import shard_bounds
     from autoplan.runtime.launch import parallelize
 
@@ -110,12 +113,15 @@ def _run_config(rank: int, model_name: str, plan, model_device: str = "meta") ->
     tokens, targets = _batches(plan)
     losses, grads = [], None
     for step in range(STEPS):
-        losses.append(program.train_step(tokens[step], targets[step], optimizer))
+        with program.count_collectives() as counts:
+            losses.append(program.train_step(tokens[step], targets[step], optimizer))
         if step == 0:
-            grads = program.full_gradients()
+            grads, counted = program.full_gradients(), dict(counts)
     params = program.full_parameters()
     keep = rank in (0, plan.mesh.world_size - 1)  # full tensors from two ranks are plenty
+    expected = dict(expected_collectives(plan, config))
     return {"losses": losses, "local_numel": local_numel, "dp_local_numel": dp_local_numel,
+            "counts": counted, "expected": expected,
             "tp_index": program.tp.index, "optimizer": type(optimizer).__name__,
             "grads": grads if keep else None, "params": params if keep else None}
 
@@ -239,6 +245,16 @@ def test_only_local_shards_are_allocated(results, world, cid, model):
         assert expected < sum(_numel(p.name, model) for p in plan.params)
 
 
+@pytest.mark.parametrize("world,cid,model", CASES, ids=[c[1] for c in CASES])
+def test_collectives_match_the_plan(results, world, cid, model):
+    """The first step's collectives, counted by kind and group, equal what the plan predicts
+    (`runtime.counting.expected_collectives`: strategies, edges, dp sync)."""
+    for rank, out in enumerate(results[world]):
+        got, want = out[cid]["counts"], out[cid]["expected"]
+        assert got == want, f"{cid} rank {rank}: counted {sorted(got.items())}, plan predicts " \
+                            f"{sorted(want.items())}"
+
+
 def test_zero1_uses_zero_redundancy_optimizer(results):
     assert results[2][0]["tiny-gpt-dp2-zero1"]["optimizer"] == "ZeroRedundancyOptimizer"
     assert results[4][0]["tiny-llama-dp2tp2-zero1"]["optimizer"] == "ZeroRedundancyOptimizer"
@@ -256,18 +272,25 @@ def test_zero23_shards_parameters_over_dp(results, world, cid):
 
 
 def test_launch_checks_fail_before_any_collective(results):
+    from autoplan.models import get_model_config
+
+    gpt, llama = (get_model_config(m).fingerprint() for m in ("tiny-gpt", "tiny-llama"))
     for world, per_rank in results.items():
         for out in per_rank:
             world_msg, fp_msg = out["errors"]["world"], out["errors"]["fingerprint"]
             assert f"launched world size {world} != plan mesh world size {2 * world}" in world_msg
-            gpt, llama = (make_plan(m, 1, 1).model.fingerprint for m in ("tiny-gpt", "tiny-llama"))
             assert gpt in fp_msg and llama in fp_msg, fp_msg
 
 
-def _numel(name: str, model: str) -> int:
+@functools.lru_cache(maxsize=None)
+def _numels(model: str) -> dict[str, int]:
     from autoplan.models import build_model, get_model_config
 
-    return dict(build_model(get_model_config(model)).named_parameters())[name].numel()
+    return {n: p.numel() for n, p in build_model(get_model_config(model)).named_parameters()}
+
+
+def _numel(name: str, model: str) -> int:
+    return _numels(model)[name]
 
 
 def _replicated(param_placement) -> bool:
@@ -279,11 +302,14 @@ def _replicated(param_placement) -> bool:
 # ------------------------------------------------------------------------------ refusals (no processes)
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(pp=2), "pp=2: pipeline parallelism"), (dict(cp=2), "cp=2: context parallelism"),
-    (dict(ep=2), "ep=2: expert parallelism"),
+@pytest.mark.parametrize("model,change,match", [
+    ("tiny-gpt", dict(mesh=dict(pp=2)), r"'1f1b' needs num_microbatches >= pp: got 1 < 2"),
+    ("tiny-gpt", dict(mesh=dict(cp=4), seq_len=18), "seq_len 18 is not divisible by cp=4"),
+    ("tiny-gpt", dict(mesh=dict(ep=2)), "ep=2 does not divide the 0 experts of tiny-gpt"),
+    ("tiny-moe", dict(mesh=dict(ep=2), zero_stage=3), r"zero_stage 3 \(FSDP2\) with ep=2"),
 ])
-def test_unsupported_plans_are_refused(change, match):
+def test_plans_the_runtime_cannot_run_are_refused(model, change, match):
+    """Each refusal names the values that clash, before any process group exists."""
     from autoplan.cluster import parse_cluster
     from autoplan.errors import PlanError
     from autoplan.mesh import MeshShape
@@ -291,12 +317,16 @@ def test_unsupported_plans_are_refused(change, match):
     from autoplan.plan import StageSpec
     from autoplan.runtime.launch import parallelize
 
-    plan = make_plan("tiny-gpt", 2, 1, seq_len=SEQ)
-    axis = next(iter(change))
-    stages = ((StageSpec(0, 0, 1), StageSpec(1, 1, 2)) if axis == "pp" else plan.stages)
-    plan = dataclasses.replace(plan, mesh=MeshShape(dp=2, **change), stages=stages,
-                               cluster=parse_cluster("4xcpu"))
-    config = get_model_config("tiny-gpt")
+    plan = make_plan(model, 2, 1, seq_len=SEQ, microbatch_size=2)  # 4 sequences: dp x ep splits
+    mesh = MeshShape(dp=2, **change.pop("mesh"))
+    stages = (StageSpec(0, 0, 1), StageSpec(1, 1, 2)) if mesh.pp > 1 else plan.stages
+    kwargs = dict(mesh=mesh, stages=stages, cluster=parse_cluster(f"{mesh.world_size}xcpu"),
+                  **change)
+    try:  # a Plan version that counts ep ranks as data-parallel wants them in the batch
+        plan = dataclasses.replace(plan, global_batch=plan.global_batch * mesh.ep, **kwargs)
+    except PlanError:
+        plan = dataclasses.replace(plan, **kwargs)
+    config = get_model_config(model)
     with pytest.raises(PlanError, match=match):
         parallelize(build_model(config), None, plan, config=config)
 

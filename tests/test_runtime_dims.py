@@ -1,0 +1,171 @@
+"""Context (Ulysses), expert and pipeline parallelism, alone and with tp, dp, ZeRO and recompute,
+against a single-process run: losses of 3 AdamW steps, the first step's gradients and the final
+parameters (fp32; the tolerances of test_runtime_parity). One spawn per world size (2, 4, 8 ranks)
+runs every configuration of that size; each configuration also counts the collectives of its first
+step and compares them with `runtime.counting.expected_collectives` of its plan.
+
+    cp    sequence sharded over cp ranks, all-to-all to head shards around attention; GPT's learned
+          positions offset, Llama's RoPE computed on the whole sequence; kv heads repeated when
+          tp * cp exceeds them (tiny-llama: 2 kv heads, cp2 x tp2)
+    ep    experts split over ep ranks, tokens dispatched and combined by uneven all-to-alls
+    pp    stages from the plan: 1F1B, GPipe, interleaved 1F1B (a 4-layer Llama, 2 chunks per rank)
+
+Plans are built directly from autoplan.plan types (`_dist.make_plan` with cp, ep or pp > 1): the
+planner's rules refuse sequences this short for cp and layer counts this small for pp.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist import assert_matches, batches, make_plan, reference, spawn, train_program
+
+pytestmark = pytest.mark.gloo
+
+SEED, STEPS, LR, EPS = 5, 3, 1e-3, 1e-6
+
+
+def _llama4():
+    from autoplan.models.config import ModelConfig
+
+    return ModelConfig("tiny-llama-4l", "llama", 4, 64, 4, 2, 128, 128, 64)
+
+
+CONFIGS = {
+    2: [("gpt-cp2", "tiny-gpt", dict(cp=2)),
+        ("llama-cp2", "tiny-llama", dict(cp=2, microbatch_size=2)),
+        ("moe-ep2", "tiny-moe", dict(ep=2)),
+        ("gpt-pp2-1f1b", "tiny-gpt", dict(pp=2, num_microbatches=2)),
+        ("llama4-pp2-interleaved", "tiny-llama-4l", dict(pp=2, virtual_stages=2,
+                                                         num_microbatches=2)),
+        ("moe-pp2-gpipe-full", "tiny-moe", dict(pp=2, num_microbatches=2, schedule="gpipe",
+                                                recompute="full"))],
+    4: [("gpt-cp2tp2-megatron-sp", "tiny-gpt", dict(cp=2, tp=2, assignment="megatron-sp")),
+        ("llama-cp2tp2-megatron", "tiny-llama", dict(cp=2, tp=2, assignment="megatron")),
+        ("moe-ep2dp2", "tiny-moe", dict(ep=2, dp=2)),
+        ("moe-ep2tp2-megatron", "tiny-moe", dict(ep=2, tp=2, assignment="megatron")),
+        ("moe-ep2cp2-full", "tiny-moe", dict(ep=2, cp=2, recompute="full")),
+        ("llama-tp2pp2-megatron-sp", "tiny-llama", dict(pp=2, tp=2, assignment="megatron-sp",
+                                                        num_microbatches=2)),
+        ("gpt-dp2pp2-zero1", "tiny-gpt", dict(pp=2, dp=2, num_microbatches=2, zero_stage=1)),
+        ("gpt-dp2cp2-zero3", "tiny-gpt", dict(dp=2, cp=2, zero_stage=3))],
+    8: [("gpt-dp2pp2tp2-megatron-sp", "tiny-gpt", dict(dp=2, pp=2, tp=2,
+                                                       assignment="megatron-sp",
+                                                       num_microbatches=2))],
+}
+CASES = [(world, cid) for world, configs in CONFIGS.items() for cid, _, _ in configs]
+
+
+def _config(model: str):
+    from autoplan.models import get_model_config
+
+    return _llama4() if model == "tiny-llama-4l" else get_model_config(model)
+
+
+_PLANS: dict[str, tuple] = {}
+
+
+def _plans(world: int) -> list[tuple]:
+    """(id, config, plan) per configuration of `world`, built once, in pytest only."""
+    for cid, model, kwargs in CONFIGS[world]:
+        if cid not in _PLANS:
+            kwargs = dict(kwargs)
+            dp, tp = kwargs.pop("dp", 1), kwargs.pop("tp", 1)
+            config = _config(model)
+            _PLANS[cid] = (cid, config, make_plan(config, dp, tp,
+                                                  kwargs.pop("assignment", "replicate"), **kwargs))
+    return [_PLANS[cid] for cid, _, _ in CONFIGS[world]]
+
+
+# ------------------------------------------------------------------------------ in the ranks
+
+
+def _run_config(rank: int, config, plan) -> dict:
+    from autoplan.models import build_model
+    from autoplan.runtime.counting import expected_collectives
+    from autoplan.runtime.launch import parallelize
+
+    program = parallelize(build_model(config), None, plan, seed=SEED, config=config)
+    optimizer = program.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    tokens, targets = batches(plan.global_batch, plan.seq_len, STEPS)
+    out = train_program(program, optimizer, tokens, targets)
+    coords = plan.mesh.coords(rank)
+    out.update(expected=dict(expected_collectives(plan, config, coords["pp"])),
+               coords=coords, shapes={n: tuple(p.shape) for n, p in
+                                      program.named_local_parameters()},
+               code=program.graph_module.code if program.pipeline is None else
+               "\n".join(m.code for m in program.pipeline.modules))
+    return out
+
+
+def _run_all(rank: int, world: int, configs: list) -> dict:
+    torch.manual_seed(1234 + rank)  # nothing may depend on the global RNG
+    return {cid: _run_config(rank, config, plan) for cid, config, plan in configs}
+
+
+# ------------------------------------------------------------------------------ in pytest
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[int, list[dict]]:
+    return {world: spawn(_run_all, world, _plans(world)) for world in CONFIGS}
+
+
+_REFERENCES: dict[tuple, dict] = {}
+
+
+def _reference(config, plan) -> dict:
+    key = (config.name, plan.global_batch)
+    if key not in _REFERENCES:
+        tokens, targets = batches(plan.global_batch, plan.seq_len, STEPS)
+        _REFERENCES[key] = reference(config, SEED, tokens, targets, LR, EPS)
+    return _REFERENCES[key]
+
+
+@pytest.mark.parametrize("world,cid", CASES, ids=[c[1] for c in CASES])
+def test_matches_single_process(results, world, cid):
+    _, config, plan = _PLANS[cid]
+    ref = _reference(config, plan)
+    for rank, out in enumerate(results[world]):
+        assert_matches(out[cid], ref, f"{cid} rank {rank}")
+
+
+@pytest.mark.parametrize("world,cid", CASES, ids=[c[1] for c in CASES])
+def test_collectives_match_the_plan(results, world, cid):
+    for rank, out in enumerate(results[world]):
+        got, want = out[cid]["counts"], out[cid]["expected"]
+        assert got == want, f"{cid} rank {rank}: counted {sorted(got.items())}, plan predicts " \
+                            f"{sorted(want.items())}"
+
+
+@pytest.mark.parametrize("world,cid", [(w, c) for w, c in CASES if "pp" in c],
+                         ids=[c for w, c in CASES if "pp" in c])
+def test_pipeline_ranks_hold_only_their_stages(results, world, cid):
+    """Every parameter lives on exactly one pipeline coordinate (per dp, tp coordinate)."""
+    _, config, plan = _PLANS[cid]
+    per_rank = results[world]
+    names = set(_reference(config, plan)["params"])
+    first = {r: out[cid] for r, out in enumerate(per_rank)
+             if all(out[cid]["coords"][a] == 0 for a in ("dp", "tp", "cp", "ep"))}
+    held = [set(out["shapes"]) for out in first.values()]
+    assert len(held) == plan.mesh.pp and set().union(*held) == names
+    assert sum(len(h) for h in held) == len(names), "a parameter is on two stages"
+
+
+@pytest.mark.parametrize("world,cid", [(w, c) for w, c in CASES if "ep" in c],
+                         ids=[c for w, c in CASES if "ep" in c])
+def test_experts_are_split_over_ep(results, world, cid):
+    _, config, plan = _PLANS[cid]
+    for out in results[world]:
+        for name, shape in out[cid]["shapes"].items():
+            if name.endswith(("w_gate", "w_up", "w_down")):
+                assert shape[0] == config.experts // plan.mesh.ep, (name, shape)
+            if name.endswith("router.weight"):
+                assert shape[0] == config.experts, (name, shape)
+
+
+def test_context_parallel_graph_reads_as_ulysses(results):
+    code = results[2][0]["gpt-cp2"]["code"]
+    assert code.count("cp_positions(") == 1  # GPT's learned positions
+    assert code.count("cp_heads(") == 3 * 2 and code.count("cp_sequence(") == 2  # q, k, v; out
