@@ -23,7 +23,7 @@ from autoplan.errors import AutoplanError
 
 def _search_parser(sub) -> None:
     p = sub.add_parser("search", help="find the fastest plan for a model on a cluster and write it")
-    _model_options(p)
+    _model_options(p, hf=True)
     p.add_argument("--cluster", required=True, help="NODESxGPUSxDEVICE (e.g. 128x8xh100) or a cluster YAML/JSON file")
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
@@ -32,15 +32,30 @@ def _search_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the plan JSON to stdout instead of the tables")
     p.add_argument("--no-fold", action="store_true", help="solve the unfolded graph (slower; for comparison)")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit per solve, seconds")
+    _profile_option(p)
     from autoplan.explain import add_search_options
 
     add_search_options(p)
 
 
-def _model_options(p) -> None:
+def _model_options(p, hf: bool = False) -> None:
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--model", help="a known model name (see `autoplan models`)")
     model.add_argument("--model-config", metavar="FILE", help="a model-config file (JSON or YAML)")
+    if hf:
+        model.add_argument("--hf-config", metavar="FILE_OR_DIR",
+                           help="a Hugging Face config.json (or its folder): the model is built on meta and captured by torch.export")
+
+
+def _profile_option(p) -> None:
+    p.add_argument("--profile", metavar="FILE", help="hardware profile from `autoplan profile` (GEMM efficiency, HBM "
+                   "bandwidth, intra-node collectives); it must be of the cluster's device")
+
+
+def _load_profile(args):
+    from autoplan.profiler.profile import HardwareProfile
+
+    return HardwareProfile.load(args.profile) if args.profile else None
 
 
 def _estimate_parser(sub) -> None:
@@ -60,6 +75,7 @@ def _estimate_parser(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("-o", "--output", metavar="FILE", help="write the priced plan JSON here")
     p.add_argument("--json", action="store_true", help="print only the `predicted` block as JSON")
+    _profile_option(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,13 +107,15 @@ def cmd_search(args) -> int:
     from autoplan.explain import save_top, search_progress, search_report
     from autoplan.planner import search_plans
 
-    config = _load_model_config(args)
     cluster = parse_cluster(args.cluster)
     if args.global_batch < 1 or args.seq < 1 or args.top < 1:
         raise AutoplanError(f"--global-batch ({args.global_batch}), --seq ({args.seq}) and --top ({args.top}) must be positive")
+    captured = _hf_capture(args) if args.hf_config else {}
+    config = captured.pop("config") if captured else _load_model_config(args)
     with search_progress() as progress:
         result = search_plans(config, cluster, args.global_batch, args.seq, top=args.top, dtype=args.dtype,
-                              fold=not args.no_fold, time_limit_s=args.time_limit, progress=progress)
+                              fold=not args.no_fold, time_limit_s=args.time_limit, progress=progress,
+                              profile=_load_profile(args), **captured)
     plan = result.plans[0]
     if args.output:
         plan.save(args.output)
@@ -116,6 +134,15 @@ def cmd_search(args) -> int:
     return 0
 
 
+def _hf_capture(args) -> dict:
+    """The Hugging Face model of --hf-config, captured on meta: its config summary, graph, rule info and registry."""
+    from autoplan.capture_hf import capture_hf_for_planner
+    from autoplan.hf_rules import hf_registry
+
+    config, graph, info = capture_hf_for_planner(args.hf_config, args.seq, args.dtype)
+    return {"config": config, "graph": graph, "info": info, "registry": hf_registry()}
+
+
 def cmd_estimate(args) -> int:
     import json
 
@@ -132,7 +159,8 @@ def cmd_estimate(args) -> int:
                             f"{cluster.world_size} of {cluster.describe()}; pick degrees whose product is {cluster.world_size}")
     mesh = MeshShape(pp=args.pp, dp=dp, tp=args.tp, cp=args.cp, ep=args.ep)
     plan = estimate(config, cluster, args.global_batch, args.seq, mesh=mesh, microbatch_size=args.mbs, zero_stage=args.zero,
-                    recompute=args.recompute, dtype=args.dtype, schedule=args.schedule, virtual_stages=args.virtual_stages)
+                    recompute=args.recompute, dtype=args.dtype, schedule=args.schedule, virtual_stages=args.virtual_stages,
+                    profile=_load_profile(args))
     if args.output:
         plan.save(args.output)
     if args.json:

@@ -32,7 +32,7 @@ from autoplan.cost_model.intra_op import CostContext, attention_head_dim
 from autoplan.cost_model.memory import is_batched, param_placements, selective_recompute_nodes
 from autoplan.cost_model.parallel_dims import batch_problem, check, cp_problem, ep_problem, tp_problem
 from autoplan.cost_model.pipeline import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED
-from autoplan.errors import ConfigError, PlanError
+from autoplan.errors import ConfigError
 from autoplan.mesh import MeshShape
 from autoplan.models.config import ModelConfig
 from autoplan.placement import Replicate, Shard
@@ -70,11 +70,14 @@ class SearchContext:
 
     def __init__(self, config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, *,
                  dtype: str = "bfloat16", efficiency: Efficiency | None = None, registry: StrategyRegistry | None = None,
-                 fold: bool = True, time_limit_s: float = 60.0, graph: CapturedGraph | None = None) -> None:
+                 fold: bool = True, time_limit_s: float = 60.0, graph: CapturedGraph | None = None,
+                 info: Mapping | None = None) -> None:
         self.config, self.cluster, self.global_batch, self.seq_len, self.dtype = config, cluster, global_batch, seq_len, dtype
         self.efficiency = (efficiency or Efficiency()).resolved(cluster.device)  # one GEMM curve for the search
         self.registry = registry or default_registry()
-        self.info, self.fold, self.time_limit_s = model_info(config), fold, time_limit_s
+        # a pre-captured graph (e.g. a Hugging Face export) brings its own strategy-rule info
+        self.info = dict(info) if info is not None else model_info(config)
+        self.fold, self.time_limit_s = fold, time_limit_s
         if graph is None or graph.seq_len != seq_len:
             graph = capture_model(config, seq_len, dtype)
         self.graph = graph
@@ -302,8 +305,10 @@ def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Ranking, report:
 def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, *, top: int = 1,
                options: SearchOptions | None = None, baselines: bool = True, dtype: str = "bfloat16",
                fold: bool = True, time_limit_s: float = 60.0, efficiency: Efficiency | None = None,
-               registry: StrategyRegistry | None = None, progress: Progress | None = None) -> SearchResult:
-    """The K best plans (module docstring); InfeasibleError, with the numbers, when none fits."""
+               registry: StrategyRegistry | None = None, progress: Progress | None = None,
+               graph: CapturedGraph | None = None, info: Mapping | None = None) -> SearchResult:
+    """The K best plans (module docstring); InfeasibleError, with the numbers, when none fits. `graph` and
+    `info`: a graph captured elsewhere (at batch 1 and this seq_len) and its strategy-rule info."""
     from autoplan.baselines import all_baselines  # baselines use this module's SearchContext
 
     start, report = time.perf_counter(), progress or (lambda message: None)
@@ -319,7 +324,7 @@ def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq
         raise infeasible(config, cluster, seq_len, dtype, smallest[0], smallest[1])
     report(ProgressMessage(f"capturing {config.name} at seq {seq_len}"))
     ctx = SearchContext(config, cluster, global_batch, seq_len, dtype=dtype, efficiency=efficiency,
-                        registry=registry, fold=fold, time_limit_s=time_limit_s)
+                        registry=registry, fold=fold, time_limit_s=time_limit_s, graph=graph, info=info)
     ranking = _Ranking(top, lambda c: True)
     found_baselines = all_baselines(ctx, options) if baselines else ()
     for b in found_baselines:

@@ -204,10 +204,12 @@ def search_plans(model: ModelConfig | str, cluster: ClusterSpec | str, global_ba
                  top: int = 1, baselines: bool = True, dtype: str = "bfloat16", fold: bool = True,
                  time_limit_s: float = 60.0, progress: Progress | None = None, max_microbatch_size: int = 16,
                  options: "SearchOptions | None" = None, efficiency: Efficiency | None = None,
-                 registry: StrategyRegistry | None = None, profile: "HardwareProfile | None" = None) -> "SearchResult":
+                 registry: StrategyRegistry | None = None, profile: "HardwareProfile | None" = None,
+                 graph: CapturedGraph | None = None, info: Mapping | None = None) -> "SearchResult":
     """The `top` best plans (distinct configurations, best first), the baselines beside them, and search
     statistics (`autoplan.outer_search`). `options` narrows the space (`autoplan.search_space.SearchOptions`);
-    `max_microbatch_size` is a shorthand for its field of that name."""
+    `max_microbatch_size` is a shorthand for its field of that name. `graph` / `info`: a graph captured
+    elsewhere (e.g. `autoplan.capture_hf.capture_hf_for_planner`) and its strategy-rule info."""
     from autoplan.outer_search import run_search
     from autoplan.search_space import SearchOptions
 
@@ -216,7 +218,7 @@ def search_plans(model: ModelConfig | str, cluster: ClusterSpec | str, global_ba
     options = options or SearchOptions(max_microbatch_size=max_microbatch_size)
     return run_search(config, cluster, global_batch, seq_len, top=top, options=options, baselines=baselines,
                       dtype=dtype, fold=fold, time_limit_s=time_limit_s, efficiency=efficiency, registry=registry,
-                      progress=progress)
+                      progress=progress, graph=graph, info=info)
 
 
 def search(model: ModelConfig | str, cluster: ClusterSpec | str, global_batch: int, seq_len: int, *,

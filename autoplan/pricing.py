@@ -154,7 +154,7 @@ class StepModel:
                                           env.cluster, self.group(cfg, ("cp",)), env.efficiency.collectives)
         if cfg.ep > 1 and part.moe_layers:
             tokens = float(block.microbatch) * env.seq_len * part.moe_token_share
-            total += part.moe_layers * expert_all_to_all_s(tokens, env.model.hidden, env.model.top_k, itemsize,
+            total += part.moe_layers * expert_all_to_all_s(tokens, env.model.expert_width, env.model.top_k, itemsize,
                                                            env.cluster, self.group(cfg, ("ep",)),
                                                            env.efficiency.collectives)
         return total

@@ -76,3 +76,29 @@ def test_missing_arguments_are_usage_errors(argv):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
+
+
+def test_search_plans_a_hugging_face_config(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=256, vocab_size=512, max_position_embeddings=256)
+    config.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="without a sharding rule"):
+        assert main(["search", "--hf-config", str(tmp_path), "--cluster", "1x4xh100", "--global-batch", "8", "--seq", "128", "--json"]) == 0
+    plan = Plan.from_json(json.loads(capsys.readouterr().out))
+    assert plan.mesh.world_size == 4 and plan.model.num_layers == 2
+
+
+def test_profile_of_another_device_is_refused(tmp_path, capsys):
+    from autoplan.profiler.profile import GemmSample, HardwareProfile, MemorySample
+
+    profile = HardwareProfile(device_name="NVIDIA A100-SXM4-80GB", device_kind="cuda", memory_bytes=80_000_000_000, threads=1,
+                              torch_version="2.13.0", created="2026-11-21", gemm=(GemmSample(1024, 1024, 1024, "bfloat16", 1e-5),),
+                              memory=MemorySample(2**30, 1e-3), collective_backend="nccl")
+    path = tmp_path / "a100.json"
+    profile.save(path)
+    argv = ["estimate", "--model", "tiny-gpt", "--cluster", "1x8xh100", "--tp", "2", "--global-batch", "8", "--seq", "32",
+            "--profile", str(path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "A100" in err and "h100" in err.lower()
