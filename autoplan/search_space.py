@@ -151,6 +151,16 @@ def _no_mesh_message(model: ModelConfig, cluster: ClusterSpec, global_batch: int
             f"{model.num_layers} layers); nearest that work: {near}")
 
 
+def runnable_zero_stages(stages: tuple[int, ...], pp: int, ep: int) -> tuple[int, ...]:
+    """ZeRO stages searched for a mesh: with pipeline or expert parallelism only 0 and 1.
+
+    ZeRO-2/3 reduce-scatter gradients (and gather weights) per microbatch; under a pipeline schedule
+    that traffic repeats for every microbatch of every stage, which is why DeepSpeed refuses ZeRO-2/3
+    with pipeline parallelism, and this runtime shards with FSDP2 over dp only without pp or ep
+    (`autoplan.runtime.launch` refuses it). `autoplan estimate` still prices such a configuration."""
+    return stages if pp == 1 and ep == 1 else tuple(z for z in stages if z <= 1)
+
+
 def enumerate_configs(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int,
                       options: SearchOptions) -> list[Config]:
     """Every configuration of the module docstring, in a fixed order."""
@@ -162,7 +172,7 @@ def enumerate_configs(model: ModelConfig, cluster: ClusterSpec, global_batch: in
             schedules = [(SCHEDULE_1F1B, 1)] + [(SCHEDULE_INTERLEAVED, v) for v in options.virtual_stages
                                                 if pp > 1 and model.num_layers % (pp * v) == 0 and m % pp == 0]
             for schedule, v in schedules:
-                for zero in options.zero_stages:
+                for zero in runnable_zero_stages(options.zero_stages, pp, ep):
                     for recompute in options.recompute:
                         configs.append(Config(tp, cp, pp, ep, dp, mbs, m, zero, recompute, schedule, v))
     return configs
