@@ -9,7 +9,9 @@
     4. per key: solve the intra-op problem (`planner.solve_tp`) and price each configuration whose
        bound with the solution's exact per-layer times stays below the K-th best; for tp > 1, price
        the configurations that did not fit again with Megatron-LM's assignment with sequence
-       parallelism, whose lower activation memory can fit where the time-optimal assignment does not;
+       parallelism, whose lower activation memory can fit where the time-optimal assignment does not
+       (each mesh comes in each order of its axes over ranks that changes its links, `search_space.mesh_orders`;
+       the roofline bound does not depend on the order, the exact per-layer bound does, through the links)
     5. the K best configurations that fit, by (step time, simpler configuration first), become Plans.
 
 Both bounds are sound, so the result equals pricing everything; the order of visits only changes how
@@ -27,6 +29,7 @@ from typing import Callable, Mapping
 import autoplan
 from autoplan.capture import CapturedGraph
 from autoplan.cluster import ClusterSpec
+from autoplan.cost_model.comm import COLLECTIVE_KINDS, AxisGroup, group_collective_time_s
 from autoplan.cost_model.compute import Efficiency
 from autoplan.cost_model.intra_op import CostContext, attention_head_dim
 from autoplan.cost_model.memory import is_batched, param_placements, selective_recompute_nodes
@@ -87,6 +90,8 @@ class SearchContext:
         self._blocks: dict[tuple, BlockCosts] = {}
         self._solutions: dict[tuple, SolutionParts] = {}
         self._assignments: dict[tuple, dict[str, str]] = {}
+        self._spread: dict[tuple, AxisGroup | None] = {}
+        self._no_less: dict[AxisGroup, bool] = {}
         self.ilp_solves = 0
 
     def flops_per_sequence(self) -> FlopsPerSequence:
@@ -122,27 +127,48 @@ class SearchContext:
         return self._solutions[key]
 
     def block(self, tp: int, microbatch: Fraction, variant: str = VARIANT_ILP,
-              assignment: Mapping[str, str] | None = None) -> BlockCosts:
+              assignment: Mapping[str, str] | None = None, mesh: MeshShape | None = None) -> BlockCosts:
         """The tp solution for `microbatch` sequences per rank (mbs / cp, maybe below 1), priced part by part
         at exactly that microbatch (cached). The strategies are those solved at ceil(microbatch) sequences:
-        the solver works on whole microbatches, and its choice barely moves between neighbouring sizes."""
-        key = (tp, microbatch, variant, tuple(sorted(assignment.items())) if assignment is not None else None)
+        the solver works on whole microbatches, and its choice barely moves between neighbouring sizes.
+        `mesh`: the configuration's, whose order may spread its tp groups over nodes (cp or ep innermost): the
+        tp communication of the same strategies (solved with tp inside a node) is then priced over those links."""
+        spread = self.tp_spread(mesh) if mesh is not None else None
+        key = (tp, microbatch, variant, tuple(sorted(assignment.items())) if assignment is not None else None, spread)
         if key not in self._blocks:
             parts = self.solution(tp, math.ceil(microbatch), variant, assignment)
-            mesh = MeshShape(dp=self.cluster.world_size // tp, tp=tp)
+            mesh = mesh if spread is not None else MeshShape(dp=self.cluster.world_size // tp, tp=tp)
             ctx = CostContext(self.cluster, mesh, self.dtype, self.efficiency, self.graph.batch_size,
                               float(microbatch) / self.graph.batch_size, head_dim=self.head_dim)
             self._blocks[key] = block_costs(self.graph, parts, ctx, variant, microbatch)
         return self._blocks[key]
 
+    def tp_spread(self, mesh: MeshShape) -> AxisGroup | None:
+        """The tp group of `mesh` when it leaves one node (its order), else None (cached)."""
+        key = (mesh.pp, mesh.dp, mesh.ep, mesh.cp, mesh.tp, mesh.order)
+        if key not in self._spread:
+            group = AxisGroup.of(mesh, "tp", self.cluster.gpus_per_node)
+            self._spread[key] = group if group.nodes > 1 else None
+        return self._spread[key]
+
+    def costs_no_less(self, group: AxisGroup) -> bool:
+        """Whether every collective over `group` takes at least as long as over a group of its size inside
+        one node, at every size (the times are affine in the bytes: compare intercept and slope)."""
+        inside, measured = AxisGroup(group.size, 1, group.size), self.efficiency.collectives
+        if group not in self._no_less:
+            at = [[group_collective_time_s(kind, b, self.cluster, g, measured) for b in (0.0, 1e9)]
+                  for kind in COLLECTIVE_KINDS for g in (group, inside)]
+            self._no_less[group] = all(s0 >= i0 and s1 - s0 >= i1 - i0 for (s0, s1), (i0, i1) in zip(at[::2], at[1::2]))
+        return self._no_less[group]
+
     def price(self, cfg: Config, variant: str = VARIANT_ILP, assignment: Mapping[str, str] | None = None) -> Priced:
-        return self.steps.price(self.block(cfg.tp, cfg.rank_microbatch, variant, assignment), cfg)
+        return self.steps.price(self.block(cfg.tp, cfg.rank_microbatch, variant, assignment, cfg.mesh), cfg)
 
     def plan(self, priced: Priced, search_time_s: float = 0.0, notes: tuple[str, ...] = (),
              assignment: Mapping[str, str] | None = None, solver: str | None = None) -> Plan:
         """The Plan of a priced configuration (placements from its tp solution)."""
         cfg = priced.config
-        sol = self.block(cfg.tp, cfg.rank_microbatch, priced.variant, assignment).solution
+        sol = self.block(cfg.tp, cfg.rank_microbatch, priced.variant, assignment, cfg.mesh).solution
         params, ops = _placements(self.graph, sol.strategies, cfg)
         fits = () if priced.fits else (f"does not fit: {priced.peak_memory_bytes / 1e9:.1f} GB per GPU > "
                                         f"{self.cluster.device.memory_bytes / 1e9:.1f} GB",)
@@ -283,11 +309,23 @@ def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Ranking, report:
                                f"{microbatch}", done, len(keys)))
         retry = items
         for variant in (VARIANT_ILP, VARIANT_MEGATRON) if tp > 1 else (VARIANT_ILP,):
-            block, misfits = ctx.block(tp, microbatch, variant), []
+            misfits = []
             for bound, cfg in retry:
-                if bound > ranking.threshold_s() or ctx.steps.lower_bound_s(block, cfg) > ranking.threshold_s():
+                if bound > ranking.threshold_s():
                     pruned += variant == VARIANT_ILP
                     continue
+                # tp's links follow the order; with tp inside a node the same strategies cost no more, so that
+                # block's bound prunes first, without pricing the spread one, where that holds for every size
+                block, spread = ctx.block(tp, microbatch, variant), ctx.tp_spread(cfg.mesh)
+                if ((spread is None or ctx.costs_no_less(spread)) and
+                        ctx.steps.lower_bound_s(block, cfg) > ranking.threshold_s()):
+                    pruned += variant == VARIANT_ILP
+                    continue
+                if spread is not None:
+                    block = ctx.block(tp, microbatch, variant, mesh=cfg.mesh)
+                    if ctx.steps.lower_bound_s(block, cfg) > ranking.threshold_s():
+                        pruned += variant == VARIANT_ILP
+                        continue
                 priced = ctx.steps.price(block, cfg)
                 priced_count += 1
                 if priced.fits:
@@ -346,7 +384,8 @@ def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq
 
 def _notes(ctx: SearchContext, priced: Priced, rank: int, found_baselines, stats: SearchStats,
            options: SearchOptions) -> list[str]:
-    notes = [f"searched {stats.configurations} configurations (pp x dp x ep x cp x tp, microbatches, ZeRO "
+    notes = [f"searched {stats.configurations} configurations (pp x dp x ep x cp x tp and their order over ranks, "
+             f"microbatches, ZeRO "
              f"{'/'.join(map(str, options.zero_stages))}, recompute {'/'.join(options.recompute)}, 1F1B and "
              f"interleaved schedules): {stats.pruned_by_memory} pruned by the memory bound, {stats.pruned_by_time} "
              f"by the time bound, {stats.priced} priced after {stats.ilp_solves} intra-op solves",
@@ -402,7 +441,7 @@ def check_config(config: ModelConfig, cluster: ClusterSpec, global_batch: int, s
     elif schedule != SCHEDULE_1F1B or virtual_stages != 1:
         raise ConfigError(f"schedule {schedule!r} with v={virtual_stages}: use '1f1b' (v=1) or 'interleaved-1f1b' (v >= 2)")
     return Config(mesh.tp, mesh.cp, mesh.pp, mesh.ep, mesh.dp, microbatch_size, m, zero_stage, recompute, schedule,
-                  virtual_stages)
+                  virtual_stages, tuple(mesh.order))
 
 
 def price_given(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, cfg: Config, *,

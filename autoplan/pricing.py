@@ -37,6 +37,10 @@ kind), + in-flight microbatches x activations + the transient, + temporary buffe
 collective buffer; ZeRO-2/3 one layer of gradients, ZeRO-3 two layers of gathered weights). The
 reported memory breakdown is that of the stage with the largest total.
 
+The mesh's order of axes over ranks (`Config.order`) enters only through the links: which node each
+group of tp, cp, ep, pp and the data-parallel sync spans, and how many of its ranks share a node (their
+NICs), via `parallel_dims.axes_group`; every cache of per-layer times and partitions is keyed by them.
+
 Ignored: contention between data-parallel, pipeline and tensor-parallel traffic sharing a link (each
 is priced as if alone); compute slowed by overlapped communication; expert load imbalance.
 """
@@ -139,7 +143,7 @@ class StepModel:
         self._states: dict[tuple, _States] = {}
 
     def group(self, cfg: Config, axes: tuple[str, ...]) -> AxisGroup:
-        key = (cfg.pp, cfg.dp, cfg.ep, cfg.cp, cfg.tp, axes)
+        key = (cfg.pp, cfg.dp, cfg.ep, cfg.cp, cfg.tp, cfg.order, axes)
         if key not in self._groups:
             self._groups[key] = axes_group(cfg.mesh, axes, self.env.cluster.gpus_per_node)
         return self._groups[key]
@@ -159,8 +163,12 @@ class StepModel:
                                                            env.efficiency.collectives)
         return total
 
+    def _links(self, cfg: Config) -> tuple[AxisGroup, AxisGroup]:
+        """The cp and ep groups' shapes on the network: what the per-layer times depend on of the order."""
+        return self.group(cfg, ("cp",)), self.group(cfg, ("ep",))
+
     def times(self, block: BlockCosts, cfg: Config) -> _Times:
-        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.microbatch_size)
+        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.microbatch_size, self._links(cfg))
         if key not in self._times:
             a, r = block.arrays(cfg.recompute), cfg.recompute
             comm = a["comm"]
@@ -218,7 +226,7 @@ class StepModel:
         if cfg.schedule == SCHEDULE_INTERLEAVED:
             chunks = interleaved_chunks(problem.num_layers, cfg.pp, cfg.virtual_stages)
             return [[(a, b) for st, _, a, b in chunks if st == s] for s in range(cfg.pp)]
-        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.microbatch_size, cfg.pp)
+        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.microbatch_size, self._links(cfg), cfg.pp)
         if key not in self._partitions:
             fastest = partition_stages(StageProblem(problem.layer_time_s, problem.layer_static_bytes,
                                                     problem.layer_activation_bytes, problem.layer_transient_bytes,

@@ -12,6 +12,8 @@ ZeRO stage, the recompute policy and the pipeline schedule. Enumerated (`enumera
     schedule 1F1B, or interleaved 1F1B with v virtual stages when pp > 1, the layers divide by pp v
          and m divides by pp
     ZeRO 0-3, recompute none / selective / full
+    order of the axes over ranks: the default (tp innermost), and cp, ep or dp innermost where that changes
+         which priced groups stay inside a node (`mesh_orders`); it changes only links, never FLOPs or memory
 
 Bounds, both sound (never above the priced value), so pruning by them never loses the optimum:
 
@@ -35,10 +37,10 @@ from fractions import Fraction
 
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.memory import model_state_bytes, state_bytes_for
-from autoplan.cost_model.parallel_dims import cp_problem, nearest_multiples
+from autoplan.cost_model.parallel_dims import axes_group, cp_problem, nearest_multiples
 from autoplan.cost_model.pipeline import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED
 from autoplan.errors import ConfigError, InfeasibleError
-from autoplan.mesh import MeshShape
+from autoplan.mesh import DEFAULT_ORDER, MeshShape
 from autoplan.models.config import ModelConfig
 from autoplan.plan import RECOMPUTE_POLICIES
 
@@ -57,6 +59,7 @@ class SearchOptions:
     virtual_stages: tuple[int, ...] = (2, 3, 4, 6, 8)
     zero_stages: tuple[int, ...] = ZERO_STAGES
     recompute: tuple[str, ...] = RECOMPUTE_POLICIES
+    orders: bool = True  # also try the other orders of the axes over ranks (`mesh_orders`)
 
     def __post_init__(self) -> None:
         if self.max_microbatch_size < 1:
@@ -81,6 +84,7 @@ class Config:
     recompute: str
     schedule: str = SCHEDULE_1F1B
     virtual_stages: int = 1
+    order: tuple[str, ...] = DEFAULT_ORDER  # of the mesh axes over ranks, outermost first (`MeshShape.order`)
 
     @property
     def data_parallel(self) -> int:
@@ -89,7 +93,7 @@ class Config:
 
     @cached_property
     def mesh(self) -> MeshShape:
-        return MeshShape(pp=self.pp, dp=self.dp, tp=self.tp, cp=self.cp, ep=self.ep)
+        return MeshShape(pp=self.pp, dp=self.dp, tp=self.tp, cp=self.cp, ep=self.ep, order=self.order)
 
     @cached_property
     def rank_microbatch(self) -> Fraction:
@@ -99,12 +103,39 @@ class Config:
     def sort_key(self) -> tuple:
         """Deterministic order between configurations of equal step time (simpler ones first)."""
         return (self.pp, self.tp, self.cp, self.ep, self.microbatch_size, self.zero_stage,
-                RECOMPUTE_POLICIES.index(self.recompute), self.schedule, self.virtual_stages)
+                RECOMPUTE_POLICIES.index(self.recompute), self.schedule, self.virtual_stages,
+                self.order != DEFAULT_ORDER, self.order)
 
     def describe(self) -> str:
         schedule = self.schedule if self.virtual_stages == 1 else f"{self.schedule} v={self.virtual_stages}"
-        return (f"{self.mesh}, microbatch {self.microbatch_size} x {self.num_microbatches}, ZeRO-{self.zero_stage}, "
+        order = "" if self.order == DEFAULT_ORDER else f" (order {' > '.join(self.order)})"
+        return (f"{self.mesh}{order}, microbatch {self.microbatch_size} x {self.num_microbatches}, ZeRO-{self.zero_stage}, "
                 f"recompute {self.recompute}, {schedule}")
+
+
+# Orders of the axes over ranks tried besides the default (tp innermost): cp or ep innermost keeps a
+# heavy Ulysses or expert all-to-all group inside a node; dp innermost keeps the gradient group there.
+ORDERS: tuple[tuple[str, ...], ...] = (
+    DEFAULT_ORDER,
+    ("pp", "dp", "ep", "tp", "cp"),
+    ("pp", "dp", "cp", "tp", "ep"),
+    ("pp", "ep", "cp", "tp", "dp"),
+)
+# the groups the step model prices, whose links (NVLink or network, ranks per node) an order decides
+PRICED_GROUPS: tuple[tuple[str, ...], ...] = (("tp",), ("cp",), ("ep",), ("pp",), ("dp", "ep", "cp"), ("dp", "cp"))
+
+
+def mesh_orders(tp: int, cp: int, pp: int, ep: int, dp: int, gpus_per_node: int) -> tuple[tuple[str, ...], ...]:
+    """The orders of `ORDERS` that give this mesh different links, the first of each kind (the default first).
+
+    Two orders are equivalent for a mesh when every priced group (`PRICED_GROUPS`) spans the same nodes with
+    the same ranks per node under both (e.g. moving an axis of degree 1, or several axes that stay inside
+    one node either way)."""
+    found: dict[tuple, tuple[str, ...]] = {}
+    for order in ORDERS:
+        mesh = MeshShape(pp=pp, dp=dp, tp=tp, cp=cp, ep=ep, order=order)
+        found.setdefault(tuple(axes_group(mesh, axes, gpus_per_node) for axes in PRICED_GROUPS), order)
+    return tuple(found.values())
 
 
 def divisors(n: int) -> list[int]:
@@ -166,6 +197,7 @@ def enumerate_configs(model: ModelConfig, cluster: ClusterSpec, global_batch: in
     """Every configuration of the module docstring, in a fixed order."""
     configs = []
     for tp, cp, pp, ep, dp in enumerate_meshes(model, cluster, global_batch, seq_len, options):
+        orders = mesh_orders(tp, cp, pp, ep, dp, cluster.gpus_per_node) if options.orders else (DEFAULT_ORDER,)
         per_rank = global_batch // (dp * ep)
         for mbs in (d for d in divisors(per_rank) if d <= options.max_microbatch_size):
             m = per_rank // mbs
@@ -174,7 +206,8 @@ def enumerate_configs(model: ModelConfig, cluster: ClusterSpec, global_batch: in
             for schedule, v in schedules:
                 for zero in runnable_zero_stages(options.zero_stages, pp, ep):
                     for recompute in options.recompute:
-                        configs.append(Config(tp, cp, pp, ep, dp, mbs, m, zero, recompute, schedule, v))
+                        configs.extend(Config(tp, cp, pp, ep, dp, mbs, m, zero, recompute, schedule, v, order)
+                                       for order in orders)
     return configs
 
 

@@ -200,3 +200,62 @@ def test_cluster_too_small_says_how_many_gpus_would_do():
 def test_unsplittable_batch_in_the_search_names_batches_that_work():
     with pytest.raises(ConfigError, match=r"global batch 7 is not divisible by dp=2.*nearest that work: 6, 8"):
         search_plans("tiny-gpt", "4x2xh100", 7, 64)  # tp <= 2 GPUs per node, pp <= 2 layers: dp >= 2
+
+
+# ------------------------------------------------------------------------------ order of the axes over ranks
+
+CP_INNER = ("pp", "dp", "ep", "tp", "cp")
+DP_INNER = ("pp", "ep", "cp", "tp", "dp")
+
+
+def slow_network(nodes: int, gpus_per_node: int, slower: float) -> ClusterSpec:
+    """H100 nodes whose network is `slower` times slower than the preset's, NVLink unchanged."""
+    h100 = parse_cluster(f"{nodes}x{gpus_per_node}xh100")
+    inter = dataclasses.replace(h100.inter_node, bandwidth_bytes_per_s=h100.inter_node.bandwidth_bytes_per_s / slower)
+    return dataclasses.replace(h100, inter_node=inter)
+
+
+def test_mesh_orders_skip_orders_that_change_no_link():
+    from autoplan.search_space import DEFAULT_ORDER, mesh_orders
+    assert mesh_orders(1, 1, 1, 1, 16, 8) == (DEFAULT_ORDER,)  # one axis: every order is the same
+    assert mesh_orders(2, 2, 1, 1, 4, 8) == (DEFAULT_ORDER, DP_INNER)  # tp x cp = 4 stays inside a node either way
+    assert CP_INNER in mesh_orders(2, 4, 1, 1, 1, 4)  # tp x cp = 8 > 4: cp or tp leaves the node
+
+
+def test_an_order_keeping_the_heavy_group_inside_a_node_is_priced_faster():
+    ctx = SearchContext(MID_MOE, slow_network(2, 8, 10.0), 16, 4096)
+    cp = Config(tp=1, cp=8, pp=1, ep=1, dp=2, microbatch_size=2, num_microbatches=4, zero_stage=1, recompute="none")
+    ep = Config(tp=1, cp=1, pp=1, ep=8, dp=2, microbatch_size=1, num_microbatches=1, zero_stage=1, recompute="none")
+    for cfg, axis in ((cp, "cp"), (ep, "ep")):
+        spread = dataclasses.replace(cfg, order=DP_INNER)  # dp innermost: the cp (ep) group spans both nodes
+        assert axes_group(cfg.mesh, (axis,), 8) == AxisGroup(8, 1, 8)
+        assert axes_group(spread.mesh, (axis,), 8) == AxisGroup(8, 2, 4)
+        inside, across = ctx.price(cfg), ctx.price(spread)
+        assert inside.step_time_s < across.step_time_s
+        # only the links differ: the same compute and memory
+        assert inside.time.compute_s == pytest.approx(across.time.compute_s)
+        assert inside.peak_memory_bytes == pytest.approx(across.peak_memory_bytes)
+
+
+def test_search_picks_a_non_default_order_when_it_is_strictly_better():
+    # 4 GPUs per node, a network 50x slower than NVLink: cp4 inside a node (cp innermost) beats every default-
+    # order plan, which would keep tp inside and spread the cp all-to-alls over the network
+    cluster = slow_network(2, 4, 50.0)
+    options = SearchOptions(max_microbatch_size=2, zero_stages=(0, 1), recompute=("none",), virtual_stages=(),
+                            pipeline=False)
+    chosen = run_search(MID_MOE, cluster, 2, 4096, options=options, baselines=False)
+    default = run_search(MID_MOE, cluster, 2, 4096, options=dataclasses.replace(options, orders=False),
+                         baselines=False)
+    best = chosen.plans[0]
+    assert best.mesh.order == CP_INNER and best.mesh.cp > 1
+    assert best.predicted.step_time_s < 0.9 * default.plans[0].predicted.step_time_s
+    assert chosen.priced[0].config.order == CP_INNER
+    back = Plan.from_json(best.to_json())
+    assert back.mesh.order == CP_INNER and back == best
+    again = run_search(MID_MOE, cluster, 2, 4096, options=options, baselines=False)
+    assert [p.to_json()["mesh"] for p in again.plans] == [p.to_json()["mesh"] for p in chosen.plans]
+    assert again.plans[0].predicted.step_time_s == best.predicted.step_time_s
+    # the plan's order is the one priced: estimating the same configuration gives the same time
+    redo = estimate(MID_MOE, cluster, 2, 4096, mesh=best.mesh, microbatch_size=best.microbatch_size,
+                    zero_stage=best.zero_stage, recompute=best.recompute)
+    assert redo.predicted.step_time_s == pytest.approx(best.predicted.step_time_s, rel=1e-9)
