@@ -26,6 +26,7 @@ PLAN_VERSION = 1
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
 DTYPES = ("bfloat16", "float16", "float32")
+KERNELS = ("auto", "triton", "torch")  # runtime.kernels backends: "auto" is Triton on CUDA only
 
 AxisPlacements = tuple[tuple[str, Placement], ...]  # ((axis, placement), ...) for axes that matter
 
@@ -145,6 +146,7 @@ class Plan:
     provenance: Provenance
     dtype: str = "bfloat16"
     version: int = PLAN_VERSION
+    kernels: str = "auto"  # the runtime's fused kernels: "auto" | "triton" | "torch"
     _index: dict = field(default=None, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -179,6 +181,7 @@ class Plan:
             "global_batch": self.global_batch,
             "seq_len": self.seq_len,
             "dtype": self.dtype,
+            "kernels": self.kernels,
             "zero_stage": self.zero_stage,
             "recompute": self.recompute,
             "schedule": self.schedule,
@@ -199,9 +202,9 @@ class Plan:
         if version != PLAN_VERSION:
             raise PlanError(f"plan version {version!r} is not supported; this autoplan reads version {PLAN_VERSION}. Re-run `autoplan search` to make a new plan.")
         allowed = {"version", "model", "cluster", "mesh", "microbatch_size", "num_microbatches", "global_batch", "seq_len", "dtype",
-                   "zero_stage", "recompute", "schedule", "stages", "placements", "predicted", "provenance"}
+                   "kernels", "zero_stage", "recompute", "schedule", "stages", "placements", "predicted", "provenance"}
         _check_keys("plan", data, allowed)
-        missing = sorted(allowed - {"dtype"} - set(data))
+        missing = sorted(allowed - {"dtype", "kernels"} - set(data))
         if missing:
             raise PlanError(f"plan is missing keys {missing}")
         placements = data["placements"]
@@ -215,6 +218,7 @@ class Plan:
             global_batch=data["global_batch"],
             seq_len=data["seq_len"],
             dtype=data.get("dtype", "bfloat16"),
+            kernels=data.get("kernels", "auto"),  # plans written before the option: "auto"
             zero_stage=data["zero_stage"],
             recompute=data["recompute"],
             schedule=data["schedule"],
@@ -283,6 +287,8 @@ def _validate(plan: Plan) -> None:
         raise PlanError(f"schedule {plan.schedule!r} must be one of {SCHEDULES}")
     if plan.dtype not in DTYPES:
         raise PlanError(f"dtype {plan.dtype!r} must be one of {DTYPES}")
+    if plan.kernels not in KERNELS:
+        raise PlanError(f"kernels {plan.kernels!r} must be one of {KERNELS}")
     _validate_stages(plan)
 
 

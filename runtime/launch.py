@@ -13,6 +13,7 @@ every rank with a message instead of hanging in a collective, and before any par
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -25,6 +26,7 @@ from autoplan.models.config import ModelConfig
 from autoplan.plan import Plan
 from autoplan.runtime.groups import build_axis_groups
 from autoplan.runtime.init import init_rules
+from autoplan.runtime.kernels import use_triton
 from autoplan.runtime.program import RankProgram
 from autoplan.runtime.rewrite import rewrite
 
@@ -33,12 +35,16 @@ GIB = float(1 << 30)
 
 def parallelize(model: nn.Module, cluster: ClusterSpec | str | None, plan: Plan, *, seed: int = 0,
                 group: dist.ProcessGroup | None = None, config: ModelConfig | None = None,
-                backend: str | None = None, check_memory: bool = True) -> RankProgram:
+                backend: str | None = None, check_memory: bool = True,
+                kernels: str | None = None) -> RankProgram:
     """This rank's program for `plan`. `model` may be on meta (preferred) or CPU; its weights are
     not used: parameters come from the seeded init. `config` defaults to `model.config`.
     `backend` names the torch.distributed backend when this call initialises the process group
-    (default: nccl with CUDA, else gloo)."""
+    (default: nccl with CUDA, else gloo). `kernels` overrides `plan.kernels` ("auto": the Triton
+    kernels of runtime.kernels on CUDA, torch on CPU; "triton"; "torch")."""
     config = _config_of(model, config)
+    if kernels is not None:
+        plan = dataclasses.replace(plan, kernels=kernels)  # validated by Plan
     check_plan(plan, config, cluster)
     world = _launched_world_size(group)
     if world != plan.mesh.world_size:
@@ -48,6 +54,7 @@ def parallelize(model: nn.Module, cluster: ClusterSpec | str | None, plan: Plan,
     backend = _check_backend(backend)
     if check_memory:
         check_memory_fits(plan, _device_for(backend))
+    use_triton(_device_for(backend), plan.kernels)  # "triton" where it cannot run: a ConfigError
     _init_process_group(backend)
     if group is not None and world != dist.get_world_size():
         raise PlanError(f"group has {world} ranks but the job has {dist.get_world_size()}: every "

@@ -14,20 +14,23 @@ Every module keeps the parameter names of the module it replaces (`weight`, `bia
                             and gate weights wrapped in copy-to-region, output all-reduced;
                             "sequence": every weight wrapped in copy-to-region, local tokens only;
                             with an ep group, E/ep experts here and tokens dispatched to them
-    VocabParallelLoss, SequenceParallelLoss   see runtime.losses
+    VocabParallelLoss       the kernel of runtime.kernels.cross_entropy on backend `plan.kernels`
+    SequenceParallelLoss    see runtime.losses
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from autoplan.models.layers import swiglu
-from autoplan.runtime.collectives import (copy_to_region, group_size, reduce_from_region,
-                                          reduce_scatter_along)
+from autoplan.runtime.collectives import (all_reduce, copy_to_region, group_size,
+                                          reduce_from_region, reduce_scatter_along)
 from autoplan.runtime.experts import expert_parallel_ffn
-from autoplan.runtime.losses import sequence_parallel_cross_entropy, vocab_parallel_cross_entropy
+from autoplan.runtime.kernels import vocab_parallel_cross_entropy
+from autoplan.runtime.losses import sequence_parallel_cross_entropy
 
 
 def _meta_param(*shape: int) -> nn.Parameter:
@@ -170,14 +173,21 @@ class ParallelMoE(nn.Module):
 
 
 class VocabParallelLoss(nn.Module):
-    """Mean token cross-entropy of logits split on the vocabulary (B, T, V/tp) vs targets (B, T)."""
+    """Mean token cross-entropy of logits split on the vocabulary (B, T, V/tp) vs targets (B, T),
+    by the kernel of runtime.kernels.cross_entropy on backend `kernels` (torch on meta)."""
 
-    def __init__(self, vocab_start: int, group) -> None:
+    def __init__(self, vocab_start: int, group, kernels: str = "auto") -> None:
         super().__init__()
-        self.vocab_start, self.group = vocab_start, group
+        self.vocab_start, self.group, self.kernels = vocab_start, group, kernels
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.group)
+        backend = "torch" if logits.is_meta else self.kernels
+        return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self._reduce,
+                                            backend=backend)
+
+    def _reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        """The all-reduces between the kernel's phases, through runtime.collectives (counted)."""
+        return all_reduce(t, self.group, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
 
 
 class SequenceParallelLoss(nn.Module):

@@ -24,7 +24,9 @@
    and its output through `cp_sequence` (back); position indices get this rank's global offset.
 5. Expert parallelism (ep > 1): each MoE layer holds E/ep experts and dispatches tokens to their
    experts' ranks (runtime.experts).
-6. Recomputation as the plan says (runtime.recompute): "full" wraps each layer's subgraph, "selective"
+6. The fused kernels of runtime.kernels (runtime.kernel_ops) for norms, RoPE, the loss and the
+   MLP activations, on the backend `plan.kernels` names ("auto": Triton on CUDA, torch on CPU).
+7. Recomputation as the plan says (runtime.recompute): "full" wraps each layer's subgraph, "selective"
    the attention cores and pointwise ops, in torch.utils.checkpoint.
 
 The result prints as Python: `print(rewritten.graph_module.code)`.
@@ -47,6 +49,7 @@ from autoplan.plan import Plan
 from autoplan.runtime import collectives as C
 from autoplan.runtime.context import apply_context_parallel
 from autoplan.runtime.groups import AxisGroup
+from autoplan.runtime.kernel_ops import apply_kernels, kernel_module
 from autoplan.runtime.modules import (GradSummed, ParallelMoE, RowParallelLinear,
                                       SequenceParallelLoss, VocabParallelEmbedding,
                                       VocabParallelLoss)
@@ -162,19 +165,21 @@ def rewrite(model: nn.Module, config: ModelConfig, plan: Plan,
     for node in gm.graph.nodes:
         if node.op == "call_module":
             targets.append(node.target)
-            original = gm.get_submodule(node.target)
+            current = gm.get_submodule(node.target)
+            original = kernel_module(current, plan.kernels)
             expert = ep.size > 1 and infos[node.name].op_kind == "moe"
             params.update(_layouts(node.name, node.target, original, strategies[node.name], planned,
                                    expert))
             replacement = _parallel_module(original, infos[node.name], strategies[node.name], tp,
-                                           ep if expert else None)
-            if replacement is not original:
+                                           ep if expert else None, plan.kernels)
+            if replacement is not current:
                 _set_submodule(gm, node.target, replacement)
     if tp.size > 1:
         gm.add_submodule("tp", tp)
         _insert_conversions(gm.graph, infos, strategies)
     if groups["cp"].size > 1:
         apply_context_parallel(gm, infos, strategies, groups["cp"], tp.size, config.head_dim)
+    apply_kernels(gm.graph, plan.kernels)
     regions = apply_recompute(gm, plan.recompute, infos, captured)
     gm.graph.lint()
     gm.recompile()
@@ -275,7 +280,7 @@ def _insert_conversions(graph: fx.Graph, infos: dict[str, NodeInfo],
 
 
 def _parallel_module(module: nn.Module, info: NodeInfo, strategy: Strategy, tp: AxisGroup,
-                     ep: AxisGroup | None = None) -> nn.Module:
+                     ep: AxisGroup | None = None, kernels: str = "auto") -> nn.Module:
     """The module that runs `strategy` for node `info` on this rank (meta parameters); `ep` for a
     MoE layer whose experts are split over ep ranks."""
     kind, name, g, n, r = info.op_kind, strategy.name, tp.group, tp.size, tp.index
@@ -305,7 +310,7 @@ def _parallel_module(module: nn.Module, info: NodeInfo, strategy: Strategy, tp: 
         return nn.Embedding(module.num_embeddings, module.embedding_dim // n,
                             padding_idx=module.padding_idx, device="meta")
     if kind == "cross_entropy" and name == "vocab":
-        return VocabParallelLoss(r * info.input_metas[0].shape[-1] // n, g)
+        return VocabParallelLoss(r * info.input_metas[0].shape[-1] // n, g, kernels)
     if (kind, name) == ("cross_entropy", "sequence"):
         return SequenceParallelLoss(g)
     if kind == "moe" and name in ("ffn", "sequence"):

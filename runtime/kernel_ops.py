@@ -1,0 +1,122 @@
+"""The fused kernels of runtime.kernels in the rewritten program, `plan.kernels` choosing the
+backend ("auto": Triton on CUDA, plain torch on CPU; "triton" or "torch" force one; see
+`kernels.dispatch.use_triton`). `rewrite` swaps, after capture (the kernels cannot be traced):
+
+    call_module  nn.LayerNorm, RMSNorm       -> KernelLayerNorm, KernelRMSNorm (same parameters)
+                 CausalAttention with RoPE   -> KernelCausalAttention (kernels.apply_rope on q, k)
+                 LMLoss                      -> KernelLMLoss (kernels.vocab_parallel_cross_entropy)
+    call_function gelu(x, approximate="tanh")-> kernel_gelu(x, backend)       (kernels.bias_gelu)
+                 mul(silu(a), b)             -> kernel_silu_mul(a, b, backend) (kernels.silu_mul)
+
+The tensor-parallel loss (runtime.modules.VocabParallelLoss) takes the backend itself. Meta tensors
+(shape inference) always take the torch path.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from autoplan.errors import ConfigError
+from autoplan.models.layers import CausalAttention, LMLoss, RMSNorm, rope_cos_sin
+from autoplan.runtime import kernels as K
+
+
+def on(t: torch.Tensor, backend: str) -> str:
+    """`backend` for tensors on a real device; "torch" on meta (no kernel runs there)."""
+    return "torch" if t.is_meta else backend
+
+
+def kernel_gelu(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """gelu(x, approximate="tanh")."""
+    return K.bias_gelu(x, None, backend=on(x, backend))
+
+
+def kernel_silu_mul(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """silu(gate) * up."""
+    return K.silu_mul(gate, up, backend=on(gate, backend))
+
+
+class KernelLayerNorm(nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return K.layer_norm(x, self.weight, self.bias, self.eps, backend=on(x, self.kernels))
+
+
+class KernelRMSNorm(RMSNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return K.rms_norm(x, self.weight, self.eps, backend=on(x, self.kernels))
+
+
+class KernelLMLoss(LMLoss):
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return K.vocab_parallel_cross_entropy(logits, targets, backend=on(logits, self.kernels))
+
+
+class KernelCausalAttention(CausalAttention):
+    """CausalAttention with the RoPE kernel (the model's forward calls layers.apply_rope)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, T, _ = q.shape
+        if T > self.max_seq:
+            raise ConfigError(f"sequence length {T} exceeds max_seq={self.max_seq}")
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if q.shape[1] % k.shape[1]:
+            raise ConfigError(f"local q heads {q.shape[1]} not divisible by local kv heads "
+                              f"{k.shape[1]}; shard q and kv heads by the same degree")
+        cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, q.device)
+        backend = on(q, self.kernels)
+        q, k = K.apply_rope(q, cos, sin, backend), K.apply_rope(k, cos, sin, backend)
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, Hq, T, d)
+        return y.transpose(1, 2).reshape(B, T, -1)
+
+
+def kernel_module(module: nn.Module, backend: str) -> nn.Module:
+    """The kernel-backed module of a leaf (its parameters, shared), or `module` itself."""
+    kind = type(module)
+    if kind is nn.LayerNorm and module.elementwise_affine and len(module.normalized_shape) == 1:
+        new = KernelLayerNorm(module.normalized_shape, module.eps, bias=module.bias is not None,
+                              device="meta")
+        new.weight, new.bias = module.weight, module.bias
+    elif kind is RMSNorm:
+        new = KernelRMSNorm(module.weight.shape[0], module.eps)
+        new.weight = module.weight
+    elif kind is CausalAttention and module.rope:
+        new = KernelCausalAttention(module.heads, module.kv_heads, module.head_dim, True,
+                                    module.max_seq, module.rope_theta)
+    elif kind is LMLoss:
+        new = KernelLMLoss()
+    else:
+        return module
+    new.kernels = backend
+    return new
+
+
+def _is_silu(node) -> bool:
+    return (isinstance(node, fx.Node) and node.op == "call_function" and node.target is F.silu
+            and not node.kwargs.get("inplace", False) and len(node.users) == 1)
+
+
+def apply_kernels(graph: fx.Graph, backend: str) -> None:
+    """Swap the gelu and silu * mul call_function nodes of `graph` for kernel ones (in place; the
+    gelu and mul nodes keep their names, so the capture's per-node information still applies)."""
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if (node.target is F.gelu and len(node.args) == 1
+                and node.kwargs == {"approximate": "tanh"}):
+            node.target, node.kwargs = kernel_gelu, {"backend": backend}
+        elif node.target is operator.mul and len(node.args) == 2 and not node.kwargs:
+            a, b = node.args
+            silu = a if _is_silu(a) else b if _is_silu(b) else None
+            other = b if silu is a else a
+            if silu is None or not isinstance(other, fx.Node):
+                continue
+            node.target, node.args = kernel_silu_mul, (silu.args[0], other)
+            node.kwargs = {"backend": backend}
+            graph.erase_node(silu)
