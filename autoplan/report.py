@@ -60,10 +60,12 @@ def breakdown_table(plan: Plan) -> Table:
 
 def strategy_table(plan: Plan) -> Table:
     """How many ops took each non-replicated strategy, by op family (layer index dropped)."""
+    from autoplan.explain import op_family
+
     counts: Counter[tuple[str, str]] = Counter()
     for op in plan.ops:
         if op.strategy != "replicate":
-            counts[(_op_family(op.node), op.strategy)] += 1
+            counts[(op_family(op.node), op.strategy)] += 1
     table = Table(title="tensor-parallel strategies chosen (ops not replicated)", title_justify="left")
     table.add_column("op")
     table.add_column("strategy")
@@ -71,16 +73,6 @@ def strategy_table(plan: Plan) -> Table:
     for (family, strategy), count in sorted(counts.items()):
         table.add_row(family, strategy, str(count))
     return table
-
-
-def _op_family(node_name: str) -> str:
-    """'layers_12_attn_q_proj' -> 'layers.*.attn_q_proj'; 'add_7' -> 'add' (fx's numbering dropped)."""
-    parts = node_name.split("_")
-    while len(parts) > 1 and parts[-1].isdigit():
-        parts.pop()
-    if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit():
-        return "layers.*." + "_".join(parts[2:])
-    return "_".join(parts)
 
 
 def make_console() -> Console:
