@@ -28,7 +28,7 @@ import functools
 import pytest
 import torch
 
-from _dist import make_plan, spawn
+from _dist import make_plan, reference, spawn
 
 pytestmark = pytest.mark.gloo
 
@@ -174,27 +174,13 @@ _REFERENCES: dict[tuple, dict] = {}
 
 
 def _reference(model_name: str, plan) -> dict:
-    """Single-process run: same seeded init, same global batches, plain AdamW."""
-    from autoplan.models import build_model, get_model_config
-    from autoplan.runtime.init import init_parameters
+    """Single-process run: same seeded init, same global batches, plain AdamW (cached per batch)."""
+    from autoplan.models import get_model_config
 
     key = (model_name, plan.global_batch)
     if key not in _REFERENCES:
-        config = get_model_config(model_name)
-        model = init_parameters(build_model(config, device="cpu"), SEED, config.num_layers)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
         tokens, targets = _batches(plan)
-        losses, grads = [], None
-        for step in range(STEPS):
-            optimizer.zero_grad()
-            loss = model(tokens[step], targets[step])
-            loss.backward()
-            if step == 0:
-                grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-            optimizer.step()
-            losses.append(loss.item())
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        _REFERENCES[key] = {"losses": losses, "grads": grads, "params": params}
+        _REFERENCES[key] = reference(get_model_config(model_name), SEED, tokens, targets, LR, EPS)
     return _REFERENCES[key]
 
 
