@@ -26,6 +26,7 @@ Per-node costs (M = rows of the input = numel / last dim; B, T, V, h, f, E as us
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -93,6 +94,26 @@ class CapturedGraph:
     dtype: str
     nodes: tuple[NodeInfo, ...]
     graph_module: fx.GraphModule = field(compare=False, repr=False)
+    @functools.cached_property
+    def labels(self) -> tuple[int, ...]:
+        """A small int per node, equal iff `node_label` is equal (ids in order of first appearance);
+        computed once per graph for whoever groups nodes by structure (the fold)."""
+        ids: dict[tuple, int] = {}
+        labels = tuple(ids.setdefault(node_label(n), len(ids)) for n in self.nodes)
+        self.__dict__["label_texts"] = tuple(ids)
+        return labels
+
+    @functools.cached_property
+    def label_texts(self) -> tuple[tuple, ...]:
+        """The `node_label` each id of `labels` stands for."""
+        self.labels  # noqa: B018 (fills this property's cache)
+        return self.__dict__["label_texts"]
+
+    @functools.cached_property
+    def input_indices(self) -> tuple[tuple[int, ...], ...]:
+        """Per node, the indices of its `inputs` in `nodes`."""
+        index = {n.name: i for i, n in enumerate(self.nodes)}
+        return tuple(tuple(index[u] for u in n.inputs) for n in self.nodes)
 
     def node(self, name: str) -> NodeInfo:
         for n in self.nodes:
@@ -117,6 +138,18 @@ class CapturedGraph:
 
     def nodes_of_layer(self, i: int) -> tuple[NodeInfo, ...]:
         return tuple(n for n in self.nodes if n.layer == i)
+
+
+def node_label(node: NodeInfo) -> tuple:
+    """What the cost model and the strategy rules read of a node; no module path, no layer index."""
+    params: tuple = ()
+    if node.params:
+        prefix = node.module_path + "." if node.module_path else ""
+        params = tuple([(name.removeprefix(prefix), meta.shape, meta.dtype) for name, meta in node.params])
+    inputs = tuple([(m.shape, m.dtype) for m in node.input_metas])
+    output = (node.output.shape, node.output.dtype) if node.output is not None else None
+    return (node.op_kind, node.target, inputs, output, params,
+            node.fwd_flops, node.bwd_flops, node.fwd_bytes, node.bwd_bytes)
 
 
 class _LeafTracer(fx.Tracer):

@@ -25,7 +25,8 @@ graph, so it is not hashed again: a 96-layer model hashes each kind once.
 The folded solve (`solve_folded`). At one (tp, microbatch), a cut's state is the joint output
 placement of its slots (R, S(1), S(2) each, for the tensors whose producer has a choice). For each
 kind and each pair of states the chain needs, the kind's ILP is solved with that boundary fixed
-(`autoplan.solver.ilp`: one model per kind, re-solved per pair), giving the tables T_kind[p, q];
+(`autoplan.solver.ilp`: all pairs at once by exact variable elimination when the block's pair graph
+is narrow, else one ILP model per kind, re-solved per pair), giving the tables T_kind[p, q];
 `autoplan.solver.chain` picks a state per cut, and each segment takes its kind's solution for its
 pair. Every node and edge lies in exactly one segment, so the chain's objective is the unfolded
 objective of the spread choice and its minimum is the unfolded ILP's minimum (tests/test_chain.py).
@@ -123,11 +124,10 @@ def _runs(graph: "CapturedGraph") -> list[tuple[int | None, list[int]]]:
 
 def _cuts(graph: "CapturedGraph", segment_of: list[int], count: int) -> list[list[int]]:
     """Producer indices crossing each cut, in topological order."""
-    index = {n.name: i for i, n in enumerate(graph.nodes)}
-    last_use = {}  # producer -> the last segment that reads it
-    for i, node in enumerate(graph.nodes):
-        for u in node.inputs:
-            last_use[index[u]] = max(last_use.get(index[u], -1), segment_of[i])
+    last_use: dict[int, int] = {}  # producer -> the last segment that reads it (nodes come in order)
+    for i, inputs in enumerate(graph.input_indices):
+        for u in inputs:
+            last_use[u] = segment_of[i]
     cuts: list[list[int]] = [[] for _ in range(count - 1)]
     for u in sorted(last_use):
         for c in range(segment_of[u], last_use[u]):
@@ -135,30 +135,18 @@ def _cuts(graph: "CapturedGraph", segment_of: list[int], count: int) -> list[lis
     return cuts
 
 
-def node_label(node: "NodeInfo") -> tuple:
-    """What the cost model and the strategy rules read of a node; no module path, no layer index."""
-    params: tuple = ()
-    if node.params:
-        prefix = node.module_path + "." if node.module_path else ""
-        params = tuple([(name.removeprefix(prefix), meta.shape, meta.dtype) for name, meta in node.params])
-    inputs = tuple([(m.shape, m.dtype) for m in node.input_metas])
-    output = (node.output.shape, node.output.dtype) if node.output is not None else None
-    return (node.op_kind, node.target, inputs, output, params,
-            node.fwd_flops, node.bwd_flops, node.fwd_bytes, node.bwd_bytes)
-
-
 @dataclass
 class _Draft:
     """A segment before its kind is known. Positions index `members` (topological order); a reference
-    r >= 0 is the node at position r, r < 0 the slot -1 - r of the cut before; labels are ids into
-    `texts`, the labels seen so far, shared by all drafts (small ints hash fast)."""
+    r >= 0 is the node at position r, r < 0 the slot -1 - r of the cut before; labels are the graph's
+    label ids (`CapturedGraph.labels`, small ints that hash fast), `texts` the labels they stand for."""
 
     layer: int | None
     members: list[int]
     labels: list[int]
     refs: list[tuple[int, ...]]  # per node, per input
     provides: tuple[int, ...]  # per slot of the cut after
-    texts: list[tuple]
+    texts: tuple[tuple, ...]
 
     def signature(self, order: list[int] | None = None) -> tuple:
         """Positional signature with the nodes taken in `order` (positions renumbered to match), or in
@@ -198,24 +186,15 @@ def _drafts(graph: "CapturedGraph") -> tuple[list[_Draft], list[list[int]]]:
         for i in members:
             segment_of[i] = s
     cuts = _cuts(graph, segment_of, len(runs))
-    index = {n.name: i for i, n in enumerate(graph.nodes)}
-    ids: dict[tuple, int] = {}
-    texts: list[tuple] = []
     drafts = []
     for s, (layer, members) in enumerate(runs):
         ref = {i: p for p, i in enumerate(members)}  # graph index -> reference
         if s > 0:
             ref.update((u, -1 - j) for j, u in enumerate(cuts[s - 1]))
-        refs = [tuple(ref[index[u]] for u in graph.nodes[i].inputs) for i in members]
+        refs = [tuple([ref[u] for u in graph.input_indices[i]]) for i in members]
         provides = tuple(ref[u] for u in (cuts[s] if s < len(runs) - 1 else []))
-        labels = []
-        for i in members:
-            label = node_label(graph.nodes[i])
-            if label not in ids:
-                ids[label] = len(texts)
-                texts.append(label)
-            labels.append(ids[label])
-        drafts.append(_Draft(layer, members, labels, refs, provides, texts))
+        labels = [graph.labels[i] for i in members]
+        drafts.append(_Draft(layer, members, labels, refs, provides, graph.label_texts))
     return drafts, cuts
 
 
@@ -291,7 +270,7 @@ class FoldedSolution:
     assignment: dict[str, str]  # node name -> strategy name, every node
     objective: float  # seconds per microbatch: the unfolded problem's objective of `assignment`
     status: str  # "optimal" | "feasible" (some block ILP stopped by its time limit)
-    solver: str  # "highs" | "cbc" | "trivial"
+    solver: str  # "highs" | "cbc" | "elimination" | "trivial"
     method: str  # "chain" | "unfolded: <why>"
     num_ilps: int  # block problems solved: one per kind and boundary pair
     solve_time_s: float
@@ -442,7 +421,7 @@ def solve_folded(folded: FoldedGraph, registry: StrategyRegistry, info: Mapping,
         assignment.update(zip(seg.nodes, entry.names))
     used = {e.solver for e in tables.entries.values()}
     status = "optimal" if all(e.status == "optimal" for e in tables.entries.values()) else "feasible"
-    name = next((x for x in ("highs", "cbc") if x in used), "trivial")
+    name = next((x for x in ("highs", "cbc", "elimination") if x in used), "trivial")
     return FoldedSolution(assignment, chain.objective, status, name, "chain", len(tables.entries),
                           time.perf_counter() - start)
 

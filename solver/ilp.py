@@ -30,6 +30,12 @@ tables over the block sequence; every node and every edge of the graph lies in e
 (an edge in its consumer's), so the chained objective is the unfolded objective of the same choice,
 and the chain's minimum is the unfolded ILP's minimum.
 
+Many variants of one problem (the boundary pairs of a block) without a memory budget are solved
+exactly in one vectorised pass of variable elimination (`autoplan.solver.elimination`) when the pair
+graph is narrow, as a transformer block's is (a chain with residual edges): that pass is cheaper
+than one solver call per variant. Wider graphs, memory budgets and single problems (`solve_ilp`,
+the unfolded graph) go to the ILP below.
+
 Backends. HiGHS (highspy, driven directly: pulp's model building cost more than the solve on the
 thousands of small block problems) solves the LP relaxation first: when its optimum is integral it
 is optimal for the ILP, since the relaxation bounds every integral point from below; only otherwise
@@ -51,6 +57,7 @@ import numpy as np
 import pulp
 
 from autoplan.errors import AutoplanError, InfeasibleError
+from autoplan.solver.elimination import elimination_plan, solve_by_elimination
 from autoplan.solver.problem import IntraOpProblem, ProblemVariant
 
 OBJECTIVE_SCALE = 1e6  # solve in microseconds
@@ -65,7 +72,7 @@ class IntraOpSolution:
     choice: tuple[int, ...]  # strategy index per problem node
     objective: float  # seconds, problem.objective_s(choice)
     status: str  # "optimal" | "feasible" (stopped by the time limit)
-    solver: str  # "highs" | "cbc" | "trivial" | "brute_force"
+    solver: str  # "highs" | "cbc" | "elimination" | "trivial" | "brute_force"
     solve_time_s: float
 
 
@@ -336,14 +343,21 @@ def restrict(problem: IntraOpProblem, variant: ProblemVariant) -> tuple[IntraOpP
 
 
 def solve_ilp_variants(problem: IntraOpProblem, variants: Sequence[ProblemVariant], *, time_limit_s: float = 60.0,
-                       solver: str | None = None) -> list[IntraOpSolution]:
+                       solver: str | None = None, elimination: bool = True) -> list[IntraOpSolution]:
     """`solve_ilp` of every variant of `problem` (choices index the problem's strategies; objectives
-    include the variant's added costs). With HiGHS the model is built once and re-solved per variant
-    with its costs, and with s_v[i] <= 0 for each strategy it forbids; CBC solves each variant anew."""
+    include the variant's added costs). Without a memory budget, and when the pair graph is narrow
+    enough, all variants are solved exactly in one pass of variable elimination
+    (`autoplan.solver.elimination`; `elimination=False` turns that off). Otherwise, with HiGHS the
+    model is built once and re-solved per variant with its costs, and with s_v[i] <= 0 for each
+    strategy it forbids; CBC solves each variant anew."""
     _check_time_limit(time_limit_s)
     name = _solver_name(solver)
     for variant in variants:
         variant.check(problem)
+    if elimination and problem.memory_budget_bytes is None and variants:
+        solutions = _solve_variants_by_elimination(problem, variants)
+        if solutions is not None:
+            return solutions
     if name == "cbc":
         solutions = []
         for variant in variants:
@@ -374,6 +388,40 @@ def solve_ilp_variants(problem: IntraOpProblem, variants: Sequence[ProblemVarian
         choice = _choice(problem, milp, x, status, name)
         solutions.append(IntraOpSolution(tuple(choice), problem.objective_s(choice) + variant.extra_s(choice), status,
                                          name, time.perf_counter() - start))
+    return solutions
+
+
+def _solve_variants_by_elimination(problem: IntraOpProblem, variants: Sequence[ProblemVariant]
+                                   ) -> list[IntraOpSolution] | None:
+    """Every variant at once by exact variable elimination over the reduced problem; None when the
+    elimination order would need too large a table (the ILP then solves them)."""
+    start = time.perf_counter()
+    reduced = _reduce(problem)
+    sizes = {v: len(reduced.node_cost[v]) for v in reduced.free}
+    plan = elimination_plan(sizes, list(reduced.pairs))
+    if plan is None:
+        return None
+    if not sizes:  # nothing to choose: every node has one strategy
+        return [IntraOpSolution((0,) * problem.num_nodes, problem.objective_s([0] * problem.num_nodes)
+                                + variant.extra_s([0] * problem.num_nodes), "optimal", "trivial", 0.0)
+                for variant in variants]
+    unary = {v: np.tile(reduced.node_cost[v], (len(variants), 1)) for v in reduced.free}
+    for i, variant in enumerate(variants):
+        for v, extra in variant.extra_costs_s.items():
+            if v in unary:
+                unary[v][i] += extra
+        for v, allowed in variant.allowed.items():
+            if v in unary:
+                forbidden = np.ones(sizes[v], dtype=bool)
+                forbidden[list(allowed)] = False
+                unary[v][i, forbidden] = np.inf
+    _, choices = solve_by_elimination(plan, unary, reduced.pairs)
+    per_variant = (time.perf_counter() - start) / len(variants)
+    solutions = []
+    for variant, row in zip(variants, choices):
+        choice = [int(row[v]) if v in sizes else 0 for v in range(problem.num_nodes)]
+        solutions.append(IntraOpSolution(tuple(choice), problem.objective_s(choice) + variant.extra_s(choice),
+                                         "optimal", "elimination", per_variant))
     return solutions
 
 

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from autoplan.capture import capture
-from autoplan.fold import fold_graph, node_label
+from autoplan.capture import node_label
+from autoplan.fold import fold_graph
 from autoplan.models import build_model, get_model_config
 from autoplan.models.config import ModelConfig
 from autoplan.models.gpt import GPTBlock
