@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from autoplan import shape_rules
 from autoplan.errors import AutoplanError, ConfigError
 from autoplan.models.config import ModelConfig
 from autoplan.models.layers import (LEAF_MODULE_TYPES, CausalAttention, LMLoss, MoEFeedForward,
@@ -43,6 +44,7 @@ from autoplan.models.layers import (LEAF_MODULE_TYPES, CausalAttention, LMLoss, 
 OP_KINDS = ("placeholder", "output", "embedding", "linear", "norm", "attention", "moe",
             "cross_entropy", "elementwise", "other")
 MATMUL_KINDS = ("linear", "attention", "moe")
+_LAYER_PREFIX = re.compile(r"^layers\.\d+")
 ELEMENTWISE_TARGETS = frozenset({
     "add", "iadd", "add_", "sub", "isub", "sub_", "mul", "imul", "mul_", "truediv", "div", "neg",
     "gelu", "silu", "relu", "tanh", "sigmoid", "exp", "pow", "rsqrt", "sqrt", "float", "to"})
@@ -55,11 +57,11 @@ class TensorMeta:
     shape: tuple[int, ...]
     dtype: str
 
-    @property
+    @functools.cached_property  # read ~10^5 times in a search
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return self.numel * getattr(torch, self.dtype).itemsize
 
@@ -81,6 +83,17 @@ class NodeInfo:
     bwd_flops: float
     fwd_bytes: float
     bwd_bytes: float
+
+    @functools.cached_property
+    def rule_key(self) -> tuple:
+        """What a strategy rule may read of the node, the layer index aside: equal keys, equal
+        strategies (cached: the cost model asks for it per node in every pricing pass)."""
+        params: tuple = ()
+        if self.params:
+            prefix = self.module_path + "." if self.module_path else ""
+            params = tuple((name[len(prefix):] if name.startswith(prefix) else name, meta) for name, meta in self.params)
+        path = _LAYER_PREFIX.sub("layers.*", self.module_path, 1) if self.layer is not None else self.module_path
+        return self.op_kind, self.target, path, self.input_metas, self.output, params
 
 
 @dataclass(frozen=True)
@@ -190,10 +203,11 @@ class _ShapeRecorder(fx.Interpreter):
     with the same inputs, arguments and parameter shapes reuses its output meta (in a 96-layer model
     each block's ops run once instead of 96 times)."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, rules: bool = True) -> None:
         super().__init__(gm)
         self.metas: dict[str, TensorMeta | None] = {}
         self._memo: dict[tuple, TensorMeta] = {}
+        self.rules = rules  # shapes of common ops by rule (autoplan.shape_rules) instead of meta kernels
 
     def run_node(self, n: fx.Node):
         key = self._memo_key(n)
@@ -201,11 +215,25 @@ class _ShapeRecorder(fx.Interpreter):
             meta = self._memo[key]
             result = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device="meta")
         else:
-            result = super().run_node(n)
+            result = self._by_rule(n) if self.rules else None
+            if result is None:
+                result = super().run_node(n)
         self.metas[n.name] = _tensor_meta(result)
         if key is not None and self.metas[n.name] is not None:
             self._memo[key] = self.metas[n.name]
         return result
+
+    def _by_rule(self, n: fx.Node) -> torch.Tensor | None:
+        if n.op == "call_module":
+            module = self.fetch_attr(n.target)
+            if not isinstance(module, LEAF_MODULE_TYPES):
+                return None
+            args, _ = self.fetch_args_kwargs_from_env(n)
+            return shape_rules.module_output(module, args)
+        if n.op in ("call_function", "call_method"):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            return shape_rules.function_output(_readable_target(n, None), args, kwargs)
+        return None
 
     def _memo_key(self, n: fx.Node) -> tuple | None:
         if n.op == "call_module":
@@ -224,12 +252,12 @@ class _ShapeRecorder(fx.Interpreter):
 class _Runner(nn.Module):
     """Lets `torch.func.functional_call` swap in meta parameters around the interpreter."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, rules: bool = True) -> None:
         super().__init__()
-        self.gm = gm
+        self.gm, self.rules = gm, rules
 
     def forward(self, *args: torch.Tensor) -> dict[str, TensorMeta | None]:
-        recorder = _ShapeRecorder(self.gm)
+        recorder = _ShapeRecorder(self.gm, self.rules)
         recorder.run(*args)
         return recorder.metas
 
@@ -250,8 +278,9 @@ def _meta_state(gm: fx.GraphModule, dtype: torch.dtype) -> dict[str, torch.Tenso
 
 
 def capture(model: nn.Module, config: ModelConfig, batch_size: int, seq_len: int,
-            dtype: torch.dtype = torch.bfloat16) -> CapturedGraph:
-    """Trace `model`, propagate (batch_size, seq_len) token shapes on meta, and cost every node."""
+            dtype: torch.dtype = torch.bfloat16, *, shape_rules: bool = True) -> CapturedGraph:
+    """Trace `model`, propagate (batch_size, seq_len) token shapes on meta, and cost every node.
+    `shape_rules=False` runs every op's meta kernel instead of `autoplan.shape_rules` (for tests)."""
     for key, value in (("batch_size", batch_size), ("seq_len", seq_len)):
         if not isinstance(value, int) or value <= 0:
             raise ConfigError(f"capture: {key}={value!r} must be a positive integer")
@@ -261,7 +290,7 @@ def capture(model: nn.Module, config: ModelConfig, batch_size: int, seq_len: int
     gm = trace_model(model)
     tokens = torch.zeros((batch_size, seq_len), dtype=torch.int64, device="meta")  # (B, T)
     n_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")  # tokens, targets
-    metas = torch.func.functional_call(_Runner(gm), _meta_state(gm, dtype), (tokens,) * n_inputs)
+    metas = torch.func.functional_call(_Runner(gm, shape_rules), _meta_state(gm, dtype), (tokens,) * n_inputs)
     nodes = tuple(_node_info(gm, n, metas, dtype) for n in gm.graph.nodes)
     return CapturedGraph(config.name, config.fingerprint(), batch_size, seq_len,
                          _dtype_name(dtype), nodes, gm)

@@ -59,7 +59,7 @@ from autoplan.solver.ilp import solve_ilp, solve_ilp_variants
 from autoplan.strategies import StrategyRegistry
 
 if TYPE_CHECKING:
-    from autoplan.capture import CapturedGraph, NodeInfo
+    from autoplan.capture import CapturedGraph
 
 WL_ITERATIONS = 4
 MAX_CUT_STATES = 81  # joint placements of the tensors crossing one cut (3^4: four tensors of R / S(1) / S(2))

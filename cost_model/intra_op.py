@@ -43,7 +43,6 @@ true optimum); the planner uses the exact segment solve instead.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, NamedTuple
 
@@ -349,17 +348,9 @@ def assignment_from_choice(built: BuiltProblem, choice) -> dict[str, str]:
     return {name: built.strategies[k][choice[k]].name for name, k in built.mapping.items()}
 
 
-_LAYER_PREFIX = re.compile(r"^layers\.\d+")
-
-
 def _rule_key(node: "NodeInfo") -> tuple:
     """What a strategy rule may read of a node, the layer index aside: equal keys, equal strategies."""
-    params: tuple = ()
-    if node.params:
-        prefix = node.module_path + "." if node.module_path else ""
-        params = tuple((name[len(prefix):] if name.startswith(prefix) else name, meta) for name, meta in node.params)
-    path = _LAYER_PREFIX.sub("layers.*", node.module_path, 1) if node.layer is not None else node.module_path
-    return node.op_kind, node.target, path, node.input_metas, node.output, params
+    return node.rule_key
 
 
 def graph_strategies(graph: "CapturedGraph", registry: StrategyRegistry, info: Mapping, tp: int,

@@ -65,17 +65,22 @@ class CausalAttention(nn.Module):
         return (f"heads={self.heads}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
                 f"rope={self.rope}, max_seq={self.max_seq}, rope_theta={self.rope_theta}")
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        B, T, _ = q.shape
+    def check_shapes(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """The sequence fits max_seq and the local q heads group evenly over the local kv heads."""
+        T, q_heads, kv_heads = q.shape[1], q.shape[-1] // self.head_dim, k.shape[-1] // self.head_dim
         if T > self.max_seq:
             raise ConfigError(f"sequence length {T} exceeds max_seq={self.max_seq}; use a shorter "
                               f"sequence or a config with a larger max_seq")
+        if kv_heads == 0 or q_heads % kv_heads:
+            raise ConfigError(f"local q heads {q_heads} not divisible by local kv heads "
+                              f"{kv_heads}; shard q and kv heads by the same degree")
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, T, _ = q.shape
+        self.check_shapes(q, k)
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hq, T, d)
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, d)
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, d)
-        if q.shape[1] % k.shape[1]:
-            raise ConfigError(f"local q heads {q.shape[1]} not divisible by local kv heads "
-                              f"{k.shape[1]}; shard q and kv heads by the same degree")
         if self.rope:
             cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, q.device)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
