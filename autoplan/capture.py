@@ -292,8 +292,9 @@ def capture(model: nn.Module, config: ModelConfig, batch_size: int, seq_len: int
     n_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")  # tokens, targets
     metas = torch.func.functional_call(_Runner(gm, shape_rules), _meta_state(gm, dtype), (tokens,) * n_inputs)
     nodes = tuple(_node_info(gm, n, metas, dtype) for n in gm.graph.nodes)
-    return CapturedGraph(config.name, config.fingerprint(), batch_size, seq_len,
-                         _dtype_name(dtype), nodes, gm)
+    graph = CapturedGraph(config.name, config.fingerprint(), batch_size, seq_len, _dtype_name(dtype), nodes, gm)
+    graph.labels, graph.input_indices  # noqa: B018 (the structural labels, made with the records: ~2 us a node)
+    return graph
 
 
 def _node_info(gm: fx.GraphModule, n: fx.Node, metas: dict, dtype: torch.dtype) -> NodeInfo:
