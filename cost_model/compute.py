@@ -15,7 +15,9 @@ and an op's time is the sum over the kernels it launches (they run one after ano
 GEMM bytes are A + B + C once each. e_gemm is `calibration.GemmEfficiency`: a hardware profile's
 measurements when one is loaded, else the default curve of the device (sustained ceiling, lower for
 small GEMMs); small and skinny GEMMs are not at peak. e_memory = 0.80: device-to-device copies reach
-~4.07 of 4.8 TB/s on the H200 (0.85, ENVIRONMENT.md) and elementwise kernels a little less.
+~4.07 of 4.8 TB/s on the H200 (0.85, ENVIRONMENT.md) and elementwise kernels a little less. A node that
+the runtime runs with a fused Triton kernel takes that kernel's measured efficiency instead, when the
+plan's kernels are Triton and a profile measured it (`cost_model.kernels`, `Efficiency.for_node`).
 
 Memory-bound bytes per element of a tensor of the op (i = its itemsize), forward / backward:
 
@@ -45,11 +47,12 @@ hidden dropout (the built-in models have none), the bias adds of linear layers (
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from autoplan.cluster import ClusterSpec, DeviceSpec
 from autoplan.cost_model.calibration import CollectiveCalibration, GemmEfficiency, device_spec_from_profile
+from autoplan.cost_model.kernels import FusedKernels, fused_kernels, node_kernel
 from autoplan.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -90,7 +93,8 @@ class Efficiency:
     measured collective fits (a profile's) that replace the datasheet links inside a node.
     overlap_grad_reduce: data-parallel gradient buckets are reduced while the backward runs (PyTorch
     DDP / FSDP2, Megatron-Core's --overlap-grad-reduce; `autoplan.pricing`), or, when False, after the
-    whole backward (Megatron-LM of 2021)."""
+    whole backward (Megatron-LM of 2021). kernels: the plan's fused kernels and their measured HBM
+    efficiencies (`cost_model.kernels`), which replace `memory` for the nodes they run (`for_node`)."""
 
     matmul: float | None = None
     memory: float = 0.80
@@ -99,6 +103,8 @@ class Efficiency:
     attention: AttentionKernel = AttentionKernel()
     collectives: CollectiveCalibration | None = None
     overlap_grad_reduce: bool = True
+    kernels: FusedKernels = FusedKernels()
+    _by_kernel: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         for name in ("matmul", "memory"):
@@ -108,10 +114,25 @@ class Efficiency:
 
     def resolved(self, device: DeviceSpec) -> "Efficiency":
         """This efficiency with the default GEMM curve of `device` where none was given (do it once per
-        search: the curve remembers its answers)."""
-        if self.matmul is not None or self.gemm is not None:
+        search: the curve remembers its answers), and its kernels option resolved for `device`."""
+        out = self
+        if out.kernels.triton is None:
+            out = replace(out, kernels=fused_kernels(out.kernels.option, device))
+        if out.matmul is not None or out.gemm is not None:
+            return out
+        return replace(out, gemm=GemmEfficiency.from_device_default(device))
+
+    def for_node(self, node: "NodeInfo", strategy: str) -> "Efficiency":
+        """This efficiency with `memory` = the measured efficiency of the fused kernel that runs
+        `node` under `strategy`, where the kernels are Triton and it was measured; else itself."""
+        if not self.kernels.measured:
             return self
-        return replace(self, gemm=GemmEfficiency.from_device_default(device))
+        e = self.kernels.efficiency(node_kernel(node, strategy))
+        if e is None:
+            return self
+        if e not in self._by_kernel:  # one copy per distinct efficiency, not one per node priced
+            self._by_kernel[e] = replace(self, memory=e)
+        return self._by_kernel[e]
 
     def gemm_efficiency(self, m: float, n: float, k: float, device: DeviceSpec, dtype: str) -> float:
         if self.matmul is not None:
@@ -125,14 +146,18 @@ class Efficiency:
         return (self.gemm or GemmEfficiency.from_device_default(device)).max_efficiency(dtype)
 
 
-def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "HardwareProfile | None"
-              ) -> tuple[ClusterSpec, Efficiency]:
+def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "HardwareProfile | None",
+              kernels: str | None = None) -> tuple[ClusterSpec, Efficiency]:
     """The cluster and efficiency the cost model prices with. Without a profile: the datasheet device
     and the device's default GEMM curve. With one (it must be of the cluster's kind of device, else
     ProfileError): the measured HBM bandwidth (`device_spec_from_profile`), the measured GEMM
     efficiencies (`GemmEfficiency.from_profile`; they replace a flat `matmul`), and the measured
-    collective fits for groups inside a node; the attention kernel and memory fraction stay as given."""
+    collective fits for groups inside a node; the attention kernel and memory fraction stay as given.
+    `kernels` (plan.kernels; None keeps `efficiency.kernels`): the fused kernels on this cluster, with
+    the profile's measured kernel efficiencies where they are Triton (`cost_model.kernels`)."""
     efficiency = efficiency or Efficiency()
+    if kernels is not None:
+        efficiency = replace(efficiency, kernels=fused_kernels(kernels, cluster.device, profile))
     if profile is None:
         return cluster, efficiency.resolved(cluster.device)
     device = device_spec_from_profile(profile, cluster.device)

@@ -4,6 +4,10 @@
     autoplan profile --quick --device cpu -o cpu.json   # a small sweep, in seconds
     torchrun --nproc-per-node 8 -m autoplan.profiler.cli -o h200.json   # + collectives over 8 ranks
 
+On CUDA, rank 0 also times the runtime's fused Triton kernels (`profiler.kernels`); the cost model
+then prices the nodes they run at their measured HBM efficiency (`cost_model.kernels`). Elsewhere
+that step is skipped, saying why, and the cost model keeps its assumed efficiencies.
+
 Under torchrun every rank takes part in the collectives; rank 0 alone runs the GEMM and memory
 sweeps (the other ranks wait, so on a CPU they do not compete for its cores), prints the table and
 writes the file. The process group is made here (NCCL on CUDA, gloo on CPU) unless the caller has
@@ -38,6 +42,7 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), help="device to measure (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=GEMM_DTYPES, help="GEMM dtype (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--no-collectives", action="store_true", help="skip collectives even under torchrun")
+    p.add_argument("--no-kernels", action="store_true", help="skip timing the fused Triton kernels (CUDA only)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's; 1 under torchrun); "
                    "on a shared CPU, 1 avoids stalls of threads waiting for a descheduled sibling")
     return p
@@ -84,9 +89,21 @@ def _measure_device(device: "torch.device", quick: bool, dtype: str | None) -> t
     return sweep_gemms(device, dtype=dtype, quick=quick), measure_memory_bandwidth(device, quick=quick)
 
 
-def run_profile(device: "torch.device", quick: bool = False, dtype: str | None = None, collectives: bool = True) -> HardwareProfile | None:
+def kernel_samples(device: "torch.device", quick: bool, dtype: str | None) -> tuple[tuple, str | None]:
+    """(the Triton kernels' samples, None), or ((), why they were not measured) where they cannot run."""
+    from autoplan.profiler.kernels import DTYPES, measure_kernels, skip_reason
+
+    why = skip_reason(device)
+    if why is not None:
+        return (), why
+    return measure_kernels(device, dtype if dtype in DTYPES.values() else "bfloat16", quick), None
+
+
+def run_profile(device: "torch.device", quick: bool = False, dtype: str | None = None, collectives: bool = True,
+                kernels: bool = True) -> HardwareProfile | None:
     """Measure and return the profile on rank 0 (None on the other ranks); needs every rank to call it
-    when a process group is initialised."""
+    when a process group is initialised. `kernels`: time the fused Triton kernels too, where they run
+    (`kernel_samples`; printed when skipped)."""
     import torch
     import torch.distributed as dist
 
@@ -95,6 +112,9 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     gemm, memory = _measure_device(device, quick, dtype) if rank == 0 else (None, None)
+    fused, why = kernel_samples(device, quick, dtype) if rank == 0 and kernels else ((), None)
+    if why is not None:
+        print(f"fused-kernel efficiencies skipped: {why}; the cost model keeps its assumed efficiencies")
     samples, fits = (), ()
     if distributed and collectives and dist.get_world_size() > 1:
         dist.barrier()  # the other ranks wait here while rank 0 measures alone
@@ -113,6 +133,7 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
         collective_backend=str(dist.get_backend()) if samples else "",
         collectives=samples,
         fits=fits,
+        kernels=fused,
     )
 
 
@@ -133,6 +154,11 @@ def render_profile(profile: HardwareProfile, console=None) -> None:
         table.add_row(f"GEMM {dtype} ({len(samples)} shapes)",
                       f"{_tflops(low.flops_per_s)} at {_shape(low)} .. median {_tflops(median)} .. {_tflops(high.flops_per_s)} at {_shape(high)}")
     table.add_row("memory bandwidth", f"{profile.memory.bandwidth_bytes_per_s / 1e9:,.1f} GB/s (copy of {profile.memory.buffer_bytes / 2**20:,.0f} MiB)")
+    if profile.kernels:
+        from autoplan.cost_model.kernels import measured_efficiencies
+
+        effs = ", ".join(f"{k} {e:.0%}" for k, e in measured_efficiencies(profile))
+        table.add_row(f"fused kernels ({len(profile.kernels)} samples)", f"of copy bandwidth: {effs}")
     for fit in profile.fits:
         table.add_row(f"{fit.kind} x{fit.group_size} ({profile.collective_backend})",
                       f"bus bandwidth {fit.bandwidth_bytes_per_s / 1e9:,.3f} GB/s, latency {fit.latency_s * 1e6:,.1f} us, "
@@ -160,7 +186,8 @@ def cmd_profile(args) -> int:
         torch.set_num_threads(args.threads)
     made_group = _init_distributed(device)
     try:
-        profile = run_profile(device, quick=args.quick, dtype=args.dtype, collectives=not args.no_collectives)
+        profile = run_profile(device, quick=args.quick, dtype=args.dtype, collectives=not args.no_collectives,
+                              kernels=not args.no_kernels)
         if profile is not None:
             if not profile.collectives and not args.no_collectives:
                 print("collectives skipped: one process (run under torchrun --nproc-per-node N to measure them)")

@@ -8,6 +8,10 @@ anything the cost model uses from them:
   (every byte is read once and written once).
 - collectives: (kind, group_size, message_bytes, time_s), and per (kind, group_size) the alpha-beta
   fit t = latency_s + message_bytes * ring_factor / bandwidth_bytes_per_s (see collectives.py).
+- kernels (CUDA only; `profiler.kernels`): (kernel, fwd | bwd, shape, dtype, bytes, time_s) of the
+  runtime's fused Triton kernels; achieved bandwidth = bytes / time_s, bytes the least HBM traffic of
+  the pass. `cost_model.kernels` turns them into per-kernel efficiencies. Files written before this
+  field load with none.
 
 `HardwareProfile.load` refuses, naming the problem, a file that is not JSON, lacks or adds keys,
 has another version, holds a non-positive or non-finite number, or was measured on another device
@@ -29,6 +33,8 @@ from autoplan.errors import ConfigError
 PROFILE_VERSION = 1
 DEVICE_KINDS = ("cpu", "cuda")
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+# the fused kernels of runtime.kernels, as benchmarks/kernels.py and profiler.kernels name them
+KERNEL_NAMES = ("rms_norm", "layer_norm", "silu_mul", "bias_gelu", "rope", "cross_entropy", "moe_permute")
 
 
 class ProfileError(ConfigError):
@@ -160,6 +166,38 @@ class CollectiveFit:
         return cls(**_fields_from_json(cls, "collective fit", data))
 
 
+@dataclass(frozen=True)
+class KernelSample:
+    """Median time of one pass ("fwd" or "bwd") of a fused Triton kernel of runtime.kernels on one
+    shape ("tokens=8192 hidden=4096"), moving `bytes` bytes of HBM traffic at least."""
+
+    kernel: str
+    direction: str
+    shape: str
+    dtype: str
+    bytes: int
+    time_s: float
+
+    def __post_init__(self) -> None:
+        if self.kernel not in KERNEL_NAMES:
+            raise ProfileError(f"kernel {self.kernel!r} is not one of {KERNEL_NAMES}")
+        if self.direction not in ("fwd", "bwd"):
+            raise ProfileError(f"kernel {self.kernel} direction must be 'fwd' or 'bwd', got {self.direction!r}")
+        for name in ("shape", "dtype"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ProfileError(f"kernel {self.kernel} {name} must be a non-empty string, got {getattr(self, name)!r}")
+        _count(f"kernel {self.kernel} bytes", self.bytes)
+        _positive(f"kernel {self.kernel} {self.direction} time_s", self.time_s)
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        return self.bytes / self.time_s
+
+    @classmethod
+    def from_json(cls, data) -> "KernelSample":
+        return cls(**_fields_from_json(cls, "kernel sample", data))
+
+
 def _check_kind(kind: str) -> None:
     if kind not in COLLECTIVE_KINDS:
         raise ProfileError(f"collective kind {kind!r} is not one of {COLLECTIVE_KINDS}")
@@ -180,6 +218,7 @@ class HardwareProfile:
     collective_backend: str  # "gloo", "nccl", or "" when no collectives were measured
     collectives: tuple[CollectiveSample, ...] = ()
     fits: tuple[CollectiveFit, ...] = ()
+    kernels: tuple[KernelSample, ...] = ()
     version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
@@ -200,6 +239,7 @@ class HardwareProfile:
         out["memory"] = dict(vars(self.memory))
         out["collectives"] = [dict(vars(s)) for s in self.collectives]
         out["fits"] = [dict(vars(f)) for f in self.fits]
+        out["kernels"] = [dict(vars(k)) for k in self.kernels]
         return {"version": out.pop("version"), **out}
 
     @classmethod
@@ -207,14 +247,15 @@ class HardwareProfile:
         version = data.get("version") if isinstance(data, dict) else None
         if isinstance(data, dict) and version != PROFILE_VERSION:  # first: other versions have other keys
             raise ProfileError(f"profile version {version!r} is not supported; this autoplan reads version {PROFILE_VERSION}. Re-run `autoplan profile`.")
-        data = _fields_from_json(cls, "profile", data)
-        for key in ("gemm", "collectives", "fits"):
+        data = _fields_from_json(cls, "profile", {"kernels": [], **data} if isinstance(data, dict) else data)  # older files: no kernels
+        for key in ("gemm", "collectives", "fits", "kernels"):
             if not isinstance(data[key], list):
                 raise ProfileError(f"profile {key} must be a JSON list, got {type(data[key]).__name__}")
         data["gemm"] = tuple(GemmSample.from_json(s) for s in data["gemm"])
         data["memory"] = MemorySample.from_json(data["memory"])
         data["collectives"] = tuple(CollectiveSample.from_json(s) for s in data["collectives"])
         data["fits"] = tuple(CollectiveFit.from_json(f) for f in data["fits"])
+        data["kernels"] = tuple(KernelSample.from_json(k) for k in data["kernels"])
         for key in ("device_name", "device_kind", "torch_version", "created", "collective_backend"):
             if not isinstance(data[key], str):
                 raise ProfileError(f"profile {key} must be a string, got {data[key]!r}")

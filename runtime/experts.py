@@ -1,21 +1,35 @@
-"""Expert parallelism: route every token to the ranks that hold its experts and back, none dropped.
+"""MoE experts on this rank: the local loop, and expert parallelism (tokens routed to the ranks that
+hold their experts and back, none dropped), through the permute / unpermute kernels of
+runtime.kernels.moe_permute and the fused silu * mul of runtime.kernels.activations.
 
-With n = ep ranks, E experts and E_l = E / n of them on each rank (rank r holds experts
-[r E_l, (r+1) E_l)), one MoE layer on this rank's N tokens x (N, h), routed to top_idx (N, k) with
-gate weights w (N, k):
+Local (`local_experts_ffn`): x (N, h) routed to top_idx (N, k) with gate weights w (N, k):
 
-    a      = the N k (token, slot) assignments, sorted by expert (stable)
+    r      = moe_routing(top_idx, E)      the N k (token, slot) assignments, sorted by expert (stable)
+    xp     = moe_permute(x, r)            (N k, h): expert e owns a contiguous run of rows
+    yp     = swiglu of each run with its expert's weights     (`grouped_swiglu`)
+    out_t  = sum_j w_tj * yp[pos(t, j)]   moe_unpermute(yp, w, r), summed in fp32
+
+Expert parallel (`expert_parallel_ffn`), n = ep ranks, E_l = E / n experts per rank (rank r holds
+[r E_l, (r+1) E_l)):
+
+    send   = moe_permute(x, r) with r over all E experts        (N k, h) in expert order
     counts = tokens per expert (E,), sent as an (n, E_l) matrix: rank r learns from each source
              rank s how many rows it will receive for each of its experts     (all-to-all, ints)
-    recv   = all_to_all(x[token(a)], rows per destination rank)               (dispatch)
-    y_recv = swiglu of each row with its expert's weights (grouped by local expert)
-    back   = all_to_all(y_recv, the reverse row counts)                        (combine)
-    out_t  = sum_j w_tj * back[a = (t, j)]
+    recv   = all_to_all(send, rows per destination rank)         (dispatch; by source, then expert)
+    g      = moe_permute(recv, r') with r' = the k = 1 routing of recv's rows by local expert
+    y      = grouped_swiglu(g), put back in recv's order by the inverse permutation of r'
+    back   = all_to_all(y, the reverse row counts)                (combine; in send's order)
+    out_t  = moe_unpermute(back, w, r)
 
 Both data all-to-alls are autograd-aware (`all_to_all_uneven`: backward sends the grads back along
 the same rows), so the expert weights' grads come from every rank's tokens and the tokens' grads
-return to their ranks. Splits are uneven and carry every token: there is no capacity limit. Every
-local expert runs, on zero rows if none reach it, so the autograd graph is the same on every rank.
+return to their ranks. Splits are uneven and carry every token: there is no capacity limit.
+
+`backend` is `plan.kernels` ("auto": Triton on CUDA, torch on CPU; `kernels.dispatch.use_triton`);
+the torch path is the kernels' torch references, which compute the same values (bitwise in fp32
+for k <= 2; for k > 2 the weighted sum runs over slots instead of experts, a reassociation). Every
+local expert runs, on zero rows if none reach it, so the autograd graph (and the order of the
+collectives in backward) is the same on every rank whatever the routing.
 """
 
 from __future__ import annotations
@@ -24,29 +38,63 @@ import torch
 
 from autoplan.models.layers import swiglu
 from autoplan.runtime.collectives import all_to_all_uneven, exchange, group_size
+from autoplan.runtime.kernels import (Routing, moe_permute, moe_routing, moe_unpermute, silu_mul,
+                                      use_triton)
+
+
+def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                  backend: str = "auto") -> torch.Tensor:
+    """(silu(x @ w_gate) * (x @ w_up)) @ w_down for one expert's rows x (M, h); the activation is
+    the fused silu_mul kernel where `backend` resolves to Triton, else `layers.swiglu` itself."""
+    if not use_triton(x.device, backend):
+        return swiglu(x, w_gate, w_up, w_down)
+    return silu_mul(x @ w_gate, x @ w_up, backend="triton") @ w_down
+
+
+def grouped_swiglu(rows: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor,
+                   w_up: torch.Tensor, w_down: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """rows (M, h) grouped by expert, counts[e] of them for expert e (E,): each run through its
+    expert's SwiGLU (E = w_gate.shape[0]; every expert runs, on zero rows too); (M, h)."""
+    runs = rows.split(counts.tolist())
+    return torch.cat([expert_swiglu(run, w_gate[e], w_up[e], w_down[e], backend)
+                      for e, run in enumerate(runs)])
+
+
+def local_experts_ffn(x: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor,
+                      w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                      backend: str = "auto") -> torch.Tensor:
+    """sum_j weights[:, j] * swiglu_{top_idx[:, j]}(x) for x (N, h), every expert on this rank
+    (module docstring); returns (N, h)."""
+    routing = moe_routing(top_idx, w_gate.shape[0])
+    xp = moe_permute(x, routing, backend)  # (N k, h) grouped by expert
+    yp = grouped_swiglu(xp, routing.tokens_per_expert, w_gate, w_up, w_down, backend)
+    return moe_unpermute(yp, weights, routing, backend)
+
+
+def _inverse(routing: Routing, segments: torch.Tensor) -> Routing:
+    """The k = 1 routing that undoes `routing` (k = 1): moe_permute(moe_permute(y, routing), inverse)
+    == y. Its rows fall into the `segments` runs (counts) of the original order."""
+    pos = routing.pos.reshape(-1)
+    return Routing(token=pos, order=pos, pos=routing.order.view(-1, 1), tokens_per_expert=segments)
 
 
 def expert_parallel_ffn(x: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor,
                         w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                        group) -> torch.Tensor:
+                        group, backend: str = "auto") -> torch.Tensor:
     """sum_j weights[:, j] * swiglu_{top_idx[:, j]}(x) for x (N, h) with E_l local experts of
     E_l * ep (module docstring); returns (N, h)."""
     n, local = group_size(group), w_gate.shape[0]
-    tokens, k = top_idx.shape
-    expert = top_idx.reshape(-1)  # (N k,) assignment a = t k + j -> its expert
-    order = torch.argsort(expert, stable=True)  # assignments by expert, then by token
-    token = torch.div(order, k, rounding_mode="floor")
-    send = x.index_select(0, token)  # (N k, h) in expert order
-    counts = torch.bincount(expert, minlength=local * n).view(n, local)  # (n, E_l) to each rank
+    routing = moe_routing(top_idx, local * n)
+    send = moe_permute(x, routing, backend)  # (N k, h) in expert order
+    counts = routing.tokens_per_expert.view(n, local)  # (n, E_l) to each rank
     recv_counts = exchange(counts, group)  # (n, E_l): from each source rank, per local expert
     send_rows, recv_rows = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
     received = all_to_all_uneven(send, send_rows, recv_rows, group)  # (M, h) by source, expert
-    local_expert = torch.arange(local).repeat(n).repeat_interleave(recv_counts.reshape(-1))
-    by_expert = torch.argsort(local_expert, stable=True)  # (M,) rows grouped by local expert
-    grouped = received.index_select(0, by_expert).split(recv_counts.sum(0).tolist())
-    outputs = torch.cat([swiglu(rows, w_gate[e], w_up[e], w_down[e])
-                         for e, rows in enumerate(grouped)])  # (M, h) grouped by expert
-    y_received = outputs.new_zeros(outputs.shape).index_copy(0, by_expert, outputs)
+    local_expert = torch.arange(local, device=recv_counts.device).repeat(n)
+    local_expert = local_expert.repeat_interleave(recv_counts.reshape(-1))  # (M,)
+    regroup = moe_routing(local_expert.unsqueeze(1), local)  # k = 1: rows by local expert
+    grouped = moe_permute(received, regroup, backend)  # (M, h) grouped by local expert
+    outputs = grouped_swiglu(grouped, regroup.tokens_per_expert, w_gate, w_up, w_down, backend)
+    y_received = moe_permute(outputs, _inverse(regroup, recv_counts.reshape(-1)), backend)
     back = all_to_all_uneven(y_received, recv_rows, send_rows, group)  # (N k, h) expert order
-    y = torch.zeros_like(back).index_copy(0, order, back).view(tokens, k, -1)  # (N, k, h)
-    return (y * weights.unsqueeze(-1)).sum(1)
+    return moe_unpermute(back, weights, routing, backend)

@@ -5,11 +5,14 @@ backend ("auto": Triton on CUDA, plain torch on CPU; "triton" or "torch" force o
     call_module  nn.LayerNorm, RMSNorm       -> KernelLayerNorm, KernelRMSNorm (same parameters)
                  CausalAttention with RoPE   -> KernelCausalAttention (kernels.apply_rope on q, k)
                  LMLoss                      -> KernelLMLoss (kernels.vocab_parallel_cross_entropy)
+                 MoEFeedForward (replicated) -> KernelMoEFeedForward (runtime.experts: the permute,
+                                                unpermute and silu * mul kernels)
     call_function gelu(x, approximate="tanh")-> kernel_gelu(x, backend)       (kernels.bias_gelu)
                  mul(silu(a), b)             -> kernel_silu_mul(a, b, backend) (kernels.silu_mul)
 
-The tensor-parallel loss (runtime.modules.VocabParallelLoss) takes the backend itself. Meta tensors
-(shape inference) always take the torch path.
+The tensor-parallel loss (runtime.modules.VocabParallelLoss) and runtime.modules.ParallelMoE (set
+by runtime.rewrite) take the backend themselves. Meta tensors (shape inference) always take the
+torch path.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoplan.errors import ConfigError
-from autoplan.models.layers import CausalAttention, LMLoss, RMSNorm, rope_cos_sin
+from autoplan.models.layers import CausalAttention, LMLoss, MoEFeedForward, RMSNorm, rope_cos_sin
 from autoplan.runtime import kernels as K
+from autoplan.runtime.experts import local_experts_ffn
 
 
 def on(t: torch.Tensor, backend: str) -> str:
@@ -54,6 +58,20 @@ class KernelRMSNorm(RMSNorm):
 class KernelLMLoss(LMLoss):
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return K.vocab_parallel_cross_entropy(logits, targets, backend=on(logits, self.kernels))
+
+
+class KernelMoEFeedForward(MoEFeedForward):
+    """MoEFeedForward (same routing, same parameters) with its experts run by
+    `experts.local_experts_ffn`: one permute, a SwiGLU per expert's run of rows, one unpermute."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_meta:  # the model's dense equivalent: routing has no meta kernel
+            return super().forward(x)
+        flat = x.reshape(-1, x.shape[-1])  # (N, h)
+        top_logits, top_idx = self.router(flat).topk(self.top_k, dim=-1)  # (N, k)
+        weights = F.softmax(top_logits.float(), dim=-1).to(x.dtype)  # (N, k)
+        return local_experts_ffn(flat, top_idx, weights, self.w_gate, self.w_up, self.w_down,
+                                 self.kernels).view(x.shape)
 
 
 class KernelCausalAttention(CausalAttention):
@@ -91,6 +109,12 @@ def kernel_module(module: nn.Module, backend: str) -> nn.Module:
                                     module.max_seq, module.rope_theta)
     elif kind is LMLoss:
         new = KernelLMLoss()
+    elif kind is MoEFeedForward:
+        experts, hidden, ffn = module.w_gate.shape
+        with torch.device("meta"):  # no memory for the weights about to be replaced
+            new = KernelMoEFeedForward(hidden, ffn, experts, module.top_k)
+        new.router, new.w_gate, new.w_up, new.w_down = (module.router, module.w_gate,
+                                                        module.w_up, module.w_down)
     else:
         return module
     new.kernels = backend
