@@ -49,7 +49,10 @@ def _model_options(p, hf: bool = False) -> None:
 
 def _profile_option(p) -> None:
     p.add_argument("--profile", metavar="FILE", help="hardware profile from `autoplan profile` (GEMM efficiency, HBM "
-                   "bandwidth, intra-node collectives); it must be of the cluster's device")
+                   "bandwidth, intra-node collectives, fused-kernel efficiencies); it must be of the cluster's device")
+    p.add_argument("--kernels", default="auto", choices=("auto", "triton", "torch"),
+                   help="the runtime's fused kernels, written into the plan and priced: Triton on a GPU cluster for "
+                   "auto (at the profile's measured kernel efficiencies where it has them), or torch eager")
 
 
 def _load_profile(args):
@@ -67,6 +70,8 @@ def _estimate_parser(sub) -> None:
     for axis in ("tp", "pp", "cp", "ep"):
         p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} degree (default 1)")
     p.add_argument("--dp", type=int, help="dp degree (default: world / (tp pp cp ep))")
+    p.add_argument("--etp", type=int, help="the MoE experts' tensor-parallel degree: tp (default; each expert's "
+                   "FFN split over tp) or 1 (experts whole, the tp ranks folded into expert parallelism)")
     p.add_argument("--mbs", type=int, default=1, help="microbatch size (default 1)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage (default 1)")
     p.add_argument("--recompute", default="selective", choices=("none", "selective", "full"))
@@ -115,7 +120,7 @@ def cmd_search(args) -> int:
     with search_progress() as progress:
         result = search_plans(config, cluster, args.global_batch, args.seq, top=args.top, dtype=args.dtype,
                               fold=not args.no_fold, time_limit_s=args.time_limit, progress=progress,
-                              profile=_load_profile(args), **captured)
+                              profile=_load_profile(args), kernels=args.kernels, **captured)
     plan = result.plans[0]
     if args.output:
         plan.save(args.output)
@@ -157,10 +162,10 @@ def cmd_estimate(args) -> int:
     if dp < 1 or dp * others != cluster.world_size:
         raise AutoplanError(f"tp {args.tp} x pp {args.pp} x cp {args.cp} x ep {args.ep} x dp {dp} != world size "
                             f"{cluster.world_size} of {cluster.describe()}; pick degrees whose product is {cluster.world_size}")
-    mesh = MeshShape(pp=args.pp, dp=dp, tp=args.tp, cp=args.cp, ep=args.ep)
+    mesh = MeshShape(pp=args.pp, dp=dp, tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp)
     plan = estimate(config, cluster, args.global_batch, args.seq, mesh=mesh, microbatch_size=args.mbs, zero_stage=args.zero,
                     recompute=args.recompute, dtype=args.dtype, schedule=args.schedule, virtual_stages=args.virtual_stages,
-                    profile=_load_profile(args))
+                    profile=_load_profile(args), kernels=args.kernels)
     if args.output:
         plan.save(args.output)
     if args.json:

@@ -48,7 +48,8 @@ def describe_config(plan: Plan) -> str:
     m = plan.mesh
     virtual = len({s.chunk for s in plan.stages})
     schedule = plan.schedule + (f", {virtual} virtual stages" if virtual > 1 else "")
-    return (f"{m} (pp={m.pp} dp={m.dp} ep={m.ep} cp={m.cp} tp={m.tp}), microbatch {plan.microbatch_size} x "
+    etp = f" etp={m.etp}" if m.etp != m.tp else ""
+    return (f"{m} (pp={m.pp} dp={m.dp} ep={m.ep} cp={m.cp} tp={m.tp}{etp}), microbatch {plan.microbatch_size} x "
             f"{plan.num_microbatches}, ZeRO-{plan.zero_stage}, recompute {plan.recompute}, {schedule}")
 
 
@@ -96,11 +97,12 @@ def op_family_costs(plan: Plan, graph, config) -> list[tuple[str, str, int, floa
     from autoplan.cost_model.intra_op import CostContext, price_assignment, resolve_strategies
     from autoplan.mesh import MeshShape
     from autoplan.planner import model_info
-    from autoplan.strategies import default_registry
+    from autoplan.strategies import default_registry, strategy_info
 
     tp = plan.mesh.tp
     assignment = {op.node: op.strategy for op in plan.ops}
-    strategies = resolve_strategies(graph, default_registry(), model_info(config), tp, assignment)
+    info = strategy_info(model_info(config), tp, plan.mesh.etp)
+    strategies = resolve_strategies(graph, default_registry(), info, tp, assignment)
     microbatch = Fraction(plan.microbatch_size, plan.mesh.cp)
     ctx = CostContext(plan.cluster, MeshShape(dp=plan.cluster.world_size // tp, tp=tp), plan.dtype, Efficiency(),
                       graph.batch_size, float(microbatch) / graph.batch_size)
@@ -175,6 +177,8 @@ def _ops_text(plan: Plan, config, graph, max_ops: int) -> list[str]:
 def _config_differences(a: Plan, b: Plan) -> list[tuple[str, str, str]]:
     fields = [("mesh", str(a.mesh), str(b.mesh))]
     fields += [(axis, str(a.mesh.degree(axis)), str(b.mesh.degree(axis))) for axis in ("pp", "dp", "ep", "cp", "tp")]
+    etp = [str(m.etp) if m.etp != m.tp else "= tp" for m in (a.mesh, b.mesh)]  # shown only where one differs
+    fields += [("etp (experts' tp)", *etp)]
     fields += [("microbatch size", str(a.microbatch_size), str(b.microbatch_size)),
                ("microbatches", str(a.num_microbatches), str(b.num_microbatches)),
                ("ZeRO stage", str(a.zero_stage), str(b.zero_stage)), ("recompute", a.recompute, b.recompute),

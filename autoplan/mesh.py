@@ -5,6 +5,14 @@ fastest-varying one: with the default order ("pp", "dp", "ep", "cp", "tp") tenso
 consecutive and, when tp divides the GPUs per node, stay inside one node (as in Megatron-LM).
 
     rank = sum_a coord[a] * stride[a],   stride[a] = prod(degree[b] for b after a in order)
+
+`etp`, the expert tensor-parallel degree, is no axis: it says how MoE layers use the tp ranks
+(Megatron Core's MoE parallel folding, Liu et al. 2025). etp = tp (the default): every expert's FFN
+is split over the tp ranks like the dense layers, experts spread over the ep ranks. etp = 1: experts
+are whole and the tp ranks become expert-parallel ranks too, so a MoE layer spreads its experts over
+the ep x tp ranks (`expert_axes`, `expert_parallel`) while attention keeps tp. 1 < etp < tp would
+split the tp axis in two levels (experts over tp / etp, each expert's FFN over etp), which neither
+the per-axis placements of a Plan nor this runtime express, so it is refused.
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ DEFAULT_ORDER: tuple[str, ...] = ("pp", "dp", "ep", "cp", "tp")
 
 @dataclass(frozen=True)
 class MeshShape:
-    """Degrees of pp x dp x ep x cp x tp and their rank order (outermost first)."""
+    """Degrees of pp x dp x ep x cp x tp, their rank order (outermost first), and the expert
+    tensor-parallel degree `etp` (module docstring; None: tp)."""
 
     pp: int = 1
     dp: int = 1
@@ -28,6 +37,7 @@ class MeshShape:
     cp: int = 1
     ep: int = 1
     order: tuple[str, ...] = DEFAULT_ORDER
+    etp: int | None = None
 
     def __post_init__(self) -> None:
         for axis in AXIS_NAMES:
@@ -38,6 +48,19 @@ class MeshShape:
             raise ConfigError(
                 f"mesh order {self.order!r} must name each of {', '.join(AXIS_NAMES)} exactly once"
             )
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        check_etp(self.etp, self.tp)
+
+    @property
+    def expert_axes(self) -> tuple[str, ...]:
+        """The axes whose ranks hold different experts of a MoE layer: ep, and tp when etp < tp."""
+        return ("ep", "tp") if self.etp < self.tp else ("ep",)
+
+    @property
+    def expert_parallel(self) -> int:
+        """How many ranks one MoE layer's experts are spread over: ep * tp / etp."""
+        return self.ep * self.tp // self.etp
 
     @property
     def world_size(self) -> int:
@@ -85,15 +108,32 @@ class MeshShape:
         return self.degree(axis) // self.nodes_spanned(axis, gpus_per_node)
 
     def to_json(self) -> dict:
-        return {**self.degrees(), "order": list(self.order)}
+        """The degrees and order; "etp" only where it differs from tp (files of plans made before
+        it existed, and of dense models, stay as they were)."""
+        extra = {"etp": self.etp} if self.etp != self.tp else {}
+        return {**self.degrees(), "order": list(self.order), **extra}
 
     @classmethod
     def from_json(cls, data: dict) -> "MeshShape":
-        unknown = set(data) - set(AXIS_NAMES) - {"order"}
+        unknown = set(data) - set(AXIS_NAMES) - {"order", "etp"}
         if unknown:
-            raise ConfigError(f"mesh has unknown keys {sorted(unknown)}; allowed: {list(AXIS_NAMES)} and 'order'")
+            raise ConfigError(f"mesh has unknown keys {sorted(unknown)}; allowed: {list(AXIS_NAMES)}, 'order' and "
+                              f"'etp'")
         order = tuple(data.get("order", DEFAULT_ORDER))
-        return cls(**{a: data.get(a, 1) for a in AXIS_NAMES}, order=order)
+        return cls(**{a: data.get(a, 1) for a in AXIS_NAMES}, order=order, etp=data.get("etp"))
 
     def __str__(self) -> str:
-        return " x ".join(f"{a}{self.degree(a)}" for a in self.order if self.degree(a) > 1) or "single device"
+        axes = " x ".join(f"{a}{self.degree(a)}" for a in self.order if self.degree(a) > 1) or "single device"
+        return axes + (f" (etp{self.etp})" if self.etp != self.tp else "")
+
+
+def check_etp(etp: object, tp: int) -> None:
+    """Refuse an expert tensor-parallel degree other than tp or 1 (module docstring)."""
+    if not isinstance(etp, int) or isinstance(etp, bool) or etp < 1 or tp % etp:
+        divisors = [d for d in range(1, tp + 1) if tp % d == 0]
+        raise ConfigError(f"mesh etp={etp!r} must be a positive divisor of tp={tp} (the tp ranks a MoE expert's "
+                          f"FFN is split over); use one of {divisors}")
+    if 1 < etp < tp:
+        raise ConfigError(f"mesh etp={etp} with tp={tp}: only etp={tp} (each expert's FFN split over the tp ranks) "
+                          f"and etp=1 (experts whole, the tp ranks used as more expert-parallel ranks) are "
+                          f"implemented; 1 < etp < tp would split the tp axis in two levels. Use etp=1 or etp={tp}")

@@ -3,7 +3,8 @@
     1. enumerate the configurations (`search_space`); drop those whose memory lower bound exceeds
        the device before anything is solved or priced;
     2. price the baselines (`baselines`: Megatron-style, FSDP): their step times seed the bound;
-    3. group the rest by intra-op key (tp, sequences per rank per microbatch = mbs / cp); visit the keys
+    3. group the rest by intra-op key (tp, sequences per rank per microbatch = mbs / cp, etp: the MoE
+       strategies depend on it, `strategies.moe_strategies`); visit the keys
        in order of their best time lower bound (the roofline's compute rate in the pipeline formula)
        and stop once that bound exceeds the K-th best step time found;
     4. per key: solve the intra-op problem (`planner.solve_tp`) and price each configuration whose
@@ -20,6 +21,7 @@ much is pruned. Same inputs, same plans.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -33,7 +35,7 @@ from autoplan.cost_model.comm import COLLECTIVE_KINDS, AxisGroup, group_collecti
 from autoplan.cost_model.compute import Efficiency
 from autoplan.cost_model.intra_op import CostContext, attention_head_dim
 from autoplan.cost_model.memory import is_batched, param_placements, selective_recompute_nodes
-from autoplan.cost_model.parallel_dims import batch_problem, check, cp_problem, ep_problem, tp_problem
+from autoplan.cost_model.parallel_dims import batch_problem, check, cp_problem, ep_problem, etp_problem, tp_problem
 from autoplan.cost_model.pipeline import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED
 from autoplan.errors import ConfigError
 from autoplan.mesh import MeshShape
@@ -47,7 +49,7 @@ from autoplan.parts import EXPERT_PARAMS, BlockCosts, SolutionParts, block_costs
 from autoplan.pricing import Priced, StepEnv, StepModel
 from autoplan.search_space import (Config, FlopsPerSequence, SearchOptions, enumerate_configs, infeasible,
                                    memory_lower_bound, parameter_split, time_lower_bound_s)
-from autoplan.strategies import Strategy, StrategyRegistry, default_registry
+from autoplan.strategies import Strategy, StrategyRegistry, default_registry, strategy_info
 
 VARIANT_ILP = "ilp"
 VARIANT_MEGATRON = "megatron-sp"
@@ -101,42 +103,50 @@ class SearchContext:
                                 sum(n.fwd_flops for n in g.nodes if n.name in selective) / batch,
                                 sum(n.fwd_flops for n in g.nodes if n.layer is not None) / batch)
 
-    def assignment(self, variant: str, tp: int) -> dict[str, str]:
+    def assignment(self, variant: str, tp: int, etp: int | None = None) -> dict[str, str]:
         if variant != VARIANT_MEGATRON:
             raise ConfigError(f"unknown strategy variant {variant!r}; expected {VARIANT_ILP!r} or {VARIANT_MEGATRON!r}")
-        if (variant, tp) not in self._assignments:
-            self._assignments[(variant, tp)] = megatron_assignment(self.graph, self.registry, tp, self.info,
-                                                                   sequence_parallel=True)
-        return self._assignments[(variant, tp)]
+        etp = tp if etp is None else etp
+        if (variant, tp, etp) not in self._assignments:
+            self._assignments[(variant, tp, etp)] = megatron_assignment(
+                self.graph, self.registry, tp, strategy_info(self.info, tp, etp), sequence_parallel=True)
+        return self._assignments[(variant, tp, etp)]
 
     def solution(self, tp: int, microbatch: int, variant: str = VARIANT_ILP,
-                 assignment: Mapping[str, str] | None = None) -> SolutionParts:
-        """The tp strategies at a whole `microbatch` (cached): the intra-op solver's, or an assignment's."""
-        key = (tp, microbatch, variant, tuple(sorted(assignment.items())) if assignment is not None else None)
+                 assignment: Mapping[str, str] | None = None, etp: int | None = None) -> SolutionParts:
+        """The tp strategies at a whole `microbatch` (cached): the intra-op solver's, or an assignment's;
+        `etp` (None: tp) decides the MoE layers' strategies."""
+        etp = tp if etp is None else etp
+        key = (tp, microbatch, variant, tuple(sorted(assignment.items())) if assignment is not None else None, etp)
         if key not in self._solutions:
-            mesh = MeshShape(dp=self.cluster.world_size // tp, tp=tp)  # tp innermost: the solver sees its own group
+            # tp innermost: the solver sees its own group
+            mesh = MeshShape(dp=self.cluster.world_size // tp, tp=tp, etp=etp)
             if variant == VARIANT_ILP:
                 sol = solve_tp(self.graph, self.registry, self.info, self.cluster, mesh, microbatch, self.dtype,
                                self.efficiency, self.fold, self.time_limit_s, self.fold_map)
                 self.ilp_solves += 1
             else:
-                chosen = dict(assignment) if assignment is not None else self.assignment(variant, tp)
+                chosen = dict(assignment) if assignment is not None else self.assignment(variant, tp, etp)
                 sol = tp_solution(self.graph, self.registry, self.info, self.cluster, mesh, microbatch, chosen,
                                   self.dtype, self.efficiency, variant)
             self._solutions[key] = solution_parts(self.graph, sol)
         return self._solutions[key]
 
     def block(self, tp: int, microbatch: Fraction, variant: str = VARIANT_ILP,
-              assignment: Mapping[str, str] | None = None, mesh: MeshShape | None = None) -> BlockCosts:
+              assignment: Mapping[str, str] | None = None, mesh: MeshShape | None = None,
+              etp: int | None = None) -> BlockCosts:
         """The tp solution for `microbatch` sequences per rank (mbs / cp, maybe below 1), priced part by part
         at exactly that microbatch (cached). The strategies are those solved at ceil(microbatch) sequences:
         the solver works on whole microbatches, and its choice barely moves between neighbouring sizes.
         `mesh`: the configuration's, whose order may spread its tp groups over nodes (cp or ep innermost): the
-        tp communication of the same strategies (solved with tp inside a node) is then priced over those links."""
+        tp communication of the same strategies (solved with tp inside a node) is then priced over those links.
+        `etp`: the experts' tensor-parallel degree (None: tp)."""
         spread = self.tp_spread(mesh) if mesh is not None else None
-        key = (tp, microbatch, variant, tuple(sorted(assignment.items())) if assignment is not None else None, spread)
+        etp = tp if etp is None else etp
+        key = (tp, microbatch, variant, tuple(sorted(assignment.items())) if assignment is not None else None, spread,
+               etp)
         if key not in self._blocks:
-            parts = self.solution(tp, math.ceil(microbatch), variant, assignment)
+            parts = self.solution(tp, math.ceil(microbatch), variant, assignment, etp)
             mesh = mesh if spread is not None else MeshShape(dp=self.cluster.world_size // tp, tp=tp)
             ctx = CostContext(self.cluster, mesh, self.dtype, self.efficiency, self.graph.batch_size,
                               float(microbatch) / self.graph.batch_size, head_dim=self.head_dim)
@@ -162,13 +172,13 @@ class SearchContext:
         return self._no_less[group]
 
     def price(self, cfg: Config, variant: str = VARIANT_ILP, assignment: Mapping[str, str] | None = None) -> Priced:
-        return self.steps.price(self.block(cfg.tp, cfg.rank_microbatch, variant, assignment, cfg.mesh), cfg)
+        return self.steps.price(self.block(cfg.tp, cfg.rank_microbatch, variant, assignment, cfg.mesh, cfg.etp), cfg)
 
     def plan(self, priced: Priced, search_time_s: float = 0.0, notes: tuple[str, ...] = (),
              assignment: Mapping[str, str] | None = None, solver: str | None = None) -> Plan:
         """The Plan of a priced configuration (placements from its tp solution)."""
         cfg = priced.config
-        sol = self.block(cfg.tp, cfg.rank_microbatch, priced.variant, assignment, cfg.mesh).solution
+        sol = self.block(cfg.tp, cfg.rank_microbatch, priced.variant, assignment, cfg.mesh, cfg.etp).solution
         params, ops = _placements(self.graph, sol.strategies, cfg)
         fits = () if priced.fits else (f"does not fit: {priced.peak_memory_bytes / 1e9:.1f} GB per GPU > "
                                         f"{self.cluster.device.memory_bytes / 1e9:.1f} GB",)
@@ -180,8 +190,9 @@ class SearchContext:
             schedule=cfg.schedule, stages=tuple(StageSpec(s, a, b, chunk) for s, chunk, a, b in priced.stages),
             params=params, ops=ops, predicted=self.predicted(priced),
             provenance=Provenance(autoplan.__version__, search_time_s, sol.solver if solver is None else solver,
-                                  notes + _uncovered_note(self.graph, self.registry) + fits),
-            dtype=self.dtype)
+                                  notes + _uncovered_note(self.graph, self.registry) + fits
+                                  + (self.efficiency.kernels.note(self.efficiency.memory),)),
+            dtype=self.dtype, kernels=self.efficiency.kernels.option)
 
     def predicted(self, priced: Priced) -> Predicted:
         step = priced.step_time_s
@@ -271,10 +282,12 @@ class _Best:
 
 
 def _keys(configs: list[Config], flops: FlopsPerSequence, peak: float) -> list[tuple[float, tuple, list]]:
-    """(best bound, key, [(bound, config)...] sorted) per intra-op key, sorted by bound."""
+    """(best bound, key, [(bound, config)...] sorted) per intra-op key (tp, microbatch per rank, etp), sorted by
+    bound."""
     groups: dict[tuple, list] = {}
     for cfg in configs:
-        groups.setdefault((cfg.tp, cfg.rank_microbatch), []).append((time_lower_bound_s(cfg, flops, peak), cfg))
+        key = (cfg.tp, cfg.rank_microbatch, cfg.mesh.etp)
+        groups.setdefault(key, []).append((time_lower_bound_s(cfg, flops, peak), cfg))
     found = []
     for key, items in groups.items():
         items.sort(key=lambda bc: (bc[0], bc[1].sort_key()))
@@ -302,11 +315,12 @@ def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Ranking, report:
     """Steps 3-4 of the module docstring; (configurations pruned by time, priced, smallest that did not fit)."""
     pruned = priced_count = 0
     smallest: Priced | None = None
-    for done, (key_bound, (tp, microbatch), items) in enumerate(keys, 1):
+    for done, (key_bound, (tp, microbatch, etp), items) in enumerate(keys, 1):
         if key_bound > ranking.threshold_s():
             return pruned + sum(len(entry[2]) for entry in keys[done - 1:]), priced_count, smallest
-        report(ProgressMessage(f"[{done}/{len(keys)}] solving the intra-op ILP for tp={tp}, microbatch per rank="
-                               f"{microbatch}", done, len(keys)))
+        report(ProgressMessage(f"[{done}/{len(keys)}] solving the intra-op ILP for tp={tp}"
+                               f"{f', etp={etp}' if etp != tp else ''}, microbatch per rank={microbatch}",
+                               done, len(keys)))
         retry = items
         for variant in (VARIANT_ILP, VARIANT_MEGATRON) if tp > 1 else (VARIANT_ILP,):
             misfits = []
@@ -316,13 +330,13 @@ def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Ranking, report:
                     continue
                 # tp's links follow the order; with tp inside a node the same strategies cost no more, so that
                 # block's bound prunes first, without pricing the spread one, where that holds for every size
-                block, spread = ctx.block(tp, microbatch, variant), ctx.tp_spread(cfg.mesh)
+                block, spread = ctx.block(tp, microbatch, variant, etp=etp), ctx.tp_spread(cfg.mesh)
                 if ((spread is None or ctx.costs_no_less(spread)) and
                         ctx.steps.lower_bound_s(block, cfg) > ranking.threshold_s()):
                     pruned += variant == VARIANT_ILP
                     continue
                 if spread is not None:
-                    block = ctx.block(tp, microbatch, variant, mesh=cfg.mesh)
+                    block = ctx.block(tp, microbatch, variant, mesh=cfg.mesh, etp=etp)
                     if ctx.steps.lower_bound_s(block, cfg) > ranking.threshold_s():
                         pruned += variant == VARIANT_ILP
                         continue
@@ -353,6 +367,8 @@ def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq
     if top < 1:
         raise ConfigError(f"top={top} must be >= 1")
     options = options or SearchOptions()
+    if graph is not None and not any(n.op_kind == "moe" for n in graph.nodes):
+        options = dataclasses.replace(options, expert_tensor_parallel=False)  # no MoE layer for etp to change
     configs = enumerate_configs(config, cluster, global_batch, seq_len, options)
     sizes = parameter_split(config)
     bounds = [(memory_lower_bound(config, c, seq_len, dtype, sizes), c) for c in configs]
@@ -385,6 +401,7 @@ def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq
 def _notes(ctx: SearchContext, priced: Priced, rank: int, found_baselines, stats: SearchStats,
            options: SearchOptions) -> list[str]:
     notes = [f"searched {stats.configurations} configurations (pp x dp x ep x cp x tp and their order over ranks, "
+             f"the experts' etp, "
              f"microbatches, ZeRO "
              f"{'/'.join(map(str, options.zero_stages))}, recompute {'/'.join(options.recompute)}, 1F1B and "
              f"interleaved schedules): {stats.pruned_by_memory} pruned by the memory bound, {stats.pruned_by_time} "
@@ -428,6 +445,7 @@ def check_config(config: ModelConfig, cluster: ClusterSpec, global_batch: int, s
         check(tp_problem(config.heads, config.kv_heads, mesh.tp))
     check(cp_problem(config.heads, mesh.tp, mesh.cp, seq_len))
     check(ep_problem(config.experts, mesh.ep, mesh.dp * mesh.ep))
+    check(etp_problem(config.experts, mesh.ep, mesh.tp, mesh.etp, seq_len, mesh.cp))
     check(batch_problem(global_batch, mesh.dp * mesh.ep, microbatch_size))
     if mesh.pp > config.num_layers:
         raise ConfigError(f"pp={mesh.pp} exceeds the {config.num_layers} layers of {config.name}; use pp <= {config.num_layers}")
@@ -441,7 +459,7 @@ def check_config(config: ModelConfig, cluster: ClusterSpec, global_batch: int, s
     elif schedule != SCHEDULE_1F1B or virtual_stages != 1:
         raise ConfigError(f"schedule {schedule!r} with v={virtual_stages}: use '1f1b' (v=1) or 'interleaved-1f1b' (v >= 2)")
     return Config(mesh.tp, mesh.cp, mesh.pp, mesh.ep, mesh.dp, microbatch_size, m, zero_stage, recompute, schedule,
-                  virtual_stages, tuple(mesh.order))
+                  virtual_stages, tuple(mesh.order), mesh.etp)
 
 
 def price_given(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, cfg: Config, *,

@@ -16,7 +16,9 @@ counted; tokens_per_s = global_batch * seq_len / step_time.
 `profile` (search, search_plans, estimate): a `HardwareProfile` of the cluster's kind of device
 (`autoplan.profiler.profile`); it replaces the GEMM efficiency curve, the HBM bandwidth and, for groups
 inside a node, the collective links (`cost_model.compute.calibrate`). A profile of another device is
-refused (ProfileError).
+refused (ProfileError). `kernels` (the plan's option, "auto" | "triton" | "torch"): where it resolves to
+the runtime's Triton kernels, the nodes they run are priced at the profile's measured kernel efficiencies
+(`cost_model.kernels`); the plan's notes say whether those were measured or assumed.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from autoplan.models import build_model, get_model_config
 from autoplan.models.config import ModelConfig
 from autoplan.plan import Plan
 from autoplan.solver.ilp import solve_ilp
-from autoplan.strategies import FEAT, SEQ, Strategy, StrategyRegistry
+from autoplan.strategies import FEAT, SEQ, Strategy, StrategyRegistry, strategy_info
 
 if TYPE_CHECKING:
     from autoplan.outer_search import SearchResult
@@ -80,8 +82,8 @@ def model_info(config: ModelConfig) -> dict:
 def tp_solution(graph: CapturedGraph, registry: StrategyRegistry, info: Mapping, cluster: ClusterSpec,
                 mesh: MeshShape, microbatch_size: int, assignment: Mapping[str, str], dtype: str,
                 efficiency: Efficiency, solver: str = "", status: str = "optimal") -> TpSolution:
-    """Everything the step model needs about `assignment` at this (tp, microbatch)."""
-    tp = mesh.tp
+    """Everything the step model needs about `assignment` at this (tp, microbatch) and the mesh's etp."""
+    tp, info = mesh.tp, strategy_info(info, mesh.tp, mesh.etp)
     strategies = resolve_strategies(graph, registry, info, tp, assignment)
     ctx = make_context(graph, cluster, mesh, microbatch_size, dtype, efficiency)
     by_layer = parameter_count_by_layer(graph, strategies, tp)
@@ -98,7 +100,9 @@ def solve_tp(graph: CapturedGraph, registry: StrategyRegistry, info: Mapping, cl
              fold_map: FoldedGraph | None = None) -> TpSolution:
     """The intra-op optimum for one (tp, microbatch): with `fold`, each kind of block solved once per pair
     of boundary placements and the tables chained (`autoplan.fold`; `fold_map` passes a `fold_graph(graph)`
-    made before); without, one ILP over the unfolded graph. Both reach the same objective."""
+    made before); without, one ILP over the unfolded graph. Both reach the same objective. The mesh's etp
+    decides the MoE layers' strategies (`strategies.moe_strategies`)."""
+    info = strategy_info(info, mesh.tp, mesh.etp)
     if fold:
         folded = fold_map if fold_map is not None else fold_graph(graph)
         solution = solve_folded(folded, registry, info, cluster, mesh, microbatch_size, dtype, efficiency=efficiency,
@@ -135,8 +139,8 @@ def megatron_assignment(graph: CapturedGraph, registry: StrategyRegistry, tp: in
                         sequence_parallel: bool = False) -> dict[str, str]:
     """Megatron-LM's tensor parallelism as an assignment: column for q/k/v/fc/gate/up projections and
     the lm_head, row for o_proj/proj/down_proj, vocab for embeddings and cross-entropy, heads for
-    attention, ffn for MoE, features for pointwise ops between column and row, replicate elsewhere
-    (and wherever the wanted strategy is not valid at this tp).
+    attention, ffn for MoE (expert under etp < tp, its only strategy), features for pointwise ops between
+    column and row, replicate elsewhere (and wherever the wanted strategy is not valid at this tp).
 
     With `sequence_parallel` (Korthikanti et al. 2022): row projections and embeddings reduce-scatter
     along the sequence (row_sp, vocab_sp), norms and the pointwise ops of the residual stream run on
@@ -159,7 +163,8 @@ def megatron_assignment(graph: CapturedGraph, registry: StrategyRegistry, tp: in
         elif node.op_kind == "elementwise" and sequence_parallel and SEQ in placements and FEAT not in placements:
             wanted = "sequence"
         valid = {s.name: s for s in registry.strategies(node, tp, info)}
-        chosen = valid.get(wanted, valid.get("row", valid["replicate"]) if wanted == "row_sp" else valid["replicate"])
+        fallback = valid.get("replicate") or next(iter(valid.values()))  # a MoE under etp < tp has one strategy
+        chosen = valid.get(wanted, valid.get("row", fallback) if wanted == "row_sp" else fallback)
         assignment[node.name] = chosen.name
         output[node.name] = chosen.output
     return assignment
@@ -205,7 +210,8 @@ def search_plans(model: ModelConfig | str, cluster: ClusterSpec | str, global_ba
                  time_limit_s: float = 60.0, progress: Progress | None = None, max_microbatch_size: int = 16,
                  options: "SearchOptions | None" = None, efficiency: Efficiency | None = None,
                  registry: StrategyRegistry | None = None, profile: "HardwareProfile | None" = None,
-                 graph: CapturedGraph | None = None, info: Mapping | None = None) -> "SearchResult":
+                 graph: CapturedGraph | None = None, info: Mapping | None = None,
+                 kernels: str = "auto") -> "SearchResult":
     """The `top` best plans (distinct configurations, best first), the baselines beside them, and search
     statistics (`autoplan.outer_search`). `options` narrows the space (`autoplan.search_space.SearchOptions`);
     `max_microbatch_size` is a shorthand for its field of that name. `graph` / `info`: a graph captured
@@ -214,7 +220,7 @@ def search_plans(model: ModelConfig | str, cluster: ClusterSpec | str, global_ba
     from autoplan.search_space import SearchOptions
 
     config, cluster = resolve_inputs(model, cluster, global_batch, seq_len, dtype)
-    cluster, efficiency = calibrate(cluster, efficiency, profile)
+    cluster, efficiency = calibrate(cluster, efficiency, profile, kernels)
     options = options or SearchOptions(max_microbatch_size=max_microbatch_size)
     return run_search(config, cluster, global_batch, seq_len, top=top, options=options, baselines=baselines,
                       dtype=dtype, fold=fold, time_limit_s=time_limit_s, efficiency=efficiency, registry=registry,
@@ -225,24 +231,25 @@ def search(model: ModelConfig | str, cluster: ClusterSpec | str, global_batch: i
            dtype: str = "bfloat16", fold: bool = True, time_limit_s: float = 60.0, progress: Progress | None = None,
            max_microbatch_size: int = 16, options: "SearchOptions | None" = None,
            efficiency: Efficiency | None = None, registry: StrategyRegistry | None = None,
-           profile: "HardwareProfile | None" = None) -> Plan:
+           profile: "HardwareProfile | None" = None, kernels: str = "auto") -> Plan:
     """The fastest plan that fits; InfeasibleError, with the numbers and what would help, when none does."""
     return search_plans(model, cluster, global_batch, seq_len, dtype=dtype, fold=fold, time_limit_s=time_limit_s,
                         progress=progress, max_microbatch_size=max_microbatch_size, options=options,
-                        efficiency=efficiency, registry=registry, profile=profile).plans[0]
+                        efficiency=efficiency, registry=registry, profile=profile, kernels=kernels).plans[0]
 
 
 def estimate(model: ModelConfig | str, cluster: ClusterSpec | str, global_batch: int, seq_len: int, *,
              mesh: MeshShape, microbatch_size: int, zero_stage: int, recompute: str, dtype: str = "bfloat16",
              fold: bool = True, time_limit_s: float = 60.0, efficiency: Efficiency | None = None,
              registry: StrategyRegistry | None = None, graph: CapturedGraph | None = None,
-             schedule: str = "1f1b", virtual_stages: int = 1, profile: "HardwareProfile | None" = None) -> Plan:
+             schedule: str = "1f1b", virtual_stages: int = 1, profile: "HardwareProfile | None" = None,
+             kernels: str = "auto") -> Plan:
     """The Plan of one given configuration (any pp, dp, ep, cp, tp), the intra-op solver choosing the
     strategies; it may not fit (its notes say). Bad values raise ConfigError naming values that work."""
     from autoplan.outer_search import check_config, price_given
 
     config, cluster = resolve_inputs(model, cluster, global_batch, seq_len, dtype)
-    cluster, efficiency = calibrate(cluster, efficiency, profile)
+    cluster, efficiency = calibrate(cluster, efficiency, profile, kernels)
     cfg = check_config(config, cluster, global_batch, seq_len, mesh, microbatch_size, zero_stage, recompute, schedule,
                        virtual_stages)
     return price_given(config, cluster, global_batch, seq_len, cfg, assignment=None, dtype=dtype, efficiency=efficiency,

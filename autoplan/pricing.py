@@ -5,7 +5,8 @@ Per microbatch and rank, with mbs / cp sequences of full length standing for the
 (`parallel_dims`), a layer costs
 
     t_layer = compute (+ recompute) + tp communication + Ulysses all-to-alls (cp > 1, attention layers)
-              + expert dispatch / combine all-to-alls (ep > 1, MoE layers)
+              + expert dispatch / combine all-to-alls (MoE layers whose experts are spread over more than
+                one rank: over ep, or over ep x tp when etp = 1 < tp, `parallel_dims`)
 
 Stages: 1F1B uses the stage DP (`solver.stages`, time-optimal partition, memory-checked, re-solved
 under the memory limit only when it does not fit); interleaved 1F1B uses uniform chunks. Each stage
@@ -18,8 +19,9 @@ also pays its p2p sends (`cost_model.pipeline`). Per optimizer step:
     optimizer_s     = Adam over the stage's local parameters at HBM bandwidth (the largest stage)
 
 Data-parallel sync per stage, over dp x ep x cp ranks for dense parameters and dp x cp for expert
-ones, in (layers + 1) buckets so latencies count; window_b = the stage's backward of one microbatch
-(with recompute), window_f = its forward. As PyTorch DDP / FSDP2 and Megatron-Core's overlapped
+ones (whatever etp: the ranks holding the same experts differ only in dp and cp), in (layers + 1)
+buckets so latencies count; window_b = the stage's backward of one microbatch (with recompute),
+window_f = its forward. As PyTorch DDP / FSDP2 and Megatron-Core's overlapped
 gradient reduce do it, a bucket is reduced as soon as the last microbatch's backward has made it, so
 the traffic hides behind that backward, except the last bucket (layer 0 and the embedding), which is
 ready only when the backward ends: exposed = max(collective / buckets, collective - window):
@@ -156,23 +158,24 @@ class StepModel:
             kv_width = max(part.kv_width, cfg.cp * env.model.head_dim)  # kv heads repeated up to cp
             total += ulysses_all_to_all_s(cfg.microbatch_size * env.seq_len, part.q_width, kv_width, itemsize,
                                           env.cluster, self.group(cfg, ("cp",)), env.efficiency.collectives)
-        if cfg.ep > 1 and part.moe_layers:
+        if cfg.mesh.expert_parallel > 1 and part.moe_layers:  # tokens / tp each under etp = 1 (moe_token_share)
             tokens = float(block.microbatch) * env.seq_len * part.moe_token_share
             total += part.moe_layers * expert_all_to_all_s(tokens, env.model.expert_width, env.model.top_k, itemsize,
-                                                           env.cluster, self.group(cfg, ("ep",)),
+                                                           env.cluster, self.group(cfg, cfg.mesh.expert_axes),
                                                            env.efficiency.collectives)
         return total
 
     def _links(self, cfg: Config) -> tuple[AxisGroup, AxisGroup]:
-        """The cp and ep groups' shapes on the network: what the per-layer times depend on of the order."""
-        return self.group(cfg, ("cp",)), self.group(cfg, ("ep",))
+        """The cp and expert (ep, or ep x tp) groups' shapes on the network: what the per-layer times depend on
+        of the order."""
+        return self.group(cfg, ("cp",)), self.group(cfg, cfg.mesh.expert_axes)
 
     def times(self, block: BlockCosts, cfg: Config) -> _Times:
         key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.microbatch_size, self._links(cfg))
         if key not in self._times:
             a, r = block.arrays(cfg.recompute), cfg.recompute
             comm = a["comm"]
-            if cfg.cp > 1 or cfg.ep > 1:
+            if cfg.cp > 1 or cfg.mesh.expert_parallel > 1:
                 comm = comm + np.array([self._extra_comm_s(block, cfg, p) for p in block.distinct])[block.index]
             time = a["compute"] + comm
             ends = [p.compute_s(r) + p.comm_s(r) for p in (block.pre, block.post)]

@@ -28,7 +28,9 @@ def summary_table(plan: Plan) -> Table:
     table.add_column("what", style="bold")
     table.add_column("value")
     mesh = plan.mesh
-    table.add_row("mesh", f"pp={mesh.pp} dp={mesh.dp} tp={mesh.tp} cp={mesh.cp} ep={mesh.ep}  (order {' > '.join(mesh.order)})")
+    etp = f" etp={mesh.etp}" if mesh.etp != mesh.tp else ""  # the experts' tp (MoE parallel folding)
+    degrees = f"pp={mesh.pp} dp={mesh.dp} tp={mesh.tp} cp={mesh.cp} ep={mesh.ep}{etp}"
+    table.add_row("mesh", f"{degrees}  (order {' > '.join(mesh.order)})")
     table.add_row("batch", f"global {plan.global_batch} x seq {plan.seq_len} = microbatch {plan.microbatch_size} x {plan.num_microbatches} microbatches x dp {mesh.dp}")
     table.add_row("memory knobs", f"ZeRO stage {plan.zero_stage}, recompute {plan.recompute}, schedule {plan.schedule}, {plan.dtype}")
     table.add_row("step time", _fmt_s(p.step_time_s))

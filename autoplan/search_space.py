@@ -8,6 +8,8 @@ ZeRO stage, the recompute policy and the pipeline schedule. Enumerated (`enumera
     pp   divides world / (tp cp), at most the number of layers
     D    = world / (tp cp pp), the data-parallel degree, must divide the global batch
     ep   divides D and the experts (MoE models only); the mesh's dp axis is D / ep
+    etp  the experts' tensor-parallel degree (`MeshShape.etp`): tp, and 1 for MoE models with tp > 1 where
+         ep x tp divides the experts and tp x cp the sequence (1 < etp < tp is not implemented)
     mbs  divides global_batch / D, at most `max_microbatch_size`; m = global_batch / (D mbs)
     schedule 1F1B, or interleaved 1F1B with v virtual stages when pp > 1, the layers divide by pp v
          and m divides by pp
@@ -18,6 +20,7 @@ ZeRO stage, the recompute policy and the pipeline schedule. Enumerated (`enumera
 Bounds, both sound (never above the priced value), so pruning by them never loses the optimum:
 
     memory  >= [states(N_dense / (tp pp), D cp) + states(N_expert / (tp pp ep), D cp / ep)
+                                                     (experts split over ep x tp either way: etp x tp / etp)
                 + L * a_min / pp]                    states() as ZeRO divides them (cost_model.memory);
                a_min = (mbs / cp) * T * hidden * itemsize / tp, the smallest thing a layer keeps (its
                input, sequence-sharded); every stage keeps >= 1 microbatch, the largest stage >= the mean
@@ -37,7 +40,7 @@ from fractions import Fraction
 
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.memory import model_state_bytes, state_bytes_for
-from autoplan.cost_model.parallel_dims import axes_group, cp_problem, nearest_multiples
+from autoplan.cost_model.parallel_dims import axes_group, cp_problem, etp_problem, nearest_multiples
 from autoplan.cost_model.pipeline import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED
 from autoplan.errors import ConfigError, InfeasibleError
 from autoplan.mesh import DEFAULT_ORDER, MeshShape
@@ -56,6 +59,7 @@ class SearchOptions:
     pipeline: bool = True
     context_parallel: bool = True
     expert_parallel: bool = True
+    expert_tensor_parallel: bool = True  # also try etp = 1 (experts whole, tp folded into their ep group)
     virtual_stages: tuple[int, ...] = (2, 3, 4, 6, 8)
     zero_stages: tuple[int, ...] = ZERO_STAGES
     recompute: tuple[str, ...] = RECOMPUTE_POLICIES
@@ -85,6 +89,11 @@ class Config:
     schedule: str = SCHEDULE_1F1B
     virtual_stages: int = 1
     order: tuple[str, ...] = DEFAULT_ORDER  # of the mesh axes over ranks, outermost first (`MeshShape.order`)
+    etp: int | None = None  # the experts' tensor-parallel degree (`MeshShape.etp`); None (and tp) mean tp
+
+    def __post_init__(self) -> None:
+        if self.etp == self.tp:  # one spelling of the default, so that equal configurations compare equal
+            object.__setattr__(self, "etp", None)
 
     @property
     def data_parallel(self) -> int:
@@ -93,7 +102,7 @@ class Config:
 
     @cached_property
     def mesh(self) -> MeshShape:
-        return MeshShape(pp=self.pp, dp=self.dp, tp=self.tp, cp=self.cp, ep=self.ep, order=self.order)
+        return MeshShape(pp=self.pp, dp=self.dp, tp=self.tp, cp=self.cp, ep=self.ep, order=self.order, etp=self.etp)
 
     @cached_property
     def rank_microbatch(self) -> Fraction:
@@ -104,7 +113,7 @@ class Config:
         """Deterministic order between configurations of equal step time (simpler ones first)."""
         return (self.pp, self.tp, self.cp, self.ep, self.microbatch_size, self.zero_stage,
                 RECOMPUTE_POLICIES.index(self.recompute), self.schedule, self.virtual_stages,
-                self.order != DEFAULT_ORDER, self.order)
+                self.order != DEFAULT_ORDER, self.order, self.etp is not None)
 
     def describe(self) -> str:
         schedule = self.schedule if self.virtual_stages == 1 else f"{self.schedule} v={self.virtual_stages}"
@@ -125,16 +134,18 @@ ORDERS: tuple[tuple[str, ...], ...] = (
 PRICED_GROUPS: tuple[tuple[str, ...], ...] = (("tp",), ("cp",), ("ep",), ("pp",), ("dp", "ep", "cp"), ("dp", "cp"))
 
 
-def mesh_orders(tp: int, cp: int, pp: int, ep: int, dp: int, gpus_per_node: int) -> tuple[tuple[str, ...], ...]:
+def mesh_orders(tp: int, cp: int, pp: int, ep: int, dp: int, gpus_per_node: int,
+                etp: int | None = None) -> tuple[tuple[str, ...], ...]:
     """The orders of `ORDERS` that give this mesh different links, the first of each kind (the default first).
 
-    Two orders are equivalent for a mesh when every priced group (`PRICED_GROUPS`) spans the same nodes with
-    the same ranks per node under both (e.g. moving an axis of degree 1, or several axes that stay inside
-    one node either way)."""
+    Two orders are equivalent for a mesh when every priced group (`PRICED_GROUPS`, and the experts' ep x tp
+    group under etp < tp) spans the same nodes with the same ranks per node under both (e.g. moving an axis of
+    degree 1, or several axes that stay inside one node either way)."""
     found: dict[tuple, tuple[str, ...]] = {}
     for order in ORDERS:
-        mesh = MeshShape(pp=pp, dp=dp, tp=tp, cp=cp, ep=ep, order=order)
-        found.setdefault(tuple(axes_group(mesh, axes, gpus_per_node) for axes in PRICED_GROUPS), order)
+        mesh = MeshShape(pp=pp, dp=dp, tp=tp, cp=cp, ep=ep, order=order, etp=etp)
+        groups = PRICED_GROUPS + ((mesh.expert_axes,) if mesh.etp < tp else ())
+        found.setdefault(tuple(axes_group(mesh, axes, gpus_per_node) for axes in groups), order)
     return tuple(found.values())
 
 
@@ -182,6 +193,15 @@ def _no_mesh_message(model: ModelConfig, cluster: ClusterSpec, global_batch: int
             f"{model.num_layers} layers); nearest that work: {near}")
 
 
+def expert_tp_degrees(model: ModelConfig, tp: int, cp: int, ep: int, seq_len: int,
+                      options: SearchOptions) -> tuple[int | None, ...]:
+    """The etp searched for a mesh: None (= tp) always, 1 where it changes something and runs
+    (`parallel_dims.etp_problem`)."""
+    if not options.expert_tensor_parallel or tp == 1 or not model.experts:
+        return (None,)
+    return (None,) if etp_problem(model.experts, ep, tp, 1, seq_len, cp) else (None, 1)
+
+
 def runnable_zero_stages(stages: tuple[int, ...], pp: int, ep: int) -> tuple[int, ...]:
     """ZeRO stages searched for a mesh: with pipeline or expert parallelism only 0 and 1.
 
@@ -197,17 +217,27 @@ def enumerate_configs(model: ModelConfig, cluster: ClusterSpec, global_batch: in
     """Every configuration of the module docstring, in a fixed order."""
     configs = []
     for tp, cp, pp, ep, dp in enumerate_meshes(model, cluster, global_batch, seq_len, options):
-        orders = mesh_orders(tp, cp, pp, ep, dp, cluster.gpus_per_node) if options.orders else (DEFAULT_ORDER,)
-        per_rank = global_batch // (dp * ep)
-        for mbs in (d for d in divisors(per_rank) if d <= options.max_microbatch_size):
-            m = per_rank // mbs
-            schedules = [(SCHEDULE_1F1B, 1)] + [(SCHEDULE_INTERLEAVED, v) for v in options.virtual_stages
-                                                if pp > 1 and model.num_layers % (pp * v) == 0 and m % pp == 0]
-            for schedule, v in schedules:
-                for zero in runnable_zero_stages(options.zero_stages, pp, ep):
-                    for recompute in options.recompute:
-                        configs.extend(Config(tp, cp, pp, ep, dp, mbs, m, zero, recompute, schedule, v, order)
-                                       for order in orders)
+        for etp in expert_tp_degrees(model, tp, cp, ep, seq_len, options):
+            orders = (mesh_orders(tp, cp, pp, ep, dp, cluster.gpus_per_node, etp) if options.orders
+                      else (DEFAULT_ORDER,))
+            configs.extend(_mesh_configs(model, global_batch, options, (tp, cp, pp, ep, dp), etp, orders))
+    return configs
+
+
+def _mesh_configs(model: ModelConfig, global_batch: int, options: SearchOptions, degrees: tuple[int, ...],
+                  etp: int | None, orders: tuple[tuple[str, ...], ...]) -> list[Config]:
+    """The configurations of one mesh (tp, cp, pp, ep, dp) and etp: microbatches, schedules, ZeRO, recompute."""
+    tp, cp, pp, ep, dp = degrees
+    per_rank, configs = global_batch // (dp * ep), []
+    for mbs in (d for d in divisors(per_rank) if d <= options.max_microbatch_size):
+        m = per_rank // mbs
+        schedules = [(SCHEDULE_1F1B, 1)] + [(SCHEDULE_INTERLEAVED, v) for v in options.virtual_stages
+                                            if pp > 1 and model.num_layers % (pp * v) == 0 and m % pp == 0]
+        for schedule, v in schedules:
+            for zero in runnable_zero_stages(options.zero_stages, pp, ep):
+                for recompute in options.recompute:
+                    configs.extend(Config(tp, cp, pp, ep, dp, mbs, m, zero, recompute, schedule, v, order, etp)
+                                   for order in orders)
     return configs
 
 

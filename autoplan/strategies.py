@@ -22,8 +22,9 @@ import time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Mapping
 
+from autoplan.errors import ConfigError
 from autoplan.placement import Placement, Replicate, Shard
 
 if TYPE_CHECKING:  # capture imports torch; this module stays importable without it
@@ -39,10 +40,12 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 @dataclass(frozen=True)
 class Comm:
-    """A collective over the tp group on `tensor`: "output", "input:<i>", "params" or "stats".
+    """A collective over the tp group on `tensor`: "output", "input:<i>", "params", "param:<name>"
+    or "stats".
 
     Sizes are the FULL (unsharded over tp) tensor's bytes; "params" means every parameter of the op,
-    "stats" the three per-token fp32 statistics of vocabulary-parallel cross-entropy.
+    "param:<name>" one of them (named relative to the op's module, e.g. "router.weight"), "stats"
+    the three per-token fp32 statistics of vocabulary-parallel cross-entropy.
     """
 
     kind: str
@@ -102,7 +105,8 @@ class StrategyRegistry:
         return op_kind in self._rules
 
     def strategies(self, node: "NodeInfo", tp: int, info: dict | None = None) -> list[Strategy]:
-        """Valid strategies of `node` on a tp axis of degree `tp` ("replicate" is always first)."""
+        """Valid strategies of `node` on a tp axis of degree `tp` ("replicate" is always first, but
+        for a MoE under etp < tp, whose one strategy is "expert")."""
         rule = self._rules.get(node.op_kind, replicate_only)
         found = rule(node, tp, info or {})
         return found if tp > 1 else found[:1]
@@ -254,13 +258,23 @@ def cross_entropy_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Stra
 
 
 def moe_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy]:
-    """Mixture of experts, x (B, T, H) -> (B, T, H).
+    """Mixture of experts, x (B, T, H) -> (B, T, H), with `info["etp"]` the expert tensor-parallel
+    degree (`autoplan.mesh`; absent: tp).
 
+    etp = tp:
     ffn:      every expert's FFN split Megatron-style on the hidden FFN dim; the router runs
               replicated; output all-reduced, the experts' part of x.grad all-reduced in backward
               (with the small (tokens, top_k) gate-weight grads, which the op sums itself).
     sequence: tokens split along the sequence, weights replicated, weight grads summed over tp.
+    etp = 1 < tp, the only strategy (replicating the layer would leave idle the tp ranks that
+    etp = 1 gives the experts):
+    expert:   tokens split along the sequence (so R -> S(1) slices them and all-gathers their
+              grads, S(1) -> R all-gathers the output), experts split over tp on dim 0 (each tp
+              rank holds whole experts and serves them to the expert group ep x tp, runtime.experts);
+              the router replicated, its grad summed over tp.
     """
+    if info.get("etp", tp) < tp:
+        return [_expert_folded(node, tp)]
     found = replicate_only(node, tp, info)
     names = _params(node)
     ffn_hidden = info.get("ffn_hidden")
@@ -273,3 +287,20 @@ def moe_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy]:
         params = tuple(ParamSpec(p, R, grad_partial=True) for p in names)
         found.append(Strategy("sequence", (InputSpec(SEQ),), SEQ, params, 1 / tp, bwd_comm=(Comm("all_reduce", "params"),)))
     return found
+
+
+def _expert_folded(node: "NodeInfo", tp: int) -> Strategy:
+    """The MoE strategy of etp = 1 < tp (`moe_strategies`)."""
+    tokens = node.input_metas[0].shape[1]
+    if not _divides(tp, tokens):
+        raise ConfigError(f"node {node.name!r}: etp=1 splits the MoE's {tokens} tokens per sequence over tp={tp}, "
+                          f"which does not divide them; use a sequence divisible by tp x cp, or etp={tp}")
+    experts = {"w_gate": Shard(0), "w_up": Shard(0), "w_down": Shard(0)}
+    params = tuple(ParamSpec(p, experts.get(p, R), grad_partial=p not in experts) for p in _params(node))
+    return Strategy("expert", (InputSpec(SEQ),), SEQ, params, 1 / tp,
+                    bwd_comm=tuple(Comm("all_reduce", f"param:{p.name}") for p in params if p.grad_partial))
+
+
+def strategy_info(info: Mapping, tp: int, etp: int) -> dict:
+    """`info` for the rules at this tp with expert tensor-parallel degree `etp` (`moe_strategies`)."""
+    return {**info, "etp": etp} if etp != tp else dict(info)

@@ -140,7 +140,8 @@ def _moe_shape(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tuple[
         return x.numel / x.shape[-1] * ctx.batch_scale, float(x.shape[-1]), float(x.shape[-1])
     experts, width, ffn = shapes["w_gate"]
     per_expert = max(1.0, node.fwd_flops * ctx.batch_scale / (6.0 * width * ffn * experts))
-    return per_expert, max(1.0, ffn * strategy.compute_fraction), float(width)
+    whole = strategy.param_placement("w_gate") == Shard(0)  # experts split, each whole (etp = 1)
+    return per_expert, max(1.0, ffn * (1.0 if whole else strategy.compute_fraction)), float(width)
 
 
 def node_compute_s(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tuple[float, float]:
@@ -152,6 +153,7 @@ def node_compute_s(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tu
     params = _local_param_bytes(node, strategy, ctx.degree)
     share = ctx.batch_scale * strategy.compute_fraction
     accumulate = memory_time_s(grad_accumulation_bytes(params), device, eff)
+    eff = eff.for_node(node, strategy.name)  # a fused Triton kernel's measured HBM efficiency, if any
     if node.op_kind == "linear":
         fwd, bwd = linear_time_s(*_linear_shape(node, strategy, ctx), node.output.nbytes / node.output.numel,
                                  device, dtype, eff)
@@ -368,13 +370,14 @@ def graph_strategies(graph: "CapturedGraph", registry: StrategyRegistry, info: M
 
 def resolve_strategies(graph: "CapturedGraph", registry: StrategyRegistry, info: Mapping, tp: int,
                        assignment: Mapping[str, str]) -> dict[str, Strategy]:
-    """The Strategy objects of an assignment (node name -> strategy name); missing nodes replicate."""
+    """The Strategy objects of an assignment (node name -> strategy name); missing nodes take their first
+    strategy: replicate (a MoE under etp < tp has only "expert")."""
     unknown = sorted(set(assignment) - {n.name for n in graph.nodes})
     if unknown:
         raise AutoplanError(f"assignment names nodes that are not in the graph: {unknown[:5]}")
     resolved = {}
     for name, options in graph_strategies(graph, registry, info, tp).items():
-        wanted = assignment.get(name, "replicate")
+        wanted = assignment.get(name, options[0].name)
         match = [s for s in options if s.name == wanted]
         if not match:
             raise AutoplanError(f"node {name!r} has no strategy {wanted!r} at tp={tp}; valid: {[s.name for s in options]}")

@@ -126,10 +126,14 @@ def comm_tensor_nbytes(node: "NodeInfo", comm: Comm, capture_batch: int, batch_s
         return scaled_nbytes(node.input_metas[int(comm.tensor.split(":")[1])], capture_batch, batch_scale)
     if comm.tensor == "params":
         return float(sum(meta.nbytes for _, meta in node.params))
+    if comm.tensor.startswith("param:"):  # one parameter, named relative to the op's module
+        suffix = "." + comm.tensor.split(":", 1)[1]
+        return float(sum(meta.nbytes for name, meta in node.params if ("." + name).endswith(suffix)))
     if comm.tensor == "stats":
         logits = node.input_metas[0]
         return 3 * FP32_BYTES * logits.numel / logits.shape[-1] * batch_scale
-    raise ConfigError(f"node {node.name!r}: collective tensor {comm.tensor!r} is not output, input:<i>, params or stats")
+    raise ConfigError(f"node {node.name!r}: collective tensor {comm.tensor!r} is not output, input:<i>, params, "
+                      f"param:<name> or stats")
 
 
 def parameter_count_by_layer(graph: "CapturedGraph", strategies: Mapping[str, Strategy], tp: int
@@ -296,7 +300,7 @@ def largest_comm_buffer_bytes(graph: "CapturedGraph", strategies: Mapping[str, S
     for node in graph.nodes:
         strategy = strategies[node.name]
         for comm in strategy.fwd_comm + strategy.bwd_comm:
-            if comm.tensor != "params":  # parameter gradients are reduced in place
+            if not comm.tensor.startswith("param"):  # parameter gradients are reduced in place
                 largest = max(largest, comm_tensor_nbytes(node, comm, graph.batch_size, scale))
         for producer, meta, spec in zip(node.inputs, node.input_metas, strategy.inputs):
             if _reshards(strategies[producer].output, spec.placement, spec.grad_partial):

@@ -26,6 +26,13 @@ Balanced routing is assumed (each rank computes tokens * top_k / ... as without 
 and load imbalance are ignored. Mesh representation: ep is its own mesh axis between dp and cp
 (order pp, dp, ep, cp, tp), the dense layers are data-parallel over dp x ep, so ep divides the
 data-parallel degree.
+
+Expert tensor parallelism (`MeshShape.etp`): with etp = 1 < tp the MoE layers also fold the tp ranks
+into expert parallelism. Each tp rank takes 1 / tp of the tokens (the "expert" strategy: sequence
+split), the dispatch and combine run over the ep x tp ranks (`MeshShape.expert_axes`, their links from
+the mesh order) with tokens_per_rank / tp each, experts are divided by ep x tp, whole (no tp
+all-reduce of their outputs), and their gradients still reduce over dp x cp. Rules: the experts
+divisible by ep x tp, the sequence by tp x cp, a MoE model (`etp_problem`).
 """
 
 from __future__ import annotations
@@ -124,6 +131,22 @@ def ep_problem(experts: int, ep: int, data_parallel: int) -> str | None:
         near = sorted(valid, key=lambda d: (abs(d - ep), d))[:2]
         return (f"ep={ep} must divide the experts ({experts}) and the data-parallel degree dp x ep ({data_parallel}); "
                 f"nearest ep that work: {', '.join(map(str, sorted(near)))}")
+    return None
+
+
+def etp_problem(experts: int, ep: int, tp: int, etp: int, seq_len: int, cp: int = 1) -> str | None:
+    """Why expert tensor-parallel degree `etp` cannot run with this model and mesh, or None."""
+    if etp == tp:
+        return None
+    if experts == 0:
+        return (f"etp={etp} with tp={tp} needs a mixture-of-experts model (etp is the tensor-parallel degree of "
+                f"the experts); this model has none: leave etp unset (= tp)")
+    if experts % (ep * tp // etp):
+        return (f"etp={etp} spreads the {experts} experts over ep x tp / etp = {ep} x {tp // etp} ranks, which "
+                f"does not divide them; use etp={tp}, or an ep whose ep x {tp // etp} divides {experts}")
+    if seq_len % (tp * cp):
+        return (f"etp={etp} splits each sequence's tokens over tp x cp = {tp * cp} ranks, which does not divide "
+                f"seq_len {seq_len}; use etp={tp} or a sequence divisible by {tp * cp}")
     return None
 
 

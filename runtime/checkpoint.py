@@ -10,7 +10,9 @@ What is saved, per parameter `name` of the user's model:
 
 Each rank hands DCP its pieces as DTensors on a DeviceMesh of the ranks of its pipeline stage (axes
 dp, ep, cp, tp in mesh order; built without process groups, DCP only needs coordinates): Shard(d) on
-tp for tensor-parallel shards, Shard(0) on ep for expert weights, Replicate elsewhere. DCP writes
+tp for tensor-parallel shards, Shard(0) on ep for expert weights, Replicate elsewhere. Under
+etp < tp an expert weight is Shard(0) on both ep and tp: DTensor splits dim 0 over them in mesh
+order, which is the ascending rank order of the expert group, the order its experts are spread in. DCP writes
 each distinct piece once and, on load, reads whatever slice the new layout asks for. Parameters
 sharded over dp by ZeRO 2/3 (FSDP2) are gathered over dp first (their tp-local piece); under ZeRO 1
 each rank saves and loads the states of the parameters whose optimizer states it owns.
@@ -87,7 +89,9 @@ def _placements(program: "RankProgram", name: str, mesh: DeviceMesh) -> list:
     layout = program.layouts[name]
     found = []
     for axis in mesh.mesh_dim_names:
-        if axis == "tp" and isinstance(layout.placement, Shard):
+        if axis == "tp" and layout.folded:  # experts spread over ep x tp (etp < tp)
+            found.append(DShard(0))
+        elif axis == "tp" and isinstance(layout.placement, Shard):
             found.append(DShard(layout.placement.dim % len(layout.shape)))
         elif axis == "ep" and layout.expert:
             found.append(DShard(0))

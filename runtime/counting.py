@@ -14,6 +14,7 @@ rank runs:
         cross_entropy vocab   fwd 2 all-reduces (max; then sum-exp and target logit together)
         cross_entropy seq.    fwd all-reduce of (loss sum, count)
         moe ffn               fwd all-reduce, bwd 2 all-reduces (the input's and the gate weights')
+        moe expert (etp < tp) bwd all-reduce of the router's grad (its tokens split over tp)
     the conversion of each input edge whose placements differ (one per producer and kind):
         R -> S(d)             bwd all-gather       S(d) -> R       fwd all-gather
         S(a) -> S(b)          fwd + bwd all-to-all
@@ -22,18 +23,20 @@ rank runs:
         (backward ones only where the producer's value needs a gradient: not for token ids,
         targets or positions)
     cp > 1, attention:        fwd 4 all-to-alls (q, k, v to heads, output back), bwd 4
-    ep > 1, moe:              fwd 3 all-to-alls (counts, dispatch, combine), bwd 2
+    experts spread, moe:      fwd 3 all-to-alls (counts, dispatch, combine), bwd 2, on the expert
+                              group (ep, or ep x tp when etp < tp) when it has more than one rank
     recompute "full":         every forward collective of a layer's nodes once more in backward
                               ("selective" regions hold no collectives)
 
 Per step: the above times num_microbatches; one all-reduce of the dense gradients over the data
-ranks (dp x ep x cp) and one of the expert gradients over dp x cp (when those groups have more than
-one rank, and not under ZeRO 2/3, whose FSDP2 reduce-scatters are torch's own); the loss's
-all-reduce over pp (pp > 1) and over the data ranks. Not counted: torch's own collectives (FSDP2,
-ZeroRedundancyOptimizer's broadcasts, the pipeline schedules' sends and receives).
+ranks (dp x ep x cp) and one of the expert gradients over dp x cp, whatever etp (when those groups
+have more than one rank, and not under ZeRO 2/3, whose FSDP2 reduce-scatters are torch's own); the
+loss's all-reduce over pp (pp > 1) and over the data ranks. Not counted: torch's own collectives
+(FSDP2, ZeroRedundancyOptimizer's broadcasts, the pipeline schedules' sends and receives).
 
 Group names: a group is named by the narrowest kind with the same ranks, in the order data,
-expert_data, pp, dp, ep, cp, tp (so with only dp > 1, the data group is "dp").
+expert_data, expert, pp, dp, ep, cp, tp (so with only dp > 1, the data group is "dp", and with
+etp = tp the expert group is "ep").
 """
 
 from __future__ import annotations
@@ -48,19 +51,19 @@ from autoplan.models import build_model
 from autoplan.models.config import ModelConfig
 from autoplan.placement import Replicate
 from autoplan.plan import Plan
-from autoplan.runtime.groups import GROUP_AXES
+from autoplan.runtime.groups import GROUP_AXES, kind_axes
 from autoplan.runtime.rewrite import model_info, resolve_strategies
 from autoplan.strategies import Strategy
 
-NAME_ORDER = ("data", "expert_data", "pp", "dp", "ep", "cp", "tp")  # later = narrower
+NAME_ORDER = ("data", "expert_data", "expert", "pp", "dp", "ep", "cp", "tp")  # later = narrower
 
 Collectives = Counter  # (kind, group name) -> calls
 
 
 def group_name(mesh: MeshShape, kind: str) -> str:
     """The name the runtime's counter gives the group of `kind` (module docstring)."""
-    axes = {a for a in GROUP_AXES[kind] if mesh.degree(a) > 1}
-    same = [k for k in NAME_ORDER if {a for a in GROUP_AXES[k] if mesh.degree(a) > 1} == axes]
+    axes = {a for a in kind_axes(mesh, kind) if mesh.degree(a) > 1}
+    same = [k for k in NAME_ORDER if {a for a in kind_axes(mesh, k) if mesh.degree(a) > 1} == axes]
     return same[-1]
 
 
@@ -82,6 +85,8 @@ def _op_collectives(node: NodeInfo, strategy: Strategy) -> tuple[list[str], list
                                                                                         ([], []))
     if kind == "moe" and name == "ffn":
         return ["all_reduce"], ["all_reduce"] * 2
+    if kind == "moe" and name == "expert":
+        return [], ["all_reduce"] * sum(p.grad_partial for p in strategy.params)
     if name == "sequence":
         return [], ["all_reduce"] * params
     return [], []
@@ -160,14 +165,14 @@ def expected_collectives(plan: Plan, config: ModelConfig, pp_index: int = 0,
         if local and mesh.cp > 1 and node.op_kind == "attention":
             add(["all_to_all"] * 4, "cp", recomputed)
             add(["all_to_all"] * 4, "cp")
-        if local and mesh.ep > 1 and node.op_kind == "moe":
-            add(["all_to_all"] * 3, "ep", recomputed)
-            add(["all_to_all"] * 2, "ep")
+        if local and mesh.expert_parallel > 1 and node.op_kind == "moe":
+            add(["all_to_all"] * 3, "expert", recomputed)
+            add(["all_to_all"] * 2, "expert")
     total = Counter({key: n * plan.num_microbatches for key, n in per_microbatch.items()})
     data, expert_data = mesh.dp * mesh.ep * mesh.cp, mesh.dp * mesh.cp
     local_params = {p for n in graph.nodes if stages[n.name] in mine for p, _ in n.params}
     experts = {p for p in local_params
-               if mesh.ep > 1 and p.rsplit(".", 1)[-1] in ("w_gate", "w_up", "w_down")}
+               if mesh.expert_parallel > 1 and p.rsplit(".", 1)[-1] in ("w_gate", "w_up", "w_down")}
     if plan.zero_stage < 2 or data == 1:
         if data > 1 and local_params - experts:
             total[("all_reduce", names["data"])] += 1

@@ -6,6 +6,11 @@
                          over it and the loss averaged over it
     expert_data          dp x cp: the ranks that hold the same experts (same pp, ep, tp); expert
                          gradients are summed over it
+    expert               the ranks a MoE layer spreads its experts over and dispatches tokens
+                         to: ep, or ep x tp when etp < tp (MoE parallel folding,
+                         `MeshShape.expert_axes`); its ranks in ascending order hold the experts'
+                         blocks in order (rank i: experts [i E_l, (i+1) E_l)), whatever the mesh
+                         order
 
 Every process calls `torch.distributed.new_group` for every distinct rank set of every kind, in the
 same order (kinds in `GROUP_AXES` order, groups by first rank), which torch requires; each keeps the
@@ -22,8 +27,14 @@ from autoplan.mesh import MeshShape
 
 GROUP_AXES: dict[str, tuple[str, ...]] = {
     "tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "dp": ("dp",), "pp": ("pp",),
-    "data": ("dp", "ep", "cp"), "expert_data": ("dp", "cp"),
+    "data": ("dp", "ep", "cp"), "expert_data": ("dp", "cp"), "expert": ("ep", "tp"),
 }
+
+
+def kind_axes(mesh: MeshShape, kind: str) -> tuple[str, ...]:
+    """The axes a group of `kind` spans on `mesh`: those of GROUP_AXES, "expert" without tp when
+    etp = tp (its experts are then split over ep only)."""
+    return mesh.expert_axes if kind == "expert" else GROUP_AXES[kind]
 
 
 class AxisGroup(nn.Module):
@@ -70,7 +81,8 @@ def build_axis_groups(mesh: MeshShape, mesh_rank: int, global_rank_of=lambda r: 
     `global_rank_of` maps a mesh rank to a rank of the default process group."""
     made: dict[tuple[int, ...], dist.ProcessGroup] = {}
     groups: dict[str, AxisGroup] = {}
-    for kind, axes in GROUP_AXES.items():
+    for kind in GROUP_AXES:
+        axes = kind_axes(mesh, kind)
         mine = group_of(mesh, mesh_rank, axes)
         if len(mine) == 1:
             groups[kind] = AxisGroup(kind, mine, 0, None)

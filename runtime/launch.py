@@ -83,6 +83,7 @@ def check_plan(plan: Plan, config: ModelConfig, cluster: ClusterSpec | str | Non
         raise PlanError(f"ep={mesh.ep} does not divide the {config.experts} experts of "
                         f"{config.name} (expert parallelism needs a mixture-of-experts model whose "
                         f"expert count ep divides)")
+    _check_expert_tp(plan, config)
     shards = mesh.dp * mesh.ep
     if plan.global_batch % shards or (plan.global_batch // shards) % plan.num_microbatches:
         raise PlanError(f"global batch {plan.global_batch} does not split into dp x ep = "
@@ -95,6 +96,22 @@ def check_plan(plan: Plan, config: ModelConfig, cluster: ClusterSpec | str | Non
                         f"this runtime shards parameters over dp only without expert or pipeline "
                         f"parallelism; plan zero_stage <= 1")
     _check_pipeline(plan)
+
+
+def _check_expert_tp(plan: Plan, config: ModelConfig) -> None:
+    """etp < tp (runtime.rewrite step 5) needs experts for ep x tp ranks and tokens for tp x cp."""
+    mesh = plan.mesh
+    if mesh.etp == mesh.tp:
+        return
+    if not config.experts or config.experts % mesh.expert_parallel:
+        raise PlanError(f"etp={mesh.etp} < tp={mesh.tp} spreads the experts over ep x tp = "
+                        f"{mesh.expert_parallel} ranks, which do not divide the {config.experts} "
+                        f"experts of {config.name}; plan etp={mesh.tp} (the default) or a mesh "
+                        f"whose ep x tp divides the experts")
+    if plan.seq_len % (mesh.tp * mesh.cp):
+        raise PlanError(f"etp={mesh.etp} < tp={mesh.tp} splits each sequence's tokens over tp x cp "
+                        f"= {mesh.tp * mesh.cp} ranks, which do not divide seq_len {plan.seq_len}; "
+                        f"plan etp={mesh.tp} or a sequence divisible by {mesh.tp * mesh.cp}")
 
 
 def _check_pipeline(plan: Plan) -> None:

@@ -13,7 +13,9 @@ Every module keeps the parameter names of the module it replaces (`weight`, `bia
     ParallelMoE             "ffn": experts split on the FFN dim, router replicated, experts' input
                             and gate weights wrapped in copy-to-region, output all-reduced;
                             "sequence": every weight wrapped in copy-to-region, local tokens only;
-                            with an ep group, E/ep experts here and tokens dispatched to them
+                            "expert" (etp = 1 < tp): local tokens, whole experts, E/(ep tp) of them
+                            here, the router wrapped in copy-to-region;
+                            with an expert group, E/n experts here and tokens dispatched to them
     VocabParallelLoss       the kernel of runtime.kernels.cross_entropy on backend `plan.kernels`
     SequenceParallelLoss    see runtime.losses
 """
@@ -25,10 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from autoplan.models.layers import swiglu
 from autoplan.runtime.collectives import (all_reduce, copy_to_region, group_size,
                                           reduce_from_region, reduce_scatter_along)
-from autoplan.runtime.experts import expert_parallel_ffn
+from autoplan.runtime.experts import expert_parallel_ffn, local_experts_ffn
 from autoplan.runtime.kernels import vocab_parallel_cross_entropy
 from autoplan.runtime.losses import sequence_parallel_cross_entropy
 
@@ -122,8 +123,13 @@ class ParallelMoE(nn.Module):
     through copy-to-region; the router runs replicated and its grads are already whole.
     mode "sequence": full weights, each through copy-to-region, on this rank's tokens.
     mode "replicate": full weights on every tp rank (only with expert parallelism).
-    With `ep_group` (expert parallelism) this rank holds E/ep experts and every routed token
-    travels to its expert's rank and back (runtime.experts); the router stays whole.
+    mode "expert" (etp = 1 < tp, MoE parallel folding): this rank's 1/tp of the tokens (split along
+    the sequence), whole experts spread over the expert group ep x tp; only the router passes
+    through copy-to-region (it sees this rank's tokens), the experts' grads are whole already: the
+    all-to-alls bring them every token of the group routed to them.
+    With `ep_group` (the expert group: ep ranks, or ep x tp in mode "expert") this rank holds
+    E/n of its n ranks' experts and every routed token travels to its expert's rank and back
+    (runtime.experts); the router stays whole.
     Every expert runs even on zero tokens, so the autograd graph (and the order of the collectives
     in backward) is the same on every rank whatever the routing."""
 
@@ -131,6 +137,7 @@ class ParallelMoE(nn.Module):
                  mode: str, ep_group=None) -> None:
         super().__init__()
         self.top_k, self.group, self.mode, self.ep_group = top_k, group, mode, ep_group
+        self.kernels = "auto"  # plan.kernels for the permute / silu * mul kernels (runtime.rewrite)
         self.ep = ep = group_size(ep_group) if ep_group is not None else 1
         self.router = nn.Linear(hidden, experts * ep, bias=False, device="meta")
         self.w_gate = _meta_param(experts, hidden, ffn_local)
@@ -148,9 +155,10 @@ class ParallelMoE(nn.Module):
         if x.is_meta:  # shape inference: routing is data-dependent, the shape is not
             return torch.empty_like(x)
         g, seq, ffn = self.group, self.mode == "sequence", self.mode == "ffn"
+        local_tokens = seq or self.mode == "expert"  # this rank's tokens only: partial router grads
+        router_w = copy_to_region(self.router.weight, g) if local_tokens else self.router.weight
         wrap = (lambda t: copy_to_region(t, g)) if seq else (lambda t: t)
-        router_w, w_gate, w_up, w_down = (wrap(p) for p in (self.router.weight, self.w_gate,
-                                                             self.w_up, self.w_down))
+        w_gate, w_up, w_down = (wrap(p) for p in (self.w_gate, self.w_up, self.w_down))
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # (N, h)
         top_logits, top_idx = F.linear(flat, router_w).topk(self.top_k, dim=-1)  # (N, k)
@@ -160,13 +168,10 @@ class ParallelMoE(nn.Module):
             weights, expert_in = copy_to_region(weights, g), copy_to_region(flat, g)
         if self.ep > 1:
             out = expert_parallel_ffn(expert_in, top_idx, weights, w_gate, w_up, w_down,
-                                      self.ep_group)
+                                      self.ep_group, self.kernels)
         else:
-            out = torch.zeros_like(flat)  # (N, h)
-            for e in range(w_gate.shape[0]):
-                token, slot = torch.where(top_idx == e)
-                y = swiglu(expert_in.index_select(0, token), w_gate[e], w_up[e], w_down[e])
-                out = out.index_add(0, token, y * weights[token, slot].unsqueeze(-1))
+            out = local_experts_ffn(expert_in, top_idx, weights, w_gate, w_up, w_down,
+                                    self.kernels)
         if ffn:
             return reduce_from_region(out.view(shape), g)
         return out.view(shape)

@@ -14,7 +14,7 @@ One step on a global batch of G sequences of T tokens:
       (loss_m / num_microbatches).backward()
     with pipelining (runtime.pipeline): the schedule runs the microbatches through the stages
     gradients summed over the ranks that hold the same shard (dense: dp x ep x cp; experts: dp x
-      cp), one all-reduce per dtype bucket, divided by D * cp             (sync_gradients)
+      cp, whatever etp), one all-reduce per dtype bucket, divided by D * cp (sync_gradients)
     optimizer.step()
 
 Every rank's loss is the mean over its own tokens and all hold equally many, so every gradient is
@@ -146,24 +146,24 @@ class RankProgram(nn.Module):
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters (those of its pipeline stages) gathered over tp and ep, on CPU (a
-        collective: call it on every rank)."""
+        """This rank's parameters (those of its pipeline stages) gathered over tp and the expert
+        group, on CPU (a collective: call it on every rank)."""
         return {n: self._gather(n, p.detach()) for n, p in self.named_local_parameters()}
 
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor]:
-        """This rank's gradients gathered over tp and ep, on CPU (zeros where none); call it on
-        every rank."""
+        """This rank's gradients gathered over tp and the expert group, on CPU (zeros where none);
+        call it on every rank."""
         return {n: self._gather(n, p.grad if p.grad is not None else torch.zeros_like(p))
                 for n, p in self.named_local_parameters()}
 
     def _gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
         local = full_tensor(local)
         layout = self.layouts[name]
-        if isinstance(layout.placement, Shard) and self.tp.size > 1:
+        if isinstance(layout.placement, Shard) and self.tp.size > 1 and not layout.folded:
             local = C.all_gather_dim(local, layout.placement.dim % local.dim(), self.tp.group)
-        if layout.expert and self.groups["ep"].size > 1:
-            local = C.all_gather_dim(local, 0, self.groups["ep"].group)
+        if layout.expert:  # in the expert group's (ascending rank) order, as init splits them
+            local = C.all_gather_dim(local, 0, self.groups["expert"].group)
         return local.cpu()
 
     # ------------------------------------------------------------ running

@@ -22,8 +22,11 @@
 4. Context parallelism (cp > 1, runtime.context): every activation holds this rank's T/cp tokens;
    each attention core's q, k, v pass through `cp_heads` (all-to-all from sequence to head shards)
    and its output through `cp_sequence` (back); position indices get this rank's global offset.
-5. Expert parallelism (ep > 1): each MoE layer holds E/ep experts and dispatches tokens to their
-   experts' ranks (runtime.experts).
+5. Expert parallelism: each MoE layer holds E/n experts of the expert group (groups "expert":
+   the n = ep ranks, or n = ep x tp when etp = 1 < tp) and dispatches tokens to their experts'
+   ranks (runtime.experts). Under etp = 1 its strategy "expert" reads its tokens split along the sequence
+   over tp (step 3 slices a replicated input and all-gathers the output where the next op wants it
+   whole), so each tp rank dispatches its own 1/tp of the tokens and holds whole experts.
 6. The fused kernels of runtime.kernels (runtime.kernel_ops) for norms, RoPE, the loss and the
    MLP activations, on the backend `plan.kernels` names ("auto": Triton on CUDA, torch on CPU).
 7. Recomputation as the plan says (runtime.recompute): "full" wraps each layer's subgraph, "selective"
@@ -54,7 +57,7 @@ from autoplan.runtime.modules import (GradSummed, ParallelMoE, RowParallelLinear
                                       SequenceParallelLoss, VocabParallelEmbedding,
                                       VocabParallelLoss)
 from autoplan.runtime.recompute import apply_recompute
-from autoplan.strategies import Strategy, default_registry
+from autoplan.strategies import Strategy, default_registry, strategy_info
 
 R = Replicate()
 DEFAULT_REPLICATED_KINDS = ("placeholder", "output")  # may be left out of a plan
@@ -113,15 +116,16 @@ class ParamLayout:
     shape: tuple[int, ...]  # full shape
     placement: Placement  # on tp
     grad_partial: bool  # replicated, used on a shard of the tokens: grad summed over tp
-    expert: bool = False  # an expert weight: dim 0 (experts) split over ep
+    expert: bool = False  # an expert weight: dim 0 (experts) split over the expert group
     node: str = ""  # the captured node that uses it
+    folded: bool = False  # an expert weight whose expert group spans tp too (etp < tp): no tp split
 
     def pieces(self, groups: dict[str, AxisGroup]) -> list[tuple[Placement, int, int]]:
         """(placement, index, degree) per splitting axis, outer first: the argument of
-        `init.nested_bounds`."""
-        ep, tp = groups["ep"], groups["tp"]
-        outer = [(Shard(0), ep.index, ep.size)] if self.expert else []
-        return outer + [(self.placement, tp.index, tp.size)]
+        `init.nested_bounds`. Experts take their block by their position in the expert group."""
+        experts, tp = groups["expert"], groups["tp"]
+        outer = [(Shard(0), experts.index, experts.size)] if self.expert else []
+        return outer + ([] if self.folded else [(self.placement, tp.index, tp.size)])
 
 
 @dataclass
@@ -154,7 +158,8 @@ def rewrite(model: nn.Module, config: ModelConfig, plan: Plan,
     """The per-rank program of `plan` for this rank's coordinates in `groups` (runtime.groups; a
     single AxisGroup means tp, every other axis of degree 1). Parameters stay on meta."""
     groups = _complete(groups)
-    tp, ep = groups["tp"], groups["ep"]
+    tp, experts = groups["tp"], groups["expert"]
+    folded = plan.mesh.etp < plan.mesh.tp
     captured = capture(meta_copy(model), config, plan.microbatch_size, plan.seq_len,
                        getattr(torch, plan.dtype))
     gm, infos = captured.graph_module, {n.name: n for n in captured.nodes}
@@ -167,11 +172,13 @@ def rewrite(model: nn.Module, config: ModelConfig, plan: Plan,
             targets.append(node.target)
             current = gm.get_submodule(node.target)
             original = kernel_module(current, plan.kernels)
-            expert = ep.size > 1 and infos[node.name].op_kind == "moe"
+            expert = experts.size > 1 and infos[node.name].op_kind == "moe"
             params.update(_layouts(node.name, node.target, original, strategies[node.name], planned,
-                                   expert))
+                                   expert, folded))
             replacement = _parallel_module(original, infos[node.name], strategies[node.name], tp,
-                                           ep if expert else None, plan.kernels)
+                                           experts if expert else None, plan.kernels)
+            if isinstance(replacement, ParallelMoE):
+                replacement.kernels = plan.kernels  # its permute / silu * mul kernels
             if replacement is not current:
                 _set_submodule(gm, node.target, replacement)
     if tp.size > 1:
@@ -192,11 +199,13 @@ def _complete(groups: dict[str, AxisGroup] | AxisGroup) -> dict[str, AxisGroup]:
         groups = {"tp": groups}
     full = {k: AxisGroup(k, (0,), 0, None) for k in ("tp", "cp", "ep", "dp", "pp", "data",
                                                       "expert_data")}
+    full["expert"] = groups.get("ep", full["ep"])  # experts over ep alone unless told
     return {**full, **groups}
 
 
 def resolve_strategies(plan: Plan, nodes: tuple[NodeInfo, ...], info: dict) -> dict[str, Strategy]:
     registry, tp, found = default_registry(), plan.mesh.tp, {}
+    info = strategy_info(info, tp, plan.mesh.etp)  # the MoE's strategies follow etp
     for node in nodes:
         op = plan.op(node.name)
         if op is None:
@@ -221,7 +230,8 @@ EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # MoE weights whose dim 0 is the 
 
 
 def _layouts(node: str, path: str, module: nn.Module, strategy: Strategy,
-             planned: dict[str, dict], expert_parallel: bool) -> dict[str, ParamLayout]:
+             planned: dict[str, dict], expert_parallel: bool, folded: bool = False
+             ) -> dict[str, ParamLayout]:
     out = {}
     for pname, param in module.named_parameters():
         name = f"{path}.{pname}"
@@ -235,7 +245,8 @@ def _layouts(node: str, path: str, module: nn.Module, strategy: Strategy,
             raise PlanError(f"parameter {name!r}: the plan places it {said['ep']} on ep; the "
                             f"runtime splits expert weights on dim 0 (S(0)) and replicates the rest")
         grad_partial = any(s.name == pname and s.grad_partial for s in strategy.params)
-        out[name] = ParamLayout(name, tuple(param.shape), placement, grad_partial, expert, node)
+        out[name] = ParamLayout(name, tuple(param.shape), placement, grad_partial, expert, node,
+                                expert and folded)
     return out
 
 
@@ -282,13 +293,14 @@ def _insert_conversions(graph: fx.Graph, infos: dict[str, NodeInfo],
 def _parallel_module(module: nn.Module, info: NodeInfo, strategy: Strategy, tp: AxisGroup,
                      ep: AxisGroup | None = None, kernels: str = "auto") -> nn.Module:
     """The module that runs `strategy` for node `info` on this rank (meta parameters); `ep` for a
-    MoE layer whose experts are split over ep ranks."""
+    MoE layer whose experts are split over the ranks of an expert group (ep, or ep x tp)."""
     kind, name, g, n, r = info.op_kind, strategy.name, tp.group, tp.size, tp.index
     if kind == "moe" and ep is not None:
         experts, hidden, ffn = module.w_gate.shape
         if experts % ep.size:
-            raise PlanError(f"node {info.name!r}: {experts} experts cannot be split over ep="
-                            f"{ep.size} ranks; plan an ep dividing {experts}")
+            raise PlanError(f"node {info.name!r}: {experts} experts cannot be split over the "
+                            f"{ep.size} ranks of the expert group (ep, x tp when etp < tp); plan "
+                            f"an ep (and etp) whose group size divides {experts}")
         ffn_local = ffn // n if name == "ffn" else ffn
         return ParallelMoE(hidden, ffn_local, experts // ep.size, module.top_k, g, name,
                            ep_group=ep.group)

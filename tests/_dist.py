@@ -167,7 +167,8 @@ def make_plan(model_name, dp: int, tp: int, assignment="replicate", *, seq_len: 
               microbatch_size: int = 1, num_microbatches: int = 1, zero_stage: int = 0,
               dtype: str = "float32", recompute: str = "none", direct: bool = False,
               cp: int = 1, ep: int = 1, pp: int = 1, virtual_stages: int = 1,
-              schedule: str | None = None):
+              schedule: str | None = None, etp: int | None = None,
+              order: tuple[str, ...] | None = None):
     """A Plan for a preset model (a name, or a ModelConfig) from the planner's
     `plan_from_assignment`.
 
@@ -177,18 +178,22 @@ def make_plan(model_name, dp: int, tp: int, assignment="replicate", *, seq_len: 
     with zero predictions instead, for meshes the planner refuses but the runtime runs (tp=4 with
     2 kv heads: attention stays replicated; and every plan with cp, ep or pp > 1, whose tiny
     sequences and layer counts the planner's rules refuse). Pipeline stages split the layers
-    evenly over pp * virtual_stages stages, stage g = chunk * pp + stage holding the g-th slice."""
+    evenly over pp * virtual_stages stages, stage g = chunk * pp + stage holding the g-th slice.
+    `etp`: the experts' tensor-parallel degree (None: tp; 1: MoE layers take the "expert" strategy);
+    `order`: the mesh's order of axes over ranks (None: the default)."""
     from autoplan.cluster import parse_cluster
     from autoplan.mesh import MeshShape
     from autoplan.models import get_model_config
     from autoplan.models.config import ModelConfig
     from autoplan.planner import (capture_model, megatron_assignment, model_info,
                                   plan_from_assignment)
-    from autoplan.strategies import default_registry
+    from autoplan.strategies import default_registry, strategy_info
 
     config = model_name if isinstance(model_name, ModelConfig) else get_model_config(model_name)
     graph = capture_model(config, seq_len, dtype)
-    registry, info = default_registry(), model_info(config)
+    mesh = MeshShape(dp=dp, tp=tp, cp=cp, ep=ep, pp=pp, etp=etp,
+                     **({"order": tuple(order)} if order else {}))
+    registry, info = default_registry(), strategy_info(model_info(config), tp, mesh.etp)
     if isinstance(assignment, dict):
         chosen = assignment
     elif assignment == "replicate":
@@ -200,7 +205,6 @@ def make_plan(model_name, dp: int, tp: int, assignment="replicate", *, seq_len: 
         chosen = {n.name: rng.choice(registry.strategies(n, tp, info)).name for n in graph.nodes}
     else:
         raise ValueError(f"unknown assignment {assignment!r}")
-    mesh = MeshShape(dp=dp, tp=tp, cp=cp, ep=ep, pp=pp)
     cluster = parse_cluster(f"{mesh.world_size}xcpu")
     schedule = schedule or ("interleaved-1f1b" if virtual_stages > 1 else "1f1b")
     if direct or max(cp, ep, pp) > 1:
@@ -222,7 +226,8 @@ def _direct_plan(graph, config, cluster, mesh, chosen, registry, info, microbatc
 
     ops, params = [], []
     for node in graph.nodes:
-        strategy = registry.strategy(node, mesh.tp, chosen.get(node.name, "replicate"), info)
+        first = registry.strategies(node, mesh.tp, info)[0].name  # replicate, or a MoE's "expert"
+        strategy = registry.strategy(node, mesh.tp, chosen.get(node.name, first), info)
         output = (("tp", strategy.output),) if node.output is not None else ()
         ops.append(OpPlacement(node.name, strategy.name, output))
         prefix = node.module_path + "."

@@ -102,3 +102,15 @@ def test_profile_of_another_device_is_refused(tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "A100" in err and "h100" in err.lower()
+
+
+def test_estimate_takes_the_experts_tensor_parallel_degree(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["estimate", "--model", "tiny-moe", "--cluster", "1x4xh100", "--tp", "2", "--ep", "2", "--global-batch", "8",
+            "--seq", "32", "--zero", "0"]
+    assert main(argv + ["--etp", "1", "-o", str(out)]) == 0
+    assert "etp=1" in capsys.readouterr().out  # the summary shows it where it differs from tp
+    plan = Plan.load(out)
+    assert (plan.mesh.tp, plan.mesh.ep, plan.mesh.etp) == (2, 2, 1)
+    assert main(argv + ["--etp", "3"]) == 2
+    assert "etp=3 must be a positive divisor of tp=2" in capsys.readouterr().err

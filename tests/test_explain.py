@@ -81,3 +81,14 @@ def test_command_line_entry_points(plans, tmp_path, capsys):
     assert (args.top, args.baseline, args.save_top) == (3, ["megatron"], str(tmp_path))
     result = search_plans("tiny-gpt", "1x4xh100", 16, 64, top=2)
     assert [p.rsplit("/", 1)[-1] for p in save_top(result, str(tmp_path))] == ["plan-1.json", "plan-2.json"]
+
+
+def test_explain_and_compare_show_the_experts_tensor_parallel_degree():
+    kwargs = dict(microbatch_size=1, zero_stage=0, recompute="none")
+    split = estimate("tiny-moe", "1x4xh100", 8, 64, mesh=MeshShape(ep=2, tp=2), **kwargs)
+    folded = estimate("tiny-moe", "1x4xh100", 8, 64, mesh=MeshShape(ep=2, tp=2, etp=1), **kwargs)
+    text = explain_plan(folded)
+    assert "ep2 x tp2 (etp1)" in text and "tp=2 etp=1" in text and "expert" in text  # the MoE's strategy
+    rows = [line.split() for line in compare_plans(split, folded).splitlines()]
+    assert ["etp", "(experts'", "tp)", "=", "tp", "1"] in rows
+    assert not any(r[:1] == ["etp"] for r in (line.split() for line in compare_plans(split, split).splitlines()))

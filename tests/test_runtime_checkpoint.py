@@ -9,7 +9,8 @@ tiny-gpt: 3 AdamW steps under dp2 x tp2 (Megatron), save; then, from fresh progr
                                equal to 5 single-process steps (the parity tolerances)
 
 tiny-moe: saved under ep2 x dp2 with ZeRO 1 (each rank saves the optimizer states it owns), resumed
-under dp2 x tp2 (Megatron, experts split on their FFN dim) with ZeRO 3.
+under dp2 x tp2 (Megatron, experts split on their FFN dim) with ZeRO 3, and under ep2 x tp2 with
+etp = 1 (whole experts spread over the 4 ranks: Shard(0) on both ep and tp).
 
 `autoplan.train --save/--resume`: 3 steps + resume to 5 equals 5 steps, loss for loss.
 
@@ -43,6 +44,7 @@ RESUMES = {  # id: make_plan arguments (global batch 4 for each)
 }
 MOE_SAVE = dict(ep=2, dp=2, zero_stage=1)
 MOE_RESUME = dict(dp=2, tp=2, assignment="megatron", microbatch_size=2, zero_stage=3)
+MOE_RESUME_ETP1 = dict(ep=2, tp=2, etp=1, assignment="megatron-sp", microbatch_size=2)
 
 
 def _plan(model: str, kwargs: dict):
@@ -157,7 +159,9 @@ def _run_all(rank: int, world: int, plans: dict, root: str) -> dict:
     program = _program(plans["save"])
     out = {"uninterrupted": train_program(program, program.optimizer, tokens, targets)}
     out["gpt"] = _save_and_resume(plans["save"], plans["resumes"], root / "gpt")
-    out["moe"] = _save_and_resume(plans["moe_save"], {"moe": plans["moe_resume"]}, root / "moe")
+    out["moe"] = _save_and_resume(plans["moe_save"], {"moe": plans["moe_resume"],
+                                                      "moe-etp1": plans["moe_resume_etp1"]},
+                                  root / "moe")
     out["files"] = sorted(p.name for p in root.iterdir())
     out["metadata"] = json.loads((root / "gpt" / "autoplan.json").read_text())
     out["refusals"] = _refusals(root / "gpt", plans["llama"], plans["save"])
@@ -177,6 +181,7 @@ def results(tmp_path_factory) -> list[dict]:
     save.save(plan_file)
     plans = {"save": save, "resumes": {cid: _plan("tiny-gpt", kw) for cid, kw in RESUMES.items()},
              "moe_save": _plan("tiny-moe", MOE_SAVE), "moe_resume": _plan("tiny-moe", MOE_RESUME),
+             "moe_resume_etp1": _plan("tiny-moe", MOE_RESUME_ETP1),
              "llama": _plan("tiny-llama", dict(dp=2, tp=2, assignment="megatron",
                                                microbatch_size=2)),
              "plan_file": str(plan_file)}
@@ -225,6 +230,8 @@ def test_expert_parallel_zero1_checkpoint_resumes_under_tensor_parallel_zero3(re
         torch.testing.assert_close(torch.tensor(out["moe"]["first"]),
                                    torch.tensor(ref["losses"][:3]), rtol=1e-5, atol=0)
         assert_matches(out["moe"]["moe"], _continued(ref), f"moe rank {rank}", grads=False)
+        assert_matches(out["moe"]["moe-etp1"], _continued(ref), f"moe etp1 rank {rank}",
+                       grads=False)
 
 
 def test_saves_are_atomic_and_describe_themselves(results):

@@ -8,6 +8,8 @@ step and compares them with `runtime.counting.expected_collectives` of its plan.
           positions offset, Llama's RoPE computed on the whole sequence; kv heads repeated when
           tp * cp exceeds them (tiny-llama: 2 kv heads, cp2 x tp2)
     ep    experts split over ep ranks, tokens dispatched and combined by uneven all-to-alls
+    etp   etp = 1 < tp (MoE parallel folding): each tp rank routes its 1/tp of the tokens to whole
+          experts spread over ep x tp (tp alone, with dp and ZeRO 0 / 3; ep x tp, ep innermost)
     pp    stages from the plan: 1F1B, GPipe, interleaved 1F1B (a 4-layer Llama, 2 chunks per rank)
 
 Plans are built directly from autoplan.plan types (`_dist.make_plan` with cp, ep or pp > 1): the
@@ -40,12 +42,18 @@ CONFIGS = {
         ("llama4-pp2-interleaved", "tiny-llama-4l", dict(pp=2, virtual_stages=2,
                                                          num_microbatches=2)),
         ("moe-pp2-gpipe-full", "tiny-moe", dict(pp=2, num_microbatches=2, schedule="gpipe",
-                                                recompute="full"))],
+                                                recompute="full")),
+        ("moe-tp2-etp1-megatron", "tiny-moe", dict(tp=2, etp=1, assignment="megatron"))],
     4: [("gpt-cp2tp2-megatron-sp", "tiny-gpt", dict(cp=2, tp=2, assignment="megatron-sp")),
         ("llama-cp2tp2-megatron", "tiny-llama", dict(cp=2, tp=2, assignment="megatron")),
         ("moe-ep2dp2", "tiny-moe", dict(ep=2, dp=2)),
         ("moe-ep2tp2-megatron", "tiny-moe", dict(ep=2, tp=2, assignment="megatron")),
         ("moe-ep2cp2-full", "tiny-moe", dict(ep=2, cp=2, recompute="full")),
+        ("moe-dp2tp2-etp1-megatron", "tiny-moe", dict(dp=2, tp=2, etp=1, assignment="megatron")),
+        ("moe-dp2tp2-etp1-megatron-sp-zero3", "tiny-moe", dict(dp=2, tp=2, etp=1, zero_stage=3,
+                                                               assignment="megatron-sp")),
+        ("moe-ep2tp2-etp1-megatron-sp-ep-inner", "tiny-moe",
+         dict(ep=2, tp=2, etp=1, assignment="megatron-sp", order=("pp", "dp", "cp", "tp", "ep"))),
         ("llama-tp2pp2-megatron-sp", "tiny-llama", dict(pp=2, tp=2, assignment="megatron-sp",
                                                         num_microbatches=2)),
         ("gpt-dp2pp2-zero1", "tiny-gpt", dict(pp=2, dp=2, num_microbatches=2, zero_stage=1)),
@@ -153,14 +161,19 @@ def test_pipeline_ranks_hold_only_their_stages(results, world, cid):
     assert sum(len(h) for h in held) == len(names), "a parameter is on two stages"
 
 
-@pytest.mark.parametrize("world,cid", [(w, c) for w, c in CASES if "ep" in c],
-                         ids=[c for w, c in CASES if "ep" in c])
+EXPERT_CASES = [(w, c) for w, c in CASES if "ep" in c or "etp" in c]
+
+
+@pytest.mark.parametrize("world,cid", EXPERT_CASES, ids=[c for _, c in EXPERT_CASES])
 def test_experts_are_split_over_ep(results, world, cid):
+    """Over ep, and over ep x tp with etp = 1 (whole experts: the FFN dim unsplit)."""
     _, config, plan = _PLANS[cid]
     for out in results[world]:
         for name, shape in out[cid]["shapes"].items():
             if name.endswith(("w_gate", "w_up", "w_down")):
-                assert shape[0] == config.experts // plan.mesh.ep, (name, shape)
+                assert shape[0] == config.experts // plan.mesh.expert_parallel, (name, shape)
+                whole = plan.mesh.etp == plan.mesh.tp or config.ffn_hidden in shape[1:]
+                assert whole, (name, shape)
             if name.endswith("router.weight"):
                 assert shape[0] == config.experts, (name, shape)
 

@@ -293,6 +293,11 @@ def _replicated(param_placement) -> bool:
     ("tiny-gpt", dict(mesh=dict(cp=4), seq_len=18), "seq_len 18 is not divisible by cp=4"),
     ("tiny-gpt", dict(mesh=dict(ep=2)), "ep=2 does not divide the 0 experts of tiny-gpt"),
     ("tiny-moe", dict(mesh=dict(ep=2), zero_stage=3), r"zero_stage 3 \(FSDP2\) with ep=2"),
+    ("tiny-gpt", dict(mesh=dict(tp=2, etp=1)),
+     "etp=1 < tp=2 spreads the experts over ep x tp = 2 ranks, which do not divide the 0 experts"),
+    ("tiny-moe", dict(mesh=dict(tp=2, etp=1), seq_len=15),
+     "etp=1 < tp=2 splits each sequence's tokens over tp x cp = 2 ranks, which do not divide "
+     "seq_len 15"),
 ])
 def test_plans_the_runtime_cannot_run_are_refused(model, change, match):
     """Each refusal names the values that clash, before any process group exists."""

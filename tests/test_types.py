@@ -82,6 +82,29 @@ def test_mesh_json_round_trip():
     assert MeshShape.from_json(json.loads(json.dumps(mesh.to_json()))) == mesh
 
 
+def test_mesh_expert_tp_defaults_to_tp_and_round_trips():
+    folded = MeshShape(dp=2, ep=2, tp=4, etp=1)
+    assert MeshShape.from_json(json.loads(json.dumps(folded.to_json()))) == folded
+    assert folded.to_json()["etp"] == 1 and str(folded) == "dp2 x ep2 x tp4 (etp1)"
+    assert (folded.expert_axes, folded.expert_parallel) == (("ep", "tp"), 8)
+    default = MeshShape(dp=2, ep=2, tp=4)
+    assert default.etp == 4 and default == MeshShape(dp=2, ep=2, tp=4, etp=4)
+    assert "etp" not in default.to_json() and str(default) == "dp2 x ep2 x tp4"  # files as before
+    assert (default.expert_axes, default.expert_parallel) == (("ep",), 2)
+    old = {"pp": 1, "dp": 2, "tp": 4, "cp": 1, "ep": 2, "order": ["pp", "dp", "ep", "cp", "tp"]}
+    assert MeshShape.from_json(old).etp == 4  # a plan written before etp existed
+
+
+@pytest.mark.parametrize("etp,match", [
+    (3, r"mesh etp=3 must be a positive divisor of tp=4 .*use one of \[1, 2, 4\]"),
+    (0, "mesh etp=0 must be a positive divisor of tp=4"),
+    (2, "mesh etp=2 with tp=4: only etp=4 .* and etp=1 .* are implemented.*Use etp=1 or etp=4"),
+])
+def test_mesh_refuses_expert_tp_it_cannot_run(etp, match):
+    with pytest.raises(ConfigError, match=match):
+        MeshShape(tp=4, etp=etp)
+
+
 # ------------------------------------------------------------------------------ cluster
 
 
@@ -178,6 +201,14 @@ def test_plan_json_round_trip_is_exact(tmp_path):
     plan.save(path)
     assert Plan.load(path) == plan
     assert Plan.load(path).dumps() == text
+
+
+def test_plan_with_expert_tp_round_trips_and_old_plans_load():
+    plan = make_plan(mesh=MeshShape(dp=2, tp=4, etp=1))
+    data = json.loads(plan.dumps())
+    assert data["mesh"]["etp"] == 1 and Plan.from_json(data) == plan
+    del data["mesh"]["etp"]  # as a plan file written before etp: the experts then split like tp
+    assert Plan.from_json(data).mesh.etp == 4 and Plan.from_json(data) == make_plan()
 
 
 def test_plan_has_the_documented_keys():
