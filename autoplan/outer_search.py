@@ -401,7 +401,7 @@ def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq
 def _notes(ctx: SearchContext, priced: Priced, rank: int, found_baselines, stats: SearchStats,
            options: SearchOptions) -> list[str]:
     notes = [f"searched {stats.configurations} configurations (pp x dp x ep x cp x tp and their order over ranks, "
-             f"the experts' etp, "
+             f"{'the experts etp, ' if ctx.config.experts else ''}"
              f"microbatches, ZeRO "
              f"{'/'.join(map(str, options.zero_stages))}, recompute {'/'.join(options.recompute)}, 1F1B and "
              f"interleaved schedules): {stats.pruned_by_memory} pruned by the memory bound, {stats.pruned_by_time} "
