@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _interpret import run_triton_tests_interpreted
 from autoplan.errors import ConfigError
 from autoplan.models.layers import MoEFeedForward, RMSNorm, apply_rope as model_apply_rope
 from autoplan.models.layers import rope_cos_sin, swiglu
@@ -260,18 +261,7 @@ def test_vocab_parallel_ce_gloo_process_group():
 
 def test_interpreter_suite():
     """The `triton` tests of this file in a child pytest with TRITON_INTERPRET=1."""
-    if INTERPRETING:
-        pytest.skip("already interpreting: the triton tests run in this process")
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed (pip install 'autoplan[triton]')")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W",
-         "ignore::RuntimeWarning", "-k", "test_triton_", str(Path(__file__))],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    assert proc.returncode == 0 and "skipped" not in summary, \
-        f"interpreter tests failed:\n{proc.stdout[-6000:]}{proc.stderr[-3000:]}"
+    run_triton_tests_interpreted(__file__)
 
 
 @triton_interp

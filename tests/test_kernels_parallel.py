@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from _interpret import run_triton_tests_interpreted
 from autoplan.runtime.experts import expert_parallel_ffn, local_experts_ffn
 from autoplan.runtime.kernels import activations, cross_entropy, dispatch
 
@@ -35,7 +32,6 @@ moe_permute = importlib.import_module("autoplan.runtime.kernels.moe_permute")
 
 INTERPRETING = dispatch.interpreting()
 HAS_TRITON = dispatch.load_triton() is not None
-REPO = Path(__file__).resolve().parents[1]
 HIDDEN, FFN, EXPERTS, TOP_K = 40, 24, 4, 2
 TOKENS = (13, 11)  # per rank
 VOCAB_SLICE = 777  # per rank: not a multiple of the interpreter's 256-column block
@@ -152,18 +148,7 @@ def test_auto_runs_no_moe_triton_on_cpu(monkeypatch):
 
 def test_interpreter_suite():
     """The `test_triton_*` tests of this file in a child pytest with TRITON_INTERPRET=1."""
-    if INTERPRETING:
-        pytest.skip("already interpreting: the triton tests run in this process")
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed (pip install 'autoplan[triton]')")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W",
-         "ignore::RuntimeWarning", "-k", "test_triton_", str(Path(__file__))],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    assert proc.returncode == 0 and "skipped" not in summary, \
-        f"interpreter tests failed:\n{proc.stdout[-6000:]}{proc.stderr[-3000:]}"
+    run_triton_tests_interpreted(__file__)
 
 
 # ----------------------------------------------------------------------------- interpreter child

@@ -15,13 +15,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from _interpret import run_triton_tests_interpreted
 from _dist import make_plan
 from autoplan.errors import ConfigError, PlanError
 from autoplan.plan import Plan
@@ -29,7 +27,6 @@ from autoplan.runtime.kernels import dispatch
 
 INTERPRETING = dispatch.interpreting()
 HAS_TRITON = dispatch.load_triton() is not None
-REPO = Path(__file__).resolve().parents[1]
 SEQ, STEPS = 16, 2
 CASES = [("tiny-gpt", "none"), ("tiny-llama", "selective")]  # (model, recompute)
 
@@ -126,18 +123,7 @@ def test_kernels_triton_refused_on_cpu(monkeypatch):
 
 def test_interpreter_suite():
     """The `test_triton_*` tests of this file in a child pytest with TRITON_INTERPRET=1."""
-    if INTERPRETING:
-        pytest.skip("already interpreting: the triton tests run in this process")
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed (pip install 'autoplan[triton]')")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W",
-         "ignore::RuntimeWarning", "-k", "test_triton_", str(Path(__file__))],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    assert proc.returncode == 0 and "skipped" not in summary, \
-        f"interpreter tests failed:\n{proc.stdout[-6000:]}{proc.stderr[-3000:]}"
+    run_triton_tests_interpreted(__file__)
 
 
 # ------------------------------------------------------------------------- interpreter child
