@@ -9,6 +9,7 @@ exception in any rank fails the call with that rank's traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import socket
@@ -256,3 +257,22 @@ def _direct_plan(graph, config, cluster, mesh, chosen, registry, info, microbatc
         return plan(batch * mesh.ep)
     except PlanError:
         return plan(batch)
+
+
+def rewritten_one_rank(model_name: str, kernels: str, seq_len: int, recompute: str = "none"):
+    """The 1-rank rewritten graph module of `model_name` under `kernels`, with seeded CPU parameters,
+    a batch of tokens and their next-token targets."""
+    from autoplan.models import build_model, get_model_config
+    from autoplan.runtime.groups import AxisGroup
+    from autoplan.runtime.rewrite import rewrite
+
+    config = get_model_config(model_name)
+    plan = dataclasses.replace(make_plan(model_name, 1, 1, seq_len=seq_len, recompute=recompute), kernels=kernels)
+    gm = rewrite(build_model(config, device="meta"), config, plan,
+                 AxisGroup("tp", (0,), 0, None)).graph_module.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in gm.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+    tokens = torch.randint(0, config.vocab, (plan.global_batch, seq_len), generator=gen)
+    return gm, tokens, tokens.roll(-1, dims=1)

@@ -16,7 +16,6 @@ picks, and a vocabulary slice of 777 per rank (the interpreter's block is 256 co
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from collections import Counter
 
@@ -110,21 +109,10 @@ def test_expert_parallel_on_one_rank_is_the_local_path():
 
 
 def _rewritten_moe(kernels: str):
-    from _dist import make_plan
-    from autoplan.models import build_model, get_model_config
-    from autoplan.runtime.groups import AxisGroup
-    from autoplan.runtime.rewrite import rewrite
+    from _dist import rewritten_one_rank
 
-    config = get_model_config("tiny-moe")
-    plan = dataclasses.replace(make_plan("tiny-moe", 1, 1, seq_len=16), kernels=kernels)
-    gm = rewrite(build_model(config, device="meta"), config, plan,
-                 AxisGroup("tp", (0,), 0, None)).graph_module.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in gm.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
-    tokens = torch.randint(0, config.vocab, (plan.global_batch, 16), generator=gen)
-    loss = gm(tokens, tokens.roll(-1, dims=1))
+    gm, tokens, targets = rewritten_one_rank("tiny-moe", kernels, 16)
+    loss = gm(tokens, targets)
     loss.backward()
     return gm, loss.detach(), {n: p.grad for n, p in gm.named_parameters()}
 

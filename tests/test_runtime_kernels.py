@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from _interpret import run_triton_tests_interpreted
-from _dist import make_plan
+from _dist import make_plan, rewritten_one_rank
 from autoplan.errors import ConfigError, PlanError
 from autoplan.plan import Plan
 from autoplan.runtime.kernels import dispatch
@@ -37,21 +37,7 @@ triton_interp = pytest.mark.skipif(
 
 def _rewritten(model_name: str, kernels: str, recompute: str = "none"):
     """The 1-rank graph module of `model_name` with seeded CPU parameters, and a batch."""
-    from autoplan.models import build_model, get_model_config
-    from autoplan.runtime.groups import AxisGroup
-    from autoplan.runtime.rewrite import rewrite
-
-    config = get_model_config(model_name)
-    plan = dataclasses.replace(make_plan(model_name, 1, 1, seq_len=SEQ, recompute=recompute),
-                               kernels=kernels)
-    gm = rewrite(build_model(config, device="meta"), config, plan,
-                 AxisGroup("tp", (0,), 0, None)).graph_module.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in gm.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
-    tokens = torch.randint(0, config.vocab, (plan.global_batch, SEQ), generator=gen)
-    return gm, tokens, tokens.roll(-1, dims=1)
+    return rewritten_one_rank(model_name, kernels, SEQ, recompute)
 
 
 def _loss_and_grads(gm, tokens, targets):
