@@ -108,19 +108,21 @@ class CapturedGraph:
     nodes: tuple[NodeInfo, ...]
     graph_module: fx.GraphModule = field(compare=False, repr=False)
     @functools.cached_property
+    def _label_table(self) -> tuple[tuple[int, ...], tuple[tuple, ...]]:
+        ids: dict[tuple, int] = {}
+        labels = tuple(ids.setdefault(node_label(n), len(ids)) for n in self.nodes)
+        return labels, tuple(ids)
+
+    @property
     def labels(self) -> tuple[int, ...]:
         """A small int per node, equal iff `node_label` is equal (ids in order of first appearance);
         computed once per graph for whoever groups nodes by structure (the fold)."""
-        ids: dict[tuple, int] = {}
-        labels = tuple(ids.setdefault(node_label(n), len(ids)) for n in self.nodes)
-        self.__dict__["label_texts"] = tuple(ids)
-        return labels
+        return self._label_table[0]
 
-    @functools.cached_property
+    @property
     def label_texts(self) -> tuple[tuple, ...]:
         """The `node_label` each id of `labels` stands for."""
-        self.labels  # noqa: B018 (fills this property's cache)
-        return self.__dict__["label_texts"]
+        return self._label_table[1]
 
     @functools.cached_property
     def input_indices(self) -> tuple[tuple[int, ...], ...]:
