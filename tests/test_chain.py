@@ -62,6 +62,53 @@ def test_chain_reuses_one_table_and_picks_per_position():
     assert solution.objective == pytest.approx(0 + 1 + 0 + 5 + 0)
 
 
+def runs_of_one_table(seed: int) -> list[np.ndarray]:
+    """Entry and exit tables around runs of one repeated square table object (one block kind)."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 4))
+    tables = [rng.uniform(0, 1, (1, n))]
+    for _ in range(int(rng.integers(1, 3))):
+        block = rng.uniform(0, 1, (n, n))
+        block[rng.random((n, n)) < 0.25] = np.inf
+        tables += [block] * int(rng.integers(1, 9))  # the same object: runs of >= 4 are chained by powers
+    return tables + [rng.uniform(0, 1, (n, 1))]
+
+
+def brute_force_if_small(tables: list[np.ndarray]):
+    """solve_chain_brute_force when it tries at most 5000 sequences, else the step-by-step DP (itself
+    checked against brute force above) on copies of the tables."""
+    if np.prod([t.shape[1] for t in tables[:-1]], dtype=float) <= 5000:
+        return solve_chain_brute_force(tables)
+    return solve_chain([t.copy() for t in tables])
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_runs_chained_by_powers_match_brute_force_and_the_step_by_step_dp(seed):
+    tables = runs_of_one_table(seed)
+    copies = [t.copy() for t in tables]  # distinct objects: no runs, one step per table
+    try:
+        brute = brute_force_if_small(tables)
+    except InfeasibleError:
+        for chain in (tables, copies):
+            with pytest.raises(InfeasibleError):
+                solve_chain(chain)
+        return
+    powers, steps = solve_chain(tables), solve_chain(copies)
+    assert len(powers.states) == len(tables) - 1
+    for solution in (powers, steps):
+        assert solution.objective == pytest.approx(brute.objective, rel=1e-12)
+        assert chain_cost(tables, solution.states) == pytest.approx(brute.objective, rel=1e-12)
+
+
+def test_a_long_run_reads_back_every_inner_state():
+    # 99 blocks that alternate states 0 -> 1 -> 0 ... cheaply; staying put costs 1
+    block = np.array([[1.0, 0.0], [0.0, 1.0]])
+    tables = [np.array([[0.0, 5.0]])] + [block] * 99 + [np.array([[5.0], [0.0]])]
+    solution = solve_chain(tables)
+    assert solution.objective == pytest.approx(0.0)
+    assert solution.states == tuple(1 - s % 2 for s in range(1, 101))
+
+
 def test_chain_validation_names_the_bad_cut():
     with pytest.raises(AutoplanError, match="cut 0"):
         solve_chain([np.zeros((1, 2)), np.zeros((3, 1))])
