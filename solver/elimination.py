@@ -54,8 +54,8 @@ def elimination_plan(sizes: dict[int, int], pairs: Sequence[tuple[int, int]],
     order, scopes, largest = [], [], 1
 
     def fill(v: int) -> int:
-        near = sorted(neighbours[v])
-        return sum(1 for i, a in enumerate(near) for b in near[i + 1:] if b not in neighbours[a])
+        near = neighbours[v]  # pairs of v's neighbours not yet joined, each counted from both ends
+        return sum(len(near - neighbours[a]) - 1 for a in near) // 2
 
     while neighbours:
         v = min(neighbours, key=lambda x: (fill(x), len(neighbours[x]), x))
@@ -76,11 +76,14 @@ def _aligned(scope: tuple[int, ...], table: np.ndarray, joint: tuple[int, ...]) 
     """`table` (axes: variant, then `scope`) with its node axes moved to their places in `joint` and
     size-1 axes for the nodes of `joint` it lacks, ready to broadcast."""
     where = [joint.index(v) for v in scope]
-    moved = table.transpose(0, *(1 + i for i in np.argsort(where)))
+    if where != sorted(where):
+        perm = sorted(range(len(scope)), key=where.__getitem__)
+        table = table.transpose(0, *(1 + i for i in perm))
+        where = sorted(where)
     shape = [table.shape[0]] + [1] * len(joint)
-    for v, size in zip(sorted(scope, key=joint.index), moved.shape[1:]):
-        shape[1 + joint.index(v)] = size
-    return moved.reshape(shape)
+    for place, size in zip(where, table.shape[1:]):
+        shape[1 + place] = size
+    return table.reshape(shape)
 
 
 def solve_by_elimination(plan: EliminationPlan, unary: dict[int, np.ndarray],

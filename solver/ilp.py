@@ -415,14 +415,13 @@ def _solve_variants_by_elimination(problem: IntraOpProblem, variants: Sequence[P
                 forbidden = np.ones(sizes[v], dtype=bool)
                 forbidden[list(allowed)] = False
                 unary[v][i, forbidden] = np.inf
-    _, choices = solve_by_elimination(plan, unary, reduced.pairs)
+    _, found = solve_by_elimination(plan, unary, reduced.pairs)
+    choices = np.zeros((len(variants), problem.num_nodes), dtype=np.int64)  # fixed nodes: their one strategy
+    choices[:, :found.shape[1]] = found
+    objectives = problem.objectives_s(choices)
     per_variant = (time.perf_counter() - start) / len(variants)
-    solutions = []
-    for variant, row in zip(variants, choices):
-        choice = [int(row[v]) if v in sizes else 0 for v in range(problem.num_nodes)]
-        solutions.append(IntraOpSolution(tuple(choice), problem.objective_s(choice) + variant.extra_s(choice),
-                                         "optimal", "elimination", per_variant))
-    return solutions
+    return [IntraOpSolution(tuple(row), float(objective) + variant.extra_s(row), "optimal", "elimination", per_variant)
+            for variant, row, objective in zip(variants, choices.tolist(), objectives)]
 
 
 def _solve_separable(problem: IntraOpProblem, reduced: _Reduced, variant: ProblemVariant) -> IntraOpSolution:

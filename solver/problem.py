@@ -24,14 +24,24 @@ import numpy as np
 from autoplan.errors import AutoplanError
 
 
-def _frozen_array(values, ndim: int, what: str) -> np.ndarray:
+def _frozen_array(values, ndim: int, what: str, check: bool = True) -> np.ndarray:
+    """A read-only float64 copy of `values`; `check=False` leaves the finite, >= 0 test to the caller
+    (`_check_entries` tests many arrays at once: a block problem has ~70 of them)."""
     array = np.array(values, dtype=np.float64)
     if array.ndim != ndim:
         raise AutoplanError(f"{what} must be {ndim}-dimensional, got shape {array.shape}")
-    if array.size and not (array.min() >= 0 and array.max() < np.inf):  # NaN fails both comparisons
+    if check and array.size and not (array.min() >= 0 and array.max() < np.inf):  # NaN fails both comparisons
         raise AutoplanError(f"{what} must be finite and >= 0, got {array.tolist()}")
     array.setflags(write=False)
     return array
+
+
+def _check_entries(arrays: Sequence[np.ndarray], whats: Sequence[str]) -> None:
+    """Every entry of every array finite and >= 0, tested in one pass; the first culprit named."""
+    flat = np.concatenate([a.ravel() for a in arrays]) if arrays else np.zeros(0)
+    if flat.size and not (flat.min() >= 0 and flat.max() < np.inf):  # NaN fails both comparisons
+        for array, what in zip(arrays, whats):
+            _frozen_array(array, array.ndim, what)
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,8 +62,9 @@ class IntraOpProblem:
         if not (len(self.node_costs_s) == len(self.node_memory_bytes) == len(self.node_weights) == n):
             raise AutoplanError(f"problem has {n} node names but {len(self.node_costs_s)} cost arrays, "
                                 f"{len(self.node_memory_bytes)} memory arrays and {len(self.node_weights)} weights")
-        costs = tuple(_frozen_array(c, 1, f"node {name!r} costs") for name, c in zip(self.node_names, self.node_costs_s))
-        memory = tuple(_frozen_array(m, 1, f"node {name!r} memory")
+        costs = tuple(_frozen_array(c, 1, f"node {name!r} costs", check=False)
+                      for name, c in zip(self.node_names, self.node_costs_s))
+        memory = tuple(_frozen_array(m, 1, f"node {name!r} memory", check=False)
                        for name, m in zip(self.node_names, self.node_memory_bytes))
         for name, c, m in zip(self.node_names, costs, memory):
             if c.shape[0] == 0 or c.shape != m.shape:
@@ -67,11 +78,15 @@ class IntraOpProblem:
         for (u, v), matrix in zip(edges, self.edge_costs_s):
             if not (0 <= u < n and 0 <= v < n) or u == v:
                 raise AutoplanError(f"edge ({u}, {v}) must join two different nodes among 0..{n - 1}")
-            matrix = _frozen_array(matrix, 2, f"edge ({u}, {v}) costs")
+            matrix = _frozen_array(matrix, 2, f"edge ({u}, {v}) costs", check=False)
             if matrix.shape != (costs[u].shape[0], costs[v].shape[0]):
                 raise AutoplanError(f"edge ({u}, {v}) cost matrix has shape {matrix.shape}, expected "
                                     f"({costs[u].shape[0]}, {costs[v].shape[0]}) strategies")
             matrices.append(matrix)
+        _check_entries(costs + memory + tuple(matrices),
+                       [f"node {name!r} costs" for name in self.node_names]
+                       + [f"node {name!r} memory" for name in self.node_names]
+                       + [f"edge {e} costs" for e in edges])
         for what, weights in (("node", self.node_weights), ("edge", self.edge_weights)):
             if any(not np.isfinite(w) or w <= 0 for w in weights):
                 raise AutoplanError(f"{what} weights must be finite and > 0, got {list(weights)}")
@@ -103,6 +118,15 @@ class IntraOpProblem:
         total = sum(w * c[k] for w, c, k in zip(self.node_weights, self.node_costs_s, choice))
         total += sum(w * m[choice[u], choice[v]] for (u, v), m, w in zip(self.edges, self.edge_costs_s, self.edge_weights))
         return float(total)
+
+    def objectives_s(self, choices: np.ndarray) -> np.ndarray:
+        """`objective_s` of each row of `choices` (rows x nodes, valid indices), by array indexing."""
+        total = np.zeros(len(choices))
+        for v, (w, c) in enumerate(zip(self.node_weights, self.node_costs_s)):
+            total += w * c[choices[:, v]]
+        for (u, v), m, w in zip(self.edges, self.edge_costs_s, self.edge_weights):
+            total += w * m[choices[:, u], choices[:, v]]
+        return total
 
     def memory_bytes(self, choice: Sequence[int]) -> float:
         """sum_v w_v m_v[choice_v]."""

@@ -83,5 +83,9 @@ def test_problem_validation_names_the_bad_field():
         IntraOpProblem(("a", "b"), ([1.0], [1.0, 2.0]), ([0.0], [0.0, 0.0]), (1, 1), ((0, 1),), ([[1.0]],), (1,))
     with pytest.raises(AutoplanError, match="finite"):
         IntraOpProblem(("a",), ([float("nan")],), ([0.0],), (1,), (), (), ())
+    with pytest.raises(AutoplanError, match=r"edge \(0, 1\) costs must be finite and >= 0, got \[\[1.0, -1.0\]\]"):
+        IntraOpProblem(("a", "b"), ([1.0], [1.0, 2.0]), ([0.0], [0.0, 0.0]), (1, 1), ((0, 1),), ([[1.0, -1.0]],), (1,))
+    with pytest.raises(AutoplanError, match=r"node 'b' memory must be finite"):
+        IntraOpProblem(("a", "b"), ([1.0], [1.0]), ([0.0], [float("inf")]), (1, 1), (), (), ())
     with pytest.raises(AutoplanError, match="different nodes"):
         IntraOpProblem(("a",), ([1.0],), ([0.0],), (1,), ((0, 0),), ([[1.0]],), (1,))
