@@ -31,6 +31,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.fx as fx
 from torch import nn
@@ -45,6 +46,7 @@ OP_KINDS = ("placeholder", "output", "embedding", "linear", "norm", "attention",
             "cross_entropy", "elementwise", "other")
 MATMUL_KINDS = ("linear", "attention", "moe")
 _LAYER_PREFIX = re.compile(r"^layers\.\d+")
+_BLOCK_PREFIX = re.compile(r"^(?:[^.]+\.)*?\d+(?=\.|$)")  # up to the first numeric part: "encoder.layers.3"
 ELEMENTWISE_TARGETS = frozenset({
     "add", "iadd", "add_", "sub", "isub", "sub_", "mul", "imul", "mul_", "truediv", "div", "neg",
     "gelu", "silu", "relu", "tanh", "sigmoid", "exp", "pow", "rsqrt", "sqrt", "float", "to"})
@@ -85,15 +87,31 @@ class NodeInfo:
     bwd_bytes: float
 
     @functools.cached_property
+    def relative_params(self) -> tuple[tuple[str, TensorMeta], ...]:
+        """`params` named relative to the op's module ("weight", "router.weight"), as strategies name them."""
+        prefix = self.module_path + "." if self.module_path else ""
+        return tuple((name[len(prefix):] if name.startswith(prefix) else name, meta) for name, meta in self.params)
+
+    @functools.cached_property
     def rule_key(self) -> tuple:
         """What a strategy rule may read of the node, the layer index aside: equal keys, equal
         strategies (cached: the cost model asks for it per node in every pricing pass)."""
-        params: tuple = ()
-        if self.params:
-            prefix = self.module_path + "." if self.module_path else ""
-            params = tuple((name[len(prefix):] if name.startswith(prefix) else name, meta) for name, meta in self.params)
         path = _LAYER_PREFIX.sub("layers.*", self.module_path, 1) if self.layer is not None else self.module_path
-        return self.op_kind, self.target, path, self.input_metas, self.output, params
+        return self.op_kind, self.target, path, self.input_metas, self.output, self.relative_params
+
+
+@dataclass(frozen=True)
+class GraphIndex:
+    """A graph's structure as flat arrays, for passes that must cost little per node (the fold):
+    node i has label `labels[i]` (`CapturedGraph.labels`), block `blocks[i]` (`block_of` its module
+    path, numbered in order of first appearance; -1 outside every block), and inputs
+    `inputs[input_ptr[i]:input_ptr[i + 1]]` (node indices, in input order)."""
+
+    names: tuple[str, ...]
+    labels: np.ndarray
+    blocks: np.ndarray
+    input_ptr: np.ndarray
+    inputs: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -130,6 +148,17 @@ class CapturedGraph:
         index = {n.name: i for i, n in enumerate(self.nodes)}
         return tuple(tuple(index[u] for u in n.inputs) for n in self.nodes)
 
+    @functools.cached_property
+    def index(self) -> GraphIndex:
+        """Names, labels, layers and inputs of every node as arrays (`GraphIndex`)."""
+        counts = np.fromiter((len(x) for x in self.input_indices), np.int64, len(self.nodes))
+        ids: dict[str | None, int] = {None: -1}
+        blocks = np.fromiter((ids.setdefault(block_of(n.module_path), len(ids) - 1) for n in self.nodes), np.int64,
+                             len(self.nodes))
+        return GraphIndex(tuple(n.name for n in self.nodes), np.asarray(self.labels, np.int64), blocks,
+                          np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+                          np.fromiter((u for x in self.input_indices for u in x), np.int64, int(counts.sum())))
+
     def node(self, name: str) -> NodeInfo:
         for n in self.nodes:
             if n.name == name:
@@ -153,6 +182,14 @@ class CapturedGraph:
 
     def nodes_of_layer(self, i: int) -> tuple[NodeInfo, ...]:
         return tuple(n for n in self.nodes if n.layer == i)
+
+
+def block_of(module_path: str) -> str | None:
+    """The entry of a module list that encloses a node: its module path up to the first numeric part
+    ("layers.3" of "layers.3.mlp", "encoder.layers.0" of "encoder.layers.0.attn", "h.11"), None outside
+    every list. Decoder layers, encoder and decoder stacks and blocks under any name are found alike."""
+    found = _BLOCK_PREFIX.match(module_path)
+    return found.group(0) if found else None
 
 
 def node_label(node: NodeInfo) -> tuple:
@@ -295,7 +332,7 @@ def capture(model: nn.Module, config: ModelConfig, batch_size: int, seq_len: int
     metas = torch.func.functional_call(_Runner(gm, shape_rules), _meta_state(gm, dtype), (tokens,) * n_inputs)
     nodes = tuple(_node_info(gm, n, metas, dtype) for n in gm.graph.nodes)
     graph = CapturedGraph(config.name, config.fingerprint(), batch_size, seq_len, _dtype_name(dtype), nodes, gm)
-    graph.labels, graph.input_indices  # noqa: B018 (the structural labels, made with the records: ~2 us a node)
+    graph.index  # noqa: B018 (structural labels and input arrays, made with the records: ~3 us a node)
     return graph
 
 

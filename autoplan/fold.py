@@ -1,8 +1,9 @@
 """Folding (TAPAS): find the repeated blocks of a captured graph by their structure.
 
-Segments. The nodes, in topological order, are cut into maximal runs of equal `NodeInfo.layer` (the
-i of a `layers.<i>` module path, None outside the layers): the prefix (embeddings), one segment per
-layer, glue between two layer stacks, the suffix (final norm, head, loss).
+Segments. The nodes, in topological order, are cut into maximal runs of one block (`capture.block_of`:
+the entry of a module list that encloses the node, "layers.3" or "encoder.layers.0", none outside the
+lists): the prefix (embeddings), one segment per layer of every stack (decoder layers, encoder then
+decoder stacks), glue between two stacks, the suffix (final norm, head, loss).
 
 Cuts. Cut s lies after segment s. Its slots are the tensors that cross it: the producers in segments
 <= s with a consumer in a segment > s, in topological order. Segment s reads slots of cut s - 1
@@ -14,7 +15,7 @@ Kinds. Each segment becomes a directed graph: its nodes labelled with what the c
 strategy rules read (op kind, target, input and output shapes and dtypes, parameter names relative to
 the op's module and their shapes, FLOPs and bytes; never module paths), edges labelled with the
 consumer's input index, and port nodes for the slots it reads ("in:j") and provides ("out:j").
-Segments whose networkx Weisfeiler-Lehman hashes of these graphs are equal are candidates for one
+Segments whose Weisfeiler-Lehman hashes (`_wl_hash`) of these graphs are equal are candidates for one
 kind; a candidate joins a kind only if a node-by-node correspondence with the kind's first segment
 exists (the positional one when both trace in the same order, else a graph isomorphism), so a hash
 collision never merges two different blocks. Every segment lists its nodes in its kind's order:
@@ -36,9 +37,9 @@ than `max_cut_states` joint placements falls back to one unfolded ILP.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
@@ -47,6 +48,7 @@ import networkx as nx
 import numpy as np
 from networkx.algorithms.isomorphism import DiGraphMatcher
 
+from autoplan.capture import block_of
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.compute import Efficiency
 from autoplan.cost_model.intra_op import (assignment_from_choice, boundary_variant, build_intra_op_problem,
@@ -59,7 +61,7 @@ from autoplan.solver.ilp import solve_ilp, solve_ilp_variants
 from autoplan.strategies import StrategyRegistry
 
 if TYPE_CHECKING:
-    from autoplan.capture import CapturedGraph
+    from autoplan.capture import CapturedGraph, NodeInfo
 
 WL_ITERATIONS = 4
 MAX_CUT_STATES = 81  # joint placements of the tensors crossing one cut (3^4: four tensors of R / S(1) / S(2))
@@ -70,10 +72,11 @@ class Segment:
     """A contiguous run of nodes; `nodes` in its kind's order (module docstring)."""
 
     kind: int
-    layer: int | None
+    layer: int | None  # `NodeInfo.layer` of its nodes (the i of "layers.<i>")
     nodes: tuple[str, ...]
     reads: tuple[tuple[int, int, int], ...]  # (slot of the cut before, consumer position, input index)
     provides: tuple[tuple[str, int], ...]  # per slot of the cut after: ("node", position) | ("slot", slot before)
+    block: str | None = None  # the module list entry it runs ("encoder.layers.0"); None: prefix, glue, suffix
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,8 @@ class FoldedGraph:
     kind_hashes: tuple[str, ...]  # the Weisfeiler-Lehman hash of each kind
     fold_time_s: float = field(compare=False)
     graph: "CapturedGraph" = field(compare=False, repr=False)
+    # per kind, the nodes of its first segment in the kind's order (what the folded solve prices)
+    kind_nodes: tuple[tuple["NodeInfo", ...], ...] = field(default=(), compare=False, repr=False)
 
     @property
     def num_kinds(self) -> int:
@@ -94,10 +99,10 @@ class FoldedGraph:
         return [s for s, seg in enumerate(self.segments) if seg.kind == kind]
 
     def layer_kinds(self) -> dict[int, int]:
-        """Kind -> how many layer segments have it."""
+        """Kind -> how many layer segments (blocks of any stack) have it."""
         counts: dict[int, int] = defaultdict(int)
         for seg in self.segments:
-            if seg.layer is not None:
+            if seg.block is not None:
                 counts[seg.kind] += 1
         return dict(counts)
 
@@ -111,26 +116,45 @@ class FoldedGraph:
 # ---------------------------------------------------------------------------------- segments
 
 
-def _runs(graph: "CapturedGraph") -> list[tuple[int | None, list[int]]]:
-    """Maximal runs of consecutive node indices with equal `layer`."""
-    runs: list[tuple[int | None, list[int]]] = []
-    for i, node in enumerate(graph.nodes):
-        if runs and runs[-1][0] == node.layer:
-            runs[-1][1].append(i)
-        else:
-            runs.append((node.layer, [i]))
-    return runs
+@dataclass(frozen=True)
+class _Layout:
+    """Segments and cuts of a graph, from its `GraphIndex` by array operations (a per-node Python
+    pass would make the fold linear in depth at ~10 us a layer). Segment s holds nodes
+    starts[s]:starts[s + 1]; input edge e (`GraphIndex.inputs` order) has reference refs[e]: r >= 0
+    the producer's position in the consumer's segment, r < 0 slot -1 - r of the cut before."""
+
+    starts: list[int]
+    cuts: list[list[int]]  # cut s: producer indices, ascending (topological)
+    refs: np.ndarray
+    provides: list[tuple[int, ...]]  # per segment, the reference of each slot of the cut after
+
+    @classmethod
+    def of(cls, graph: "CapturedGraph") -> "_Layout":
+        index = graph.index
+        blocks = index.blocks
+        starts = np.concatenate([[0], np.flatnonzero(blocks[1:] != blocks[:-1]) + 1, [len(blocks)]])
+        segment_of = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+        consumer = np.repeat(segment_of, np.diff(index.input_ptr))  # segment of each edge's consumer
+        cuts = _cuts(index.inputs, segment_of, consumer, len(starts) - 1)
+        slots = [{u: j for j, u in enumerate(cut)} for cut in cuts]
+        refs = index.inputs - starts[consumer]
+        for e in np.flatnonzero(segment_of[index.inputs] != consumer).tolist():  # edges that cross a cut
+            refs[e] = -1 - slots[consumer[e] - 1][int(index.inputs[e])]
+        starts_list = starts.tolist()
+        provides = [tuple(u - starts_list[c] if u >= starts_list[c] else -1 - slots[c - 1][u] for u in cut)
+                    for c, cut in enumerate(cuts)] + [()]
+        return cls(starts_list, cuts, refs, provides)
 
 
-def _cuts(graph: "CapturedGraph", segment_of: list[int], count: int) -> list[list[int]]:
-    """Producer indices crossing each cut, in topological order."""
-    last_use: dict[int, int] = {}  # producer -> the last segment that reads it (nodes come in order)
-    for i, inputs in enumerate(graph.input_indices):
-        for u in inputs:
-            last_use[u] = segment_of[i]
+def _cuts(inputs: np.ndarray, segment_of: np.ndarray, consumer: np.ndarray, count: int) -> list[list[int]]:
+    """Producer indices crossing each of the count - 1 cuts, in topological order: u crosses cuts
+    segment_of[u] .. (the last segment reading u) - 1."""
+    last = segment_of.copy()
+    np.maximum.at(last, inputs, consumer)
     cuts: list[list[int]] = [[] for _ in range(count - 1)]
-    for u in sorted(last_use):
-        for c in range(segment_of[u], last_use[u]):
+    crossing = np.flatnonzero(last > segment_of)
+    for u, first, end in zip(crossing.tolist(), segment_of[crossing].tolist(), last[crossing].tolist()):
+        for c in range(first, end):
             cuts[c].append(u)
     return cuts
 
@@ -147,6 +171,15 @@ class _Draft:
     refs: list[tuple[int, ...]]  # per node, per input
     provides: tuple[int, ...]  # per slot of the cut after
     texts: tuple[tuple, ...]
+
+    @classmethod
+    def of(cls, graph: "CapturedGraph", layout: _Layout, s: int) -> "_Draft":
+        index = graph.index
+        a, b = layout.starts[s], layout.starts[s + 1]
+        ptr = index.input_ptr[a:b + 1].tolist()
+        refs = [tuple(layout.refs[ptr[p]:ptr[p + 1]].tolist()) for p in range(b - a)]
+        return cls(graph.nodes[a].layer, list(range(a, b)), index.labels[a:b].tolist(), refs, layout.provides[s],
+                   graph.label_texts)
 
     def signature(self, order: list[int] | None = None) -> tuple:
         """Positional signature with the nodes taken in `order` (positions renumbered to match), or in
@@ -179,36 +212,20 @@ class _Draft:
         return g
 
 
-def _drafts(graph: "CapturedGraph") -> tuple[list[_Draft], list[list[int]]]:
-    runs = _runs(graph)
-    segment_of = [0] * len(graph.nodes)
-    for s, (_, members) in enumerate(runs):
-        for i in members:
-            segment_of[i] = s
-    cuts = _cuts(graph, segment_of, len(runs))
-    drafts = []
-    for s, (layer, members) in enumerate(runs):
-        ref = {i: p for p, i in enumerate(members)}  # graph index -> reference
-        if s > 0:
-            ref.update((u, -1 - j) for j, u in enumerate(cuts[s - 1]))
-        refs = [tuple([ref[u] for u in graph.input_indices[i]]) for i in members]
-        provides = tuple(ref[u] for u in (cuts[s] if s < len(runs) - 1 else []))
-        labels = [graph.labels[i] for i in members]
-        drafts.append(_Draft(layer, members, labels, refs, provides, graph.label_texts))
-    return drafts, cuts
-
-
 # ---------------------------------------------------------------------------------- kinds
 
 
-def _match(rep: _Draft, rep_graph: nx.DiGraph, draft: _Draft) -> list[int] | None:
-    """An order of `draft`'s positions in which it equals `rep` node by node, or None."""
+def _match(rep: _Draft, kind: list, draft: _Draft) -> list[int] | None:
+    """An order of `draft`'s positions in which it equals `rep` node by node, or None. `kind` is the
+    kind's entry (hash, rep, rep's digraph or None): the digraph is built on the first need."""
     if len(draft.members) != len(rep.members):
         return None
     identity = list(range(len(draft.members)))
     if draft.signature() == rep.signature():
         return identity
-    matcher = DiGraphMatcher(rep_graph, draft.digraph(), node_match=lambda a, b: a["label"] == b["label"],
+    if kind[2] is None:
+        kind[2] = rep.digraph()
+    matcher = DiGraphMatcher(kind[2], draft.digraph(), node_match=lambda a, b: a["label"] == b["label"],
                              edge_match=lambda a, b: a["label"] == b["label"])
     if not matcher.is_isomorphic():
         return None
@@ -216,48 +233,100 @@ def _match(rep: _Draft, rep_graph: nx.DiGraph, draft: _Draft) -> list[int] | Non
     return order if draft.signature(order) == rep.signature() else None
 
 
-def _wl_hash(g: nx.DiGraph) -> str:
-    with warnings.catch_warnings():  # networkx 3.5+ warns that directed hashes changed in 3.5 (pinned: 3.6.1)
-        warnings.simplefilter("ignore", UserWarning)
-        return nx.weisfeiler_lehman_graph_hash(g, node_attr="label", edge_attr="label", iterations=WL_ITERATIONS)
+def _digest(text: str) -> int:
+    """A 64-bit label that is the same in every process (Python's str hash is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
-def _kind_of(draft: _Draft, kinds: list[tuple[str, _Draft, nx.DiGraph]], by_hash: dict[str, list[int]]
+def _wl_hash(draft: _Draft, iterations: int = WL_ITERATIONS) -> str:
+    """Weisfeiler-Lehman subtree hash of the draft's labelled graph (the one `_Draft.digraph` builds:
+    positions, "in"/"out" ports, edges labelled by input index). Start from a digest of each node's
+    label; each round relabels x with a hash of (its label, the sorted (edge label, label) of its
+    predecessors, the same of its successors); the result digests the sorted labels of every round.
+    Independent of the order positions come in; equal graphs hash equal, and `_match` checks the rare
+    collision. Written on tuples of ints: ~10x faster than networkx's, which the fold paid per kind."""
+    nodes: dict = {p: _digest(repr(draft.texts[label])) for p, label in enumerate(draft.labels)}
+    edges: list[tuple] = []  # (source, target, edge label)
+
+    def source(r: int):
+        if r >= 0:
+            return r
+        nodes.setdefault(("in", -1 - r), _digest(f"in:{-1 - r}"))
+        return ("in", -1 - r)
+
+    for p, refs in enumerate(draft.refs):
+        edges += [(source(r), p, k) for k, r in enumerate(refs)]
+    for j, r in enumerate(draft.provides):
+        nodes[("out", j)] = _digest(f"out:{j}")
+        edges.append((source(r), ("out", j), -1))
+    seen = sorted(nodes.values())
+    for _ in range(iterations):
+        into: dict = defaultdict(list)
+        out_of: dict = defaultdict(list)
+        for u, v, k in edges:
+            into[v].append((k, nodes[u]))
+            out_of[u].append((k, nodes[v]))
+        nodes = {x: hash((label, tuple(sorted(into[x])), tuple(sorted(out_of[x])))) for x, label in nodes.items()}
+        seen += sorted(nodes.values())
+    return hashlib.blake2b(repr(seen).encode(), digest_size=16).hexdigest()
+
+
+def _kind_of(draft: _Draft, kinds: list[list], by_hash: dict[str, list[int]]
              ) -> tuple[int, list[int]]:
     """(kind, order of the draft's positions in the kind's order); appends a new kind when none matches."""
-    g = draft.digraph()
-    key = _wl_hash(g)
+    key = _wl_hash(draft)
     for k in by_hash[key]:
-        order = _match(kinds[k][1], kinds[k][2], draft)
+        order = _match(kinds[k][1], kinds[k], draft)
         if order is not None:
             return k, order
     by_hash[key].append(len(kinds))
-    kinds.append((key, draft, g))
+    kinds.append([key, draft, None])
     return len(kinds) - 1, list(range(len(draft.members)))
+
+
+def _array_signature(graph: "CapturedGraph", layout: _Layout, s: int) -> tuple:
+    """Segment s's positional signature from array slices (labels, input counts, references, what
+    it provides): equal iff the `_Draft.signature`s are equal, at a few microseconds a segment."""
+    index = graph.index
+    a, b = layout.starts[s], layout.starts[s + 1]
+    ptr = index.input_ptr
+    return (index.labels[a:b].tobytes(), (ptr[a + 1:b + 1] - ptr[a:b]).tobytes(),
+            layout.refs[ptr[a]:ptr[b]].tobytes(), layout.provides[s])
 
 
 def fold_graph(graph: "CapturedGraph") -> FoldedGraph:
     """Segments, cuts and kinds of `graph` (module docstring)."""
     start = time.perf_counter()
-    drafts, cuts = _drafts(graph)
-    kinds: list[tuple[str, _Draft, nx.DiGraph]] = []  # (hash, first segment, its graph)
+    layout = _Layout.of(graph)
+    names, blocks = graph.index.names, graph.index.blocks
+    kinds: list[list] = []  # [hash, first segment, its digraph once an isomorphism test needs it]
     by_hash: dict[str, list[int]] = defaultdict(list)
-    seen: dict[tuple, tuple] = {}  # positional signature -> (kind, order, reads, provides)
-    segments = []
-    for draft in drafts:
-        signature = draft.signature()
+    seen: dict[tuple, tuple] = {}  # positional signature -> (kind, order or None, reads, provides)
+    segments, kind_nodes = [], []
+    for s in range(len(layout.starts) - 1):
+        signature = _array_signature(graph, layout, s)
         if signature not in seen:
-            kind, order = _kind_of(draft, kinds, by_hash)
-            renumber = {old: new for new, old in enumerate(order)}
-            reads = tuple(sorted((-1 - r, renumber[p], k) for p in order for k, r in enumerate(draft.refs[p])
-                                 if r < 0))
-            provides = tuple(("node", renumber[r]) if r >= 0 else ("slot", -1 - r) for r in draft.provides)
-            seen[signature] = kind, order, reads, provides
+            seen[signature] = _kind_entry(_Draft.of(graph, layout, s), kinds, by_hash)
         kind, order, reads, provides = seen[signature]
-        segments.append(Segment(kind, draft.layer, tuple(graph.nodes[draft.members[p]].name for p in order),
-                                reads, provides))
-    names = tuple(tuple(graph.nodes[u].name for u in cut) for cut in cuts)
-    return FoldedGraph(tuple(segments), names, tuple(k[0] for k in kinds), time.perf_counter() - start, graph)
+        a, b = layout.starts[s], layout.starts[s + 1]
+        members = names[a:b] if order is None else tuple(names[a + p] for p in order)
+        block = block_of(graph.nodes[a].module_path) if blocks[a] >= 0 else None
+        segments.append(Segment(kind, graph.nodes[a].layer, members, reads, provides, block))
+        if kind == len(kind_nodes):  # the kind's first segment: its nodes, in the kind's order
+            kind_nodes.append(graph.nodes[a:b] if order is None else tuple(graph.nodes[a + p] for p in order))
+    cuts = tuple(tuple(names[u] for u in cut) for cut in layout.cuts)
+    return FoldedGraph(tuple(segments), cuts, tuple(k[0] for k in kinds), time.perf_counter() - start, graph,
+                       tuple(kind_nodes))
+
+
+def _kind_entry(draft: _Draft, kinds: list, by_hash: dict[str, list[int]]) -> tuple:
+    """(kind, order of the draft's positions in the kind's order or None when it is their own, reads,
+    provides) of a segment whose signature was not seen before."""
+    kind, order = _kind_of(draft, kinds, by_hash)
+    renumber = {old: new for new, old in enumerate(order)}
+    reads = tuple(sorted((-1 - r, renumber[p], k) for p in order for k, r in enumerate(draft.refs[p]) if r < 0))
+    provides = tuple(("node", renumber[r]) if r >= 0 else ("slot", -1 - r) for r in draft.provides)
+    return kind, None if order == list(range(len(order))) else order, reads, provides
 
 
 # ---------------------------------------------------------------------------------- the folded solve
@@ -293,7 +362,6 @@ class _Tables:
         self.folded, self.strategies, self.placements, self.ctx = folded, strategies, placements, ctx
         self.state = state_bytes_for(dtype)
         self.time_limit_s, self.solver = time_limit_s, solver
-        self.by_name = {n.name: n for n in folded.graph.nodes}
         self.first = {seg.kind: seg for seg in reversed(folded.segments)}  # each kind's first segment
         self.entries: dict[tuple, _Entry] = {}
         self.tables: dict[tuple, np.ndarray] = {}
@@ -313,9 +381,10 @@ class _Tables:
         needed: dict[int, dict[tuple, None]] = defaultdict(dict)  # kind -> keys, in order of first need
         patterns = set()
         for s, seg in enumerate(self.folded.segments):
-            if (seg.kind, bounds[s], bounds[s + 1]) in patterns:
+            pattern = (seg.kind, id(bounds[s]), id(bounds[s + 1]))  # equal cuts share one states tuple
+            if pattern in patterns:
                 continue
-            patterns.add((seg.kind, bounds[s], bounds[s + 1]))
+            patterns.add(pattern)
             for x in bounds[s]:
                 for y in bounds[s + 1]:
                     keys = self.keys(s, x, y)
@@ -325,8 +394,7 @@ class _Tables:
             self._solve_kind(kind, list(keys))
 
     def _solve_kind(self, kind: int, keys: list[tuple[tuple, tuple]]) -> None:
-        seg = self.first[kind]
-        nodes = [self.by_name[name] for name in seg.nodes]
+        seg, nodes = self.first[kind], self.folded.kind_nodes[kind]
         arrays = segment_arrays(nodes, [self.strategies[n] for n in seg.nodes], self.ctx, self.state)
         rows: dict[tuple, np.ndarray] = {}
 
@@ -352,7 +420,7 @@ class _Tables:
     def table(self, s: int, before: tuple[tuple, ...], after: tuple[tuple, ...]) -> np.ndarray:
         """T[i, j] of segment s between the joint placements `before[i]` and `after[j]` of its two cuts;
         segments of one kind between equal state lists share one table."""
-        key = (self.folded.segments[s].kind, before, after)
+        key = (self.folded.segments[s].kind, id(before), id(after))  # equal cuts share one states tuple
         if key not in self.tables:
             table = np.full((len(before), len(after)), np.inf)
             for i, x in enumerate(before):
@@ -403,8 +471,8 @@ def solve_folded(folded: FoldedGraph, registry: StrategyRegistry, info: Mapping,
     graph = folded.graph
     ctx = make_context(graph, cluster, mesh, microbatch_size, dtype, efficiency)
     firsts = {seg.kind: seg for seg in reversed(folded.segments)}
-    wanted = {name for seg in firsts.values() for name in seg.nodes}  # a kind's nodes share its strategies
-    strategies = graph_strategies(graph, registry, info, mesh.tp, [n for n in graph.nodes if n.name in wanted])
+    # a kind's nodes share its strategies: ask for its first segment's only
+    strategies = graph_strategies(graph, registry, info, mesh.tp, [n for nodes in folded.kind_nodes for n in nodes])
     states, placements = _cut_states(folded, firsts, strategies)
     widest = max((len(x) for x in states), default=1)
     if widest > max_cut_states:
@@ -415,10 +483,13 @@ def solve_folded(folded: FoldedGraph, registry: StrategyRegistry, info: Mapping,
     tables.prepare(bounds)
     chain = solve_chain([tables.table(s, bounds[s], bounds[s + 1]) for s in range(len(folded.segments))])
     cut_states = [()] + [x[i] for x, i in zip(states, chain.states)] + [()]
-    assignment = {}
+    assignment: dict[str, str] = {}
+    picked: dict[tuple, tuple[str, ...]] = {}  # blocks of one kind between equal states: one entry
     for s, seg in enumerate(folded.segments):
-        entry = tables.entry(seg.kind, *tables.keys(s, cut_states[s], cut_states[s + 1]))
-        assignment.update(zip(seg.nodes, entry.names))
+        key = (seg.kind, id(seg.reads), id(seg.provides), cut_states[s], cut_states[s + 1])
+        if key not in picked:
+            picked[key] = tables.entry(seg.kind, *tables.keys(s, cut_states[s], cut_states[s + 1])).names
+        assignment.update(zip(seg.nodes, picked[key]))
     used = {e.solver for e in tables.entries.values()}
     status = "optimal" if all(e.status == "optimal" for e in tables.entries.values()) else "feasible"
     name = next((x for x in ("highs", "cbc", "elimination") if x in used), "trivial")

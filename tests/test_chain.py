@@ -23,7 +23,7 @@ from autoplan.solver.problem import ProblemVariant
 from autoplan.strategies import StrategyRegistry, default_registry, elementwise_strategies, norm_strategies
 from test_cost_model import zero_latency
 from test_ilp import random_problem
-from test_fold import NARROW, WIDE, SkipBlock, StackLM, captured, dense, gpt, moe
+from test_fold import NARROW, WIDE, EncoderDecoderLM, SkipBlock, StackLM, captured, dense, gpt, moe
 
 # ------------------------------------------------------------------------------ the DP on arrays
 
@@ -211,6 +211,7 @@ MIXED = {
     "first_and_last_differ": lambda: StackLM([gpt(), dense(), dense(), moe()]),
     "two_widths": lambda: StackLM([dense(), dense(), dense(WIDE), dense(WIDE)], final_hidden=128, up_after=1),
     "skip_connection": lambda: StackLM([SkipBlock() for _ in range(4)], skip=True),
+    "encoder_decoder": lambda: EncoderDecoderLM(encoders=2, decoders=3),
 }
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -108,6 +111,30 @@ class StackLM(nn.Module):
         return self.loss(self.lm_head(self.norm(x)), targets)
 
 
+class EncoderDecoderLM(nn.Module):
+    """An encoder stack (dense blocks at `encoder.layers.<i>`) then a decoder stack (`decoder.<i>`,
+    blocks that also read the encoder's output, as cross-attention would) -> norm -> head -> loss."""
+
+    def __init__(self, encoders: int, decoders: int, hidden: int = 64) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(VOCAB, hidden)
+        self.encoder = nn.Module()
+        self.encoder.layers = nn.ModuleList([dense() for _ in range(encoders)])
+        self.decoder = nn.ModuleList([SkipBlock() for _ in range(decoders)])
+        self.norm = RMSNorm(hidden)
+        self.lm_head = nn.Linear(hidden, VOCAB, bias=False)
+        self.loss = LMLoss()
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(tokens)
+        for block in self.encoder.layers:
+            x = block(x)
+        memory = x
+        for block in self.decoder:
+            x = block(x, memory)
+        return self.loss(self.lm_head(self.norm(x)), targets)
+
+
 def captured(make, seq: int = SEQ):
     """Capture a test model built on meta in bf16; `make` builds it (called under the meta device)."""
     with torch.device("meta"):
@@ -155,6 +182,19 @@ def test_two_widths_with_glue_between():
     assert [seg.kind for seg in folded.segments] == [0, 1, 1, 2, 3, 3, 4]
     assert [seg.layer for seg in folded.segments] == [None, 0, 1, None, 2, 3, None]  # the `up` glue at top level
     assert folded.num_kinds == 5
+
+
+def test_encoder_and_decoder_stacks_are_found_under_any_name():
+    graph = captured(lambda: EncoderDecoderLM(encoders=3, decoders=4))
+    folded = fold_graph(graph)
+    assert [seg.block for seg in folded.segments] == [None, "encoder.layers.0", "encoder.layers.1",
+                                                      "encoder.layers.2", "decoder.0", "decoder.1", "decoder.2",
+                                                      "decoder.3", None]
+    # encoder blocks share a kind; the first decoder reads the encoder output twice (x and memory), the
+    # last one does not pass the memory on: each has an interface of its own, the middle ones share one
+    assert [seg.kind for seg in folded.segments] == [0, 1, 1, 1, 2, 3, 3, 4, 5]
+    assert folded.layer_kinds() == {1: 3, 2: 1, 3: 2, 4: 1}
+    assert "7 layers" in folded.describe()
 
 
 def test_module_names_do_not_matter():
@@ -219,3 +259,19 @@ def test_fold_is_deterministic_and_fast():
     assert first == second
     assert first.fold_time_s < 1.0
     assert first.num_kinds == 3
+
+
+def test_kind_hashes_are_the_same_in_another_process():
+    """Python salts str hashes per process; the Weisfeiler-Lehman hash must not depend on that."""
+    script = ("import dataclasses, torch\n"
+              "from autoplan.capture import capture\n"
+              "from autoplan.fold import fold_graph\n"
+              "from autoplan.models import build_model, get_model_config\n"
+              "cfg = dataclasses.replace(get_model_config('tiny-moe'), num_layers=2)\n"
+              f"graph = capture(build_model(cfg, 'meta', torch.bfloat16), cfg, 1, {SEQ})\n"
+              "print(' '.join(fold_graph(graph).kind_hashes))\n")
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    child = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    cfg = dataclasses.replace(get_model_config("tiny-moe"), num_layers=2)
+    here = fold_graph(capture(build_model(cfg, "meta", torch.bfloat16), cfg, 1, SEQ)).kind_hashes
+    assert child.stdout.split() == list(here) and len(set(here)) == 3
