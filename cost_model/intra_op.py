@@ -43,6 +43,8 @@ true optimum); the planner uses the exact segment solve instead.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, NamedTuple
 
@@ -81,9 +83,11 @@ class CostContext:
     axis: str = "tp"
     head_dim: int = DEFAULT_HEAD_DIM  # of the attention cores (`attention_head_dim`)
     group: AxisGroup = field(init=False, repr=False, compare=False)
+    reshard_memo: dict = field(init=False, repr=False, compare=False)  # `reshard_s` by (meta, src, dst)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "group", AxisGroup.of(self.mesh, self.axis, self.cluster.gpus_per_node))
+        object.__setattr__(self, "reshard_memo", {})
         object.__setattr__(self, "efficiency", self.efficiency.resolved(self.cluster.device))
 
     @property
@@ -200,6 +204,7 @@ def node_state_bytes(node: "NodeInfo", strategy: Strategy, tp: int, state: State
 # ---------------------------------------------------------------------------------- resharding
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of a few placements, asked ~10^3 times per solve
 def reshard_collectives(src: Placement, dst: InputSpec, differentiable: bool = True) -> tuple[Collectives, Collectives]:
     """(forward, backward) collectives to turn a tensor placed `src` into `dst` (module docstring)."""
     want = dst.placement
@@ -230,27 +235,34 @@ def _grad_collectives(have: Placement, target: Placement, partial: bool) -> Coll
 
 
 def reshard_s(meta: "TensorMeta", src: Placement, dst: InputSpec, ctx: CostContext) -> tuple[float, float]:
-    """(forward, backward) seconds to reshard one tensor edge at the microbatch."""
-    full = scaled_nbytes(meta, ctx.capture_batch, ctx.batch_scale)
-    fwd, bwd = reshard_collectives(src, dst, meta.dtype in FLOAT_DTYPES)
+    """(forward, backward) seconds to reshard one tensor edge at the microbatch (memoised in `ctx`:
+    one activation shape feeds many edges)."""
+    key = (meta, src, dst)
+    if key not in ctx.reshard_memo:
+        full = scaled_nbytes(meta, ctx.capture_batch, ctx.batch_scale)
+        fwd, bwd = reshard_collectives(src, dst, meta.dtype in FLOAT_DTYPES)
 
-    def total(collectives: Collectives) -> float:
-        return sum(ctx.collective_s(kind, full / ctx.degree if on_shard else full) for kind, on_shard in collectives)
-    return total(fwd), total(bwd)
+        def total(collectives: Collectives) -> float:
+            return sum(ctx.collective_s(kind, full / ctx.degree if on_shard else full) for kind, on_shard in collectives)
+        ctx.reshard_memo[key] = total(fwd), total(bwd)
+    return ctx.reshard_memo[key]
 
 
 def edge_cost_matrix(meta: "TensorMeta", producer: list[Strategy], consumer: list[Strategy], index: int,
                      ctx: CostContext) -> np.ndarray:
-    """C[i, j] = fwd + bwd seconds to feed input `index` of consumer strategy j from producer strategy i."""
-    cache: dict[tuple, float] = {}
-    matrix = np.zeros((len(producer), len(consumer)))
-    for i, s_u in enumerate(producer):
-        for j, s_v in enumerate(consumer):
-            key = (s_u.output, s_v.inputs[index])
-            if key not in cache:
-                cache[key] = sum(reshard_s(meta, s_u.output, s_v.inputs[index], ctx))
-            matrix[i, j] = cache[key]
-    return matrix
+    """C[i, j] = fwd + bwd seconds to feed input `index` of consumer strategy j from producer strategy i:
+    each distinct (output placement, input spec) pair priced once, then spread by index arrays."""
+    outputs, rows = _distinct([s.output for s in producer])
+    inputs, cols = _distinct([s.inputs[index] for s in consumer])
+    priced = np.array([[sum(reshard_s(meta, src, dst, ctx)) for dst in inputs] for src in outputs])
+    return priced[np.ix_(rows, cols)]
+
+
+def _distinct(items: list) -> tuple[list, np.ndarray]:
+    """The distinct items in order of first appearance, and each item's index among them."""
+    codes: dict = {}
+    index = np.array([codes.setdefault(x, len(codes)) for x in items], dtype=np.intp)
+    return list(codes), index
 
 
 # ---------------------------------------------------------------------------------- folding

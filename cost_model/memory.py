@@ -113,9 +113,8 @@ def scaled_nbytes(meta: "TensorMeta", capture_batch: int, batch_scale: float) ->
 
 def param_placements(node: "NodeInfo", strategy: Strategy) -> list[tuple[str, "TensorMeta", Placement]]:
     """(full name, meta, tp placement) of each parameter the node uses."""
-    prefix = node.module_path + "." if node.module_path else ""
-    return [(name, meta, strategy.param_placement(name[len(prefix):] if name.startswith(prefix) else name))
-            for name, meta in node.params]
+    return [(name, meta, strategy.param_placement(relative))
+            for (name, meta), (relative, _) in zip(node.params, node.relative_params)]
 
 
 def comm_tensor_nbytes(node: "NodeInfo", comm: Comm, capture_batch: int, batch_scale: float) -> float:
