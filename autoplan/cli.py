@@ -72,6 +72,9 @@ def _estimate_parser(sub) -> None:
     p.add_argument("--dp", type=int, help="dp degree (default: world / (tp pp cp ep))")
     p.add_argument("--etp", type=int, help="the MoE experts' tensor-parallel degree: tp (default; each expert's "
                    "FFN split over tp) or 1 (experts whole, the tp ranks folded into expert parallelism)")
+    p.add_argument("--ep-as", default="dp", choices=("dp", "cp"),
+                   help="what the ep ranks are to the non-expert layers: dp (default; the batch split over dp x ep) "
+                   "or cp (each sequence split over cp x ep, attention's context-parallel group spanning them)")
     p.add_argument("--mbs", type=int, default=1, help="microbatch size (default 1)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage (default 1)")
     p.add_argument("--recompute", default="selective", choices=("none", "selective", "full"))
@@ -162,7 +165,7 @@ def cmd_estimate(args) -> int:
     if dp < 1 or dp * others != cluster.world_size:
         raise AutoplanError(f"tp {args.tp} x pp {args.pp} x cp {args.cp} x ep {args.ep} x dp {dp} != world size "
                             f"{cluster.world_size} of {cluster.describe()}; pick degrees whose product is {cluster.world_size}")
-    mesh = MeshShape(pp=args.pp, dp=dp, tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp)
+    mesh = MeshShape(pp=args.pp, dp=dp, tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp, ep_as=args.ep_as)
     plan = estimate(config, cluster, args.global_batch, args.seq, mesh=mesh, microbatch_size=args.mbs, zero_stage=args.zero,
                     recompute=args.recompute, dtype=args.dtype, schedule=args.schedule, virtual_stages=args.virtual_stages,
                     profile=_load_profile(args), kernels=args.kernels)

@@ -49,7 +49,8 @@ def describe_config(plan: Plan) -> str:
     virtual = len({s.chunk for s in plan.stages})
     schedule = plan.schedule + (f", {virtual} virtual stages" if virtual > 1 else "")
     etp = f" etp={m.etp}" if m.etp != m.tp else ""
-    return (f"{m} (pp={m.pp} dp={m.dp} ep={m.ep} cp={m.cp} tp={m.tp}{etp}), microbatch {plan.microbatch_size} x "
+    ep_as = f" ep_as=cp (sequence over cp x ep = {m.context_parallel})" if m.ep_as == "cp" else ""
+    return (f"{m} (pp={m.pp} dp={m.dp} ep={m.ep} cp={m.cp} tp={m.tp}{etp}{ep_as}), microbatch {plan.microbatch_size} x "
             f"{plan.num_microbatches}, ZeRO-{plan.zero_stage}, recompute {plan.recompute}, {schedule}")
 
 
@@ -103,7 +104,7 @@ def op_family_costs(plan: Plan, graph, config) -> list[tuple[str, str, int, floa
     assignment = {op.node: op.strategy for op in plan.ops}
     info = strategy_info(model_info(config), tp, plan.mesh.etp)
     strategies = resolve_strategies(graph, default_registry(), info, tp, assignment)
-    microbatch = Fraction(plan.microbatch_size, plan.mesh.cp)
+    microbatch = Fraction(plan.microbatch_size, plan.mesh.context_parallel)
     ctx = CostContext(plan.cluster, MeshShape(dp=plan.cluster.world_size // tp, tp=tp), plan.dtype, Efficiency(),
                       graph.batch_size, float(microbatch) / graph.batch_size)
     groups: dict[tuple[str, str], list] = defaultdict(list)
@@ -164,7 +165,7 @@ def _ops_text(plan: Plan, config, graph, max_ops: int) -> list[str]:
     rows = op_family_costs(plan, graph, config)
     total = sum(r[3] + r[4] + r[5] for r in rows) or 1e-30
     head = (f"per op family: seconds per microbatch on one rank (microbatch {plan.microbatch_size}"
-            f"{f' / cp {plan.mesh.cp}' if plan.mesh.cp > 1 else ''}), the whole model, tp strategies as chosen")
+            f"{_context_text(plan.mesh)}), the whole model, tp strategies as chosen")
     table = [[f, s, str(n), _s(fw), _s(bw), _s(c), f"{(fw + bw + c) / total:.1%}"] for f, s, n, fw, bw, c in rows[:max_ops]]
     rest = rows[max_ops:]
     if rest:
@@ -174,11 +175,19 @@ def _ops_text(plan: Plan, config, graph, max_ops: int) -> list[str]:
     return [head] + _table(["op family", "strategy", "ops", "forward", "backward", "tp comm", "share"], table, {2, 3, 4, 5, 6})
 
 
+def _context_text(mesh) -> str:
+    """How the microbatch's sequences are split over context-parallel ranks, for the per-op table's title."""
+    if mesh.context_parallel == 1:
+        return ""
+    return f" / cp x ep {mesh.context_parallel}" if mesh.ep_as == "cp" else f" / cp {mesh.cp}"
+
+
 def _config_differences(a: Plan, b: Plan) -> list[tuple[str, str, str]]:
     fields = [("mesh", str(a.mesh), str(b.mesh))]
     fields += [(axis, str(a.mesh.degree(axis)), str(b.mesh.degree(axis))) for axis in ("pp", "dp", "ep", "cp", "tp")]
     etp = [str(m.etp) if m.etp != m.tp else "= tp" for m in (a.mesh, b.mesh)]  # shown only where one differs
     fields += [("etp (experts' tp)", *etp)]
+    fields += [("ep ranks are, to dense layers", *(f"{m.ep_as} ranks" for m in (a.mesh, b.mesh)))]
     fields += [("microbatch size", str(a.microbatch_size), str(b.microbatch_size)),
                ("microbatches", str(a.num_microbatches), str(b.num_microbatches)),
                ("ZeRO stage", str(a.zero_stage), str(b.zero_stage)), ("recompute", a.recompute, b.recompute),
@@ -234,7 +243,8 @@ def _reason(a: Plan, b: Plan, part: str, names: tuple[str, str]) -> str:
         frac = [(p.mesh.pp - 1) / (p.num_microbatches * len({s.chunk for s in p.stages})) for p in (a, b)]
         return (f": bubble fraction (pp - 1) / (m v) is {frac[0]:.3f} for {names[0]} and {frac[1]:.3f} for {names[1]}")
     if part.startswith("communication"):
-        return f": tp={a.mesh.tp} vs {b.mesh.tp}, cp={a.mesh.cp} vs {b.mesh.cp}, ZeRO-{a.zero_stage} vs ZeRO-{b.zero_stage}"
+        cp = [f"{p.mesh.context_parallel}" + (" (cp x ep)" if p.mesh.ep_as == "cp" else "") for p in (a, b)]
+        return f": tp={a.mesh.tp} vs {b.mesh.tp}, cp={cp[0]} vs {cp[1]}, ZeRO-{a.zero_stage} vs ZeRO-{b.zero_stage}"
     if part == "compute":
         return f": recompute {a.recompute} vs {b.recompute}, microbatch {a.microbatch_size} vs {b.microbatch_size}"
     return ""

@@ -13,6 +13,15 @@ are whole and the tp ranks become expert-parallel ranks too, so a MoE layer spre
 the ep x tp ranks (`expert_axes`, `expert_parallel`) while attention keeps tp. 1 < etp < tp would
 split the tp axis in two levels (experts over tp / etp, each expert's FFN over etp), which neither
 the per-axis placements of a Plan nor this runtime express, so it is refused.
+
+`ep_as`, no axis either, says what the ep ranks are to the non-expert layers (attention, dense FFNs,
+embeddings), which never hold different experts. "dp" (the default): extra data-parallel ranks, the
+batch split over dp x ep (`batch_shards`). "cp": extra context-parallel ranks (Megatron Core's MoE
+parallel folding over context parallelism), each sequence split over the ep x cp ranks
+(`context_axes`, `context_parallel`) and attention's Ulysses group spanning them, so one set of
+ranks serves cp = 8 attention and ep = 8 experts. MoE routing is per token, so the expert layers do
+not care whether a rank's tokens come from a batch or a sequence split. Either way the ranks that
+hold the same dense shards are dp x ep x cp and those holding the same experts dp x cp.
 """
 
 from __future__ import annotations
@@ -24,12 +33,14 @@ from autoplan.errors import ConfigError
 from autoplan.placement import AXIS_NAMES
 
 DEFAULT_ORDER: tuple[str, ...] = ("pp", "dp", "ep", "cp", "tp")
+EP_AS = ("dp", "cp")  # what the ep ranks are to the non-expert layers (module docstring)
 
 
 @dataclass(frozen=True)
 class MeshShape:
-    """Degrees of pp x dp x ep x cp x tp, their rank order (outermost first), and the expert
-    tensor-parallel degree `etp` (module docstring; None: tp)."""
+    """Degrees of pp x dp x ep x cp x tp, their rank order (outermost first), the expert
+    tensor-parallel degree `etp` (module docstring; None: tp), and `ep_as`, what the ep ranks are
+    to the non-expert layers: "dp" (batch split over dp x ep) or "cp" (sequence over ep x cp)."""
 
     pp: int = 1
     dp: int = 1
@@ -38,6 +49,7 @@ class MeshShape:
     ep: int = 1
     order: tuple[str, ...] = DEFAULT_ORDER
     etp: int | None = None
+    ep_as: str = "dp"
 
     def __post_init__(self) -> None:
         for axis in AXIS_NAMES:
@@ -51,6 +63,29 @@ class MeshShape:
         if self.etp is None:
             object.__setattr__(self, "etp", self.tp)
         check_etp(self.etp, self.tp)
+        if self.ep_as not in EP_AS:
+            raise ConfigError(f"mesh ep_as={self.ep_as!r} must be 'dp' (the ep ranks split the batch of the "
+                              f"non-expert layers) or 'cp' (they split its sequence, as more context-parallel "
+                              f"ranks)")
+        if self.ep == 1:  # nothing to fold: one spelling, so that equal meshes compare equal
+            object.__setattr__(self, "ep_as", "dp")
+
+    @property
+    def context_axes(self) -> tuple[str, ...]:
+        """The axes over which the non-expert layers split each sequence (attention's Ulysses group):
+        ep and cp when ep_as == "cp", else cp."""
+        return ("ep", "cp") if self.ep_as == "cp" else ("cp",)
+
+    @property
+    def context_parallel(self) -> int:
+        """How many ways the non-expert layers split each sequence: cp * ep when ep_as == "cp", else cp."""
+        return self.cp * self.ep if self.ep_as == "cp" else self.cp
+
+    @property
+    def batch_shards(self) -> int:
+        """How many ways the global batch is split (ranks seeing different sequences, per pp, cp and tp
+        coordinate): dp when ep_as == "cp", else dp * ep."""
+        return self.dp if self.ep_as == "cp" else self.dp * self.ep
 
     @property
     def expert_axes(self) -> tuple[str, ...]:
@@ -108,23 +143,26 @@ class MeshShape:
         return self.degree(axis) // self.nodes_spanned(axis, gpus_per_node)
 
     def to_json(self) -> dict:
-        """The degrees and order; "etp" only where it differs from tp (files of plans made before
-        it existed, and of dense models, stay as they were)."""
+        """The degrees and order; "etp" only where it differs from tp and "ep_as" only where it is
+        "cp" (files of plans made before they existed, and of dense models, stay as they were)."""
         extra = {"etp": self.etp} if self.etp != self.tp else {}
+        extra.update({"ep_as": self.ep_as} if self.ep_as != "dp" else {})
         return {**self.degrees(), "order": list(self.order), **extra}
 
     @classmethod
     def from_json(cls, data: dict) -> "MeshShape":
-        unknown = set(data) - set(AXIS_NAMES) - {"order", "etp"}
+        unknown = set(data) - set(AXIS_NAMES) - {"order", "etp", "ep_as"}
         if unknown:
-            raise ConfigError(f"mesh has unknown keys {sorted(unknown)}; allowed: {list(AXIS_NAMES)}, 'order' and "
-                              f"'etp'")
+            raise ConfigError(f"mesh has unknown keys {sorted(unknown)}; allowed: {list(AXIS_NAMES)}, 'order', "
+                              f"'etp' and 'ep_as'")
         order = tuple(data.get("order", DEFAULT_ORDER))
-        return cls(**{a: data.get(a, 1) for a in AXIS_NAMES}, order=order, etp=data.get("etp"))
+        return cls(**{a: data.get(a, 1) for a in AXIS_NAMES}, order=order, etp=data.get("etp"),
+                   ep_as=data.get("ep_as", "dp"))
 
     def __str__(self) -> str:
         axes = " x ".join(f"{a}{self.degree(a)}" for a in self.order if self.degree(a) > 1) or "single device"
-        return axes + (f" (etp{self.etp})" if self.etp != self.tp else "")
+        folded = [f"etp{self.etp}"] * (self.etp != self.tp) + ["ep as cp"] * (self.ep_as == "cp")
+        return axes + (f" ({', '.join(folded)})" if folded else "")
 
 
 def check_etp(etp: object, tp: int) -> None:

@@ -3,7 +3,8 @@
     1. enumerate the configurations (`search_space`); drop those whose memory lower bound exceeds
        the device before anything is solved or priced;
     2. price the baselines (`baselines`: Megatron-style, FSDP): their step times seed the bound;
-    3. group the rest by intra-op key (tp, sequences per rank per microbatch = mbs / cp, etp: the MoE
+    3. group the rest by intra-op key (tp, sequences per rank per microbatch = mbs / cp, or mbs / (cp ep) when
+       the ep ranks split the sequence too (ep_as = "cp"), etp: the MoE
        strategies depend on it, `strategies.moe_strategies`); visit the keys
        in order of their best time lower bound (the roofline's compute rate in the pipeline formula)
        and stop once that bound exceeds the K-th best step time found;
@@ -220,7 +221,9 @@ def _placements(graph: CapturedGraph, strategies: Mapping[str, Strategy], cfg: C
         if node.output is not None:
             output = (("tp", strategy.output),)
             if is_batched(node.output, graph.batch_size):
-                output += (("dp", Shard(0)),) + ((("cp", Shard(1)),) if cfg.cp > 1 else ())
+                # the sequence dim over the context axes: cp, and ep where its ranks are context-parallel ones
+                output += (("dp", Shard(0)),) + tuple((axis, Shard(1)) for axis in cfg.mesh.context_axes
+                                                      if cfg.mesh.degree(axis) > 1)
         ops.append(OpPlacement(node.name, strategy.name, output))
     return tuple(params.values()), tuple(ops)
 
@@ -401,7 +404,7 @@ def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq
 def _notes(ctx: SearchContext, priced: Priced, rank: int, found_baselines, stats: SearchStats,
            options: SearchOptions) -> list[str]:
     notes = [f"searched {stats.configurations} configurations (pp x dp x ep x cp x tp and their order over ranks, "
-             f"{'the experts etp, ' if ctx.config.experts else ''}"
+             f"{'the experts etp, the ep ranks as data- or context-parallel ranks, ' if ctx.config.experts else ''}"
              f"microbatches, ZeRO "
              f"{'/'.join(map(str, options.zero_stages))}, recompute {'/'.join(options.recompute)}, 1F1B and "
              f"interleaved schedules): {stats.pruned_by_memory} pruned by the memory bound, {stats.pruned_by_time} "
@@ -443,15 +446,16 @@ def check_config(config: ModelConfig, cluster: ClusterSpec, global_batch: int, s
                           f"{cluster.describe()} has {cluster.world_size}")
     if mesh.tp > 1 and heads_rule:
         check(tp_problem(config.heads, config.kv_heads, mesh.tp))
-    check(cp_problem(config.heads, mesh.tp, mesh.cp, seq_len))
+    folded = mesh.ep_as == "cp"  # the ep ranks split the sequence with cp: the rules see cp x ep
+    check(cp_problem(config.heads, mesh.tp, mesh.context_parallel, seq_len, "cp x ep" if folded else "cp"))
     check(ep_problem(config.experts, mesh.ep, mesh.dp * mesh.ep))
-    check(etp_problem(config.experts, mesh.ep, mesh.tp, mesh.etp, seq_len, mesh.cp))
-    check(batch_problem(global_batch, mesh.dp * mesh.ep, microbatch_size))
+    check(etp_problem(config.experts, mesh.ep, mesh.tp, mesh.etp, seq_len, mesh.context_parallel))
+    check(batch_problem(global_batch, mesh.batch_shards, microbatch_size, "dp (ep as cp)" if folded else "dp"))
     if mesh.pp > config.num_layers:
         raise ConfigError(f"pp={mesh.pp} exceeds the {config.num_layers} layers of {config.name}; use pp <= {config.num_layers}")
     if zero_stage not in (0, 1, 2, 3) or recompute not in RECOMPUTE_POLICIES:
         raise ConfigError(f"zero_stage={zero_stage!r} must be 0-3 and recompute={recompute!r} one of {RECOMPUTE_POLICIES}")
-    m = global_batch // (mesh.dp * mesh.ep * microbatch_size)
+    m = global_batch // (mesh.batch_shards * microbatch_size)
     if schedule == SCHEDULE_INTERLEAVED:
         if mesh.pp == 1 or virtual_stages < 2 or config.num_layers % (mesh.pp * virtual_stages) or m % mesh.pp:
             raise ConfigError(f"interleaved 1F1B needs pp > 1, v >= 2, the {config.num_layers} layers divisible by "
@@ -459,7 +463,7 @@ def check_config(config: ModelConfig, cluster: ClusterSpec, global_batch: int, s
     elif schedule != SCHEDULE_1F1B or virtual_stages != 1:
         raise ConfigError(f"schedule {schedule!r} with v={virtual_stages}: use '1f1b' (v=1) or 'interleaved-1f1b' (v >= 2)")
     return Config(mesh.tp, mesh.cp, mesh.pp, mesh.ep, mesh.dp, microbatch_size, m, zero_stage, recompute, schedule,
-                  virtual_stages, tuple(mesh.order), mesh.etp)
+                  virtual_stages, tuple(mesh.order), mesh.etp, mesh.ep_as)
 
 
 def price_given(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, cfg: Config, *,

@@ -5,8 +5,10 @@ loaded, and carries its own explanation: predicted step time split into compute 
 bubble / optimizer, memory per rank split into parameters / gradients / optimizer states /
 activations, MFU, and provenance. No pickle: files are plain JSON, written atomically.
 
-Batch arithmetic: global_batch = microbatch_size * num_microbatches * dp * ep (sequences per step):
-the dense layers are data-parallel over dp x ep (expert parallelism folds over data-parallel ranks).
+Batch arithmetic: global_batch = microbatch_size * num_microbatches * batch_shards (sequences per
+step), batch_shards = dp * ep: the dense layers are data-parallel over dp x ep (expert parallelism
+folds over data-parallel ranks); or, with the mesh's ep_as = "cp", batch_shards = dp: the ep ranks
+split each sequence with the cp ranks instead (`MeshShape.ep_as`).
 """
 
 from __future__ import annotations
@@ -276,9 +278,10 @@ def _validate(plan: Plan) -> None:
     """Cross-field checks; each message names the values that disagree."""
     if plan.mesh.world_size != plan.cluster.world_size:
         raise PlanError(f"mesh {plan.mesh} has {plan.mesh.world_size} ranks but the cluster {plan.cluster.describe()} has {plan.cluster.world_size}")
-    if plan.microbatch_size * plan.num_microbatches * plan.mesh.dp * plan.mesh.ep != plan.global_batch:
+    if plan.microbatch_size * plan.num_microbatches * plan.mesh.batch_shards != plan.global_batch:
+        shards = f"dp {plan.mesh.dp}" + (f" x ep {plan.mesh.ep}" if plan.mesh.ep_as == "dp" else " (ep as cp)")
         raise PlanError(f"global_batch {plan.global_batch} != microbatch_size {plan.microbatch_size} x num_microbatches "
-                        f"{plan.num_microbatches} x dp {plan.mesh.dp} x ep {plan.mesh.ep}")
+                        f"{plan.num_microbatches} x {shards}")
     if plan.zero_stage not in (0, 1, 2, 3):
         raise PlanError(f"zero_stage {plan.zero_stage!r} must be 0, 1, 2 or 3")
     if plan.recompute not in RECOMPUTE_POLICIES:

@@ -127,7 +127,7 @@ def plan_from_assignment(graph: CapturedGraph, config: ModelConfig, cluster: Clu
     with its predicted step time and memory; stages from the stage DP when pp > 1."""
     from autoplan.outer_search import check_config, price_given
 
-    batch = microbatch_size * num_microbatches * mesh.dp * mesh.ep
+    batch = microbatch_size * num_microbatches * mesh.batch_shards
     cfg = check_config(config, cluster, batch, graph.seq_len, mesh, microbatch_size, zero_stage, recompute, schedule,
                        virtual_stages, heads_rule=False)
     return price_given(config, cluster, batch, graph.seq_len, cfg, assignment=assignment, dtype=dtype,

@@ -1,10 +1,13 @@
 """The step model: what one full configuration (pp x dp x ep x cp x tp, microbatches, ZeRO, recompute,
 schedule) costs per optimizer step, from one tensor-parallel solution split into parts (`autoplan.parts`).
 
-Per microbatch and rank, with mbs / cp sequences of full length standing for the rank's share
+Per microbatch and rank, with mbs / C sequences of full length standing for the rank's share (C = cp, or
+cp x ep under ep_as = "cp": `Config.context_parallel`; the expert all-to-alls then carry the same tokens per
+rank as with the ep ranks splitting the batch)
 (`parallel_dims`), a layer costs
 
-    t_layer = compute (+ recompute) + tp communication + Ulysses all-to-alls (cp > 1, attention layers)
+    t_layer = compute (+ recompute) + tp communication + Ulysses all-to-alls (attention layers, over the
+                cp ranks, or the ep x cp ranks when the ep ranks are context-parallel ranks too, ep_as = "cp")
               + expert dispatch / combine all-to-alls (MoE layers whose experts are spread over more than
                 one rank: over ep, or over ep x tp when etp = 1 < tp, `parallel_dims`)
 
@@ -40,8 +43,9 @@ collective buffer; ZeRO-2/3 one layer of gradients, ZeRO-3 two layers of gathere
 reported memory breakdown is that of the stage with the largest total.
 
 The mesh's order of axes over ranks (`Config.order`) enters only through the links: which node each
-group of tp, cp, ep, pp and the data-parallel sync spans, and how many of its ranks share a node (their
-NICs), via `parallel_dims.axes_group`; every cache of per-layer times and partitions is keyed by them.
+group of tp, cp (ep x cp under ep_as = "cp"), ep, pp and the data-parallel sync spans, and how many of its
+ranks share a node (their NICs), via `parallel_dims.axes_group`; every cache of per-layer times and partitions
+is keyed by them.
 
 Ignored: contention between data-parallel, pipeline and tensor-parallel traffic sharing a link (each
 is priced as if alone); compute slowed by overlapped communication; expert load imbalance.
@@ -113,7 +117,7 @@ def _prefix(values: np.ndarray) -> np.ndarray:
 
 @dataclass
 class _Times:
-    """Per-layer seconds for one (solution, recompute, cp, ep), with prefix sums, and the two ends."""
+    """Per-layer seconds for one (solution, recompute, cp, ep, ep_as), with prefix sums, and the two ends."""
 
     time: np.ndarray
     prefix: dict[str, np.ndarray]  # time, compute, forward, backward, activation
@@ -154,10 +158,12 @@ class StepModel:
     def _extra_comm_s(self, block: BlockCosts, cfg: Config, part: PartCost) -> float:
         """Ulysses and expert all-to-alls of one part per microbatch."""
         env, itemsize, total = self.env, ITEMSIZE[self.env.dtype], 0.0
-        if cfg.cp > 1 and part.q_width:
-            kv_width = max(part.kv_width, cfg.cp * env.model.head_dim)  # kv heads repeated up to cp
+        context = cfg.context_parallel  # the Ulysses group: cp, or ep x cp under ep_as = "cp"
+        if context > 1 and part.q_width:
+            kv_width = max(part.kv_width, context * env.model.head_dim)  # kv heads repeated up to the group's size
             total += ulysses_all_to_all_s(cfg.microbatch_size * env.seq_len, part.q_width, kv_width, itemsize,
-                                          env.cluster, self.group(cfg, ("cp",)), env.efficiency.collectives)
+                                          env.cluster, self.group(cfg, cfg.mesh.context_axes),
+                                          env.efficiency.collectives)
         if cfg.mesh.expert_parallel > 1 and part.moe_layers:  # tokens / tp each under etp = 1 (moe_token_share)
             tokens = float(block.microbatch) * env.seq_len * part.moe_token_share
             total += part.moe_layers * expert_all_to_all_s(tokens, env.model.expert_width, env.model.top_k, itemsize,
@@ -166,16 +172,16 @@ class StepModel:
         return total
 
     def _links(self, cfg: Config) -> tuple[AxisGroup, AxisGroup]:
-        """The cp and expert (ep, or ep x tp) groups' shapes on the network: what the per-layer times depend on
-        of the order."""
-        return self.group(cfg, ("cp",)), self.group(cfg, cfg.mesh.expert_axes)
+        """The context (cp, or ep x cp) and expert (ep, or ep x tp) groups' shapes on the network: what the
+        per-layer times depend on of the order."""
+        return self.group(cfg, cfg.mesh.context_axes), self.group(cfg, cfg.mesh.expert_axes)
 
     def times(self, block: BlockCosts, cfg: Config) -> _Times:
-        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.microbatch_size, self._links(cfg))
+        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg))
         if key not in self._times:
             a, r = block.arrays(cfg.recompute), cfg.recompute
             comm = a["comm"]
-            if cfg.cp > 1 or cfg.mesh.expert_parallel > 1:
+            if cfg.context_parallel > 1 or cfg.mesh.expert_parallel > 1:
                 comm = comm + np.array([self._extra_comm_s(block, cfg, p) for p in block.distinct])[block.index]
             time = a["compute"] + comm
             ends = [p.compute_s(r) + p.comm_s(r) for p in (block.pre, block.post)]
@@ -185,13 +191,13 @@ class StepModel:
         return self._times[key]
 
     def _split_states(self, dense, expert, cfg: Config):
-        data = cfg.data_parallel * cfg.cp
+        data = cfg.data_ranks  # dp x ep x cp hold the same dense shards, dp x cp the same experts
         w, g, o = model_state_bytes(dense, data, cfg.zero_stage, self.state)
         we, ge, oe = model_state_bytes(expert, data // cfg.ep, cfg.zero_stage, self.state)
         return w + we, g + ge, o + oe
 
     def states(self, block: BlockCosts, cfg: Config) -> _States:
-        key = (id(block), cfg.zero_stage, cfg.data_parallel * cfg.cp, cfg.ep)
+        key = (id(block), cfg.zero_stage, cfg.data_ranks, cfg.ep)  # ep_as moves no parameter: not in the key
         if key not in self._states:
             a = block.arrays("none")
             dense, expert = a["params"], a["expert"] / cfg.ep
@@ -229,7 +235,7 @@ class StepModel:
         if cfg.schedule == SCHEDULE_INTERLEAVED:
             chunks = interleaved_chunks(problem.num_layers, cfg.pp, cfg.virtual_stages)
             return [[(a, b) for st, _, a, b in chunks if st == s] for s in range(cfg.pp)]
-        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.microbatch_size, self._links(cfg), cfg.pp)
+        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg), cfg.pp)
         if key not in self._partitions:
             fastest = partition_stages(StageProblem(problem.layer_time_s, problem.layer_static_bytes,
                                                     problem.layer_activation_bytes, problem.layer_transient_bytes,
@@ -286,7 +292,7 @@ class StepModel:
             transient = max([float(problem.layer_transient_bytes[a:b].max()) for a, b in ranges]
                             + [p.transient_bytes(r) for p, _ in ends])
         activations = float(problem.in_flight[stage]) * sums["activation"] + transient
-        shard = cfg.data_parallel * cfg.cp if cfg.zero_stage >= 1 else 1
+        shard = cfg.data_ranks if cfg.zero_stage >= 1 else 1
         opt_bytes = (2 * self.state.optimizer + self.state.grad + self.state.weight) * (sums["dense"] + sums["expert"]) / shard
         time = sums["time"] + (t.pre_s if stage == 0 else 0.0) + (t.post_s if stage == cfg.pp - 1 else 0.0)
         temporary = float(problem.extra_bytes[stage])

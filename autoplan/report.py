@@ -20,6 +20,15 @@ def _fmt_s(value: float) -> str:
     return f"{value * 1e3:,.1f} ms" if value < 1 else f"{value:,.3f} s"
 
 
+def _shards_text(mesh) -> str:
+    """The ranks the batch is split over: dp x ep, or dp alone with the ep ranks splitting the sequence."""
+    if mesh.ep == 1:
+        return f"dp {mesh.dp}"
+    if mesh.ep_as == "cp":
+        return f"dp {mesh.dp} (each sequence over cp x ep = {mesh.context_parallel})"
+    return f"dp {mesh.dp} x ep {mesh.ep}"
+
+
 def summary_table(plan: Plan) -> Table:
     """Configuration and headline predictions."""
     p = plan.predicted
@@ -29,9 +38,10 @@ def summary_table(plan: Plan) -> Table:
     table.add_column("value")
     mesh = plan.mesh
     etp = f" etp={mesh.etp}" if mesh.etp != mesh.tp else ""  # the experts' tp (MoE parallel folding)
-    degrees = f"pp={mesh.pp} dp={mesh.dp} tp={mesh.tp} cp={mesh.cp} ep={mesh.ep}{etp}"
+    ep_as = " ep_as=cp" if mesh.ep_as == "cp" else ""  # the ep ranks split the dense layers' sequences
+    degrees = f"pp={mesh.pp} dp={mesh.dp} tp={mesh.tp} cp={mesh.cp} ep={mesh.ep}{etp}{ep_as}"
     table.add_row("mesh", f"{degrees}  (order {' > '.join(mesh.order)})")
-    table.add_row("batch", f"global {plan.global_batch} x seq {plan.seq_len} = microbatch {plan.microbatch_size} x {plan.num_microbatches} microbatches x dp {mesh.dp}")
+    table.add_row("batch", f"global {plan.global_batch} x seq {plan.seq_len} = microbatch {plan.microbatch_size} x {plan.num_microbatches} microbatches x {_shards_text(mesh)}")
     table.add_row("memory knobs", f"ZeRO stage {plan.zero_stage}, recompute {plan.recompute}, schedule {plan.schedule}, {plan.dtype}")
     table.add_row("step time", _fmt_s(p.step_time_s))
     table.add_row("throughput", f"{p.tokens_per_s:,.0f} tokens/s")

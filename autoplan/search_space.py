@@ -8,9 +8,15 @@ ZeRO stage, the recompute policy and the pipeline schedule. Enumerated (`enumera
     pp   divides world / (tp cp), at most the number of layers
     D    = world / (tp cp pp), the data-parallel degree, must divide the global batch
     ep   divides D and the experts (MoE models only); the mesh's dp axis is D / ep
+    ep_as what the ep ranks are to the non-expert layers (`MeshShape.ep_as`): "dp" (the batch split over
+         dp x ep: D must divide the global batch), and "cp" for MoE models with ep > 1 where the sequence
+         rules hold for cp x ep (`parallel_dims.cp_problem`; cp may be 1): each sequence split over cp x ep,
+         the batch over dp alone (dp must divide it); not at microbatches where ep_as = "dp" does the same
+         work per rank with less communication (`_dominated_by_ep_as_dp`)
     etp  the experts' tensor-parallel degree (`MeshShape.etp`): tp, and 1 for MoE models with tp > 1 where
          ep x tp divides the experts and tp x cp the sequence (1 < etp < tp is not implemented)
-    mbs  divides global_batch / D, at most `max_microbatch_size`; m = global_batch / (D mbs)
+    mbs  divides global_batch / B, at most `max_microbatch_size`; m = global_batch / (B mbs), with B the batch
+         shards: D, or dp under ep_as = "cp"
     schedule 1F1B, or interleaved 1F1B with v virtual stages when pp > 1, the layers divide by pp v
          and m divides by pp
     ZeRO 0-3, recompute none / selective / full
@@ -20,15 +26,17 @@ ZeRO stage, the recompute policy and the pipeline schedule. Enumerated (`enumera
 Bounds, both sound (never above the priced value), so pruning by them never loses the optimum:
 
     memory  >= [states(N_dense / (tp pp), D cp) + states(N_expert / (tp pp ep), D cp / ep)
+                                                     (dp x ep x cp hold the same dense shards whatever ep_as)
                                                      (experts split over ep x tp either way: etp x tp / etp)
                 + L * a_min / pp]                    states() as ZeRO divides them (cost_model.memory);
-               a_min = (mbs / cp) * T * hidden * itemsize / tp, the smallest thing a layer keeps (its
+               a_min = (mbs / C) * T * hidden * itemsize / tp, the smallest thing a layer keeps (its
                input, sequence-sharded); every stage keeps >= 1 microbatch, the largest stage >= the mean
     time    >= (m + (pp - 1) / v) * S / pp          S: one microbatch's compute per rank at the roofline's
-               compute rate, (mbs / cp) * (forward + backward + recomputed FLOPs per sequence) / tp /
+               compute rate, (mbs / C) * (forward + backward + recomputed FLOPs per sequence) / tp /
                (peak * matmul efficiency): every op takes at least its FLOPs at that rate
                (compute.op_time_s) and a tp shard does at least 1 / tp of them; the pipeline formula
-               with its slowest stage >= the mean (cost_model.pipeline)
+               with its slowest stage >= the mean (cost_model.pipeline); C = cp, or cp x ep under ep_as = "cp"
+               (`Config.context_parallel`)
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ from autoplan.cost_model.memory import model_state_bytes, state_bytes_for
 from autoplan.cost_model.parallel_dims import axes_group, cp_problem, etp_problem, nearest_multiples
 from autoplan.cost_model.pipeline import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED
 from autoplan.errors import ConfigError, InfeasibleError
-from autoplan.mesh import DEFAULT_ORDER, MeshShape
+from autoplan.mesh import DEFAULT_ORDER, EP_AS, MeshShape
 from autoplan.models.config import ModelConfig
 from autoplan.plan import RECOMPUTE_POLICIES
 
@@ -60,6 +68,7 @@ class SearchOptions:
     context_parallel: bool = True
     expert_parallel: bool = True
     expert_tensor_parallel: bool = True  # also try etp = 1 (experts whole, tp folded into their ep group)
+    ep_over_cp: bool = True  # also try ep_as = "cp" (the ep ranks as context-parallel ranks of the dense layers)
     virtual_stages: tuple[int, ...] = (2, 3, 4, 6, 8)
     zero_stages: tuple[int, ...] = ZERO_STAGES
     recompute: tuple[str, ...] = RECOMPUTE_POLICIES
@@ -75,7 +84,8 @@ class SearchOptions:
 
 @dataclass(frozen=True)
 class Config:
-    """One point of the search space (module docstring); `dp` is the mesh's dp axis, D / ep."""
+    """One point of the search space (module docstring); `dp` is the mesh's dp axis, D / ep; `ep_as` what the ep
+    ranks are to the non-expert layers (`MeshShape.ep_as`)."""
 
     tp: int
     cp: int
@@ -90,30 +100,48 @@ class Config:
     virtual_stages: int = 1
     order: tuple[str, ...] = DEFAULT_ORDER  # of the mesh axes over ranks, outermost first (`MeshShape.order`)
     etp: int | None = None  # the experts' tensor-parallel degree (`MeshShape.etp`); None (and tp) mean tp
+    ep_as: str = "dp"
 
     def __post_init__(self) -> None:
         if self.etp == self.tp:  # one spelling of the default, so that equal configurations compare equal
             object.__setattr__(self, "etp", None)
+        if self.ep_as not in EP_AS:
+            raise ConfigError(f"ep_as={self.ep_as!r} must be one of {EP_AS} (`MeshShape.ep_as`)")
+        if self.ep == 1:  # nothing folded: one spelling, as MeshShape does
+            object.__setattr__(self, "ep_as", "dp")
 
     @property
     def data_parallel(self) -> int:
-        """Ranks that split the batch (the dense layers' data-parallel degree)."""
-        return self.dp * self.ep
+        """Ranks that split the batch (`MeshShape.batch_shards`): dp x ep, or dp under ep_as = "cp"."""
+        return self.dp if self.ep_as == "cp" else self.dp * self.ep
+
+    @property
+    def context_parallel(self) -> int:
+        """How many ways the dense layers split each sequence (`MeshShape.context_parallel`): cp, or cp x ep."""
+        return self.cp * self.ep if self.ep_as == "cp" else self.cp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks holding the same dense shards (ZeRO shards over them, gradients reduce over them): dp x ep x cp,
+        whatever ep_as."""
+        return self.dp * self.ep * self.cp
 
     @cached_property
     def mesh(self) -> MeshShape:
-        return MeshShape(pp=self.pp, dp=self.dp, tp=self.tp, cp=self.cp, ep=self.ep, order=self.order, etp=self.etp)
+        return MeshShape(pp=self.pp, dp=self.dp, tp=self.tp, cp=self.cp, ep=self.ep, order=self.order, etp=self.etp,
+                         ep_as=self.ep_as)
 
     @cached_property
     def rank_microbatch(self) -> Fraction:
-        """Sequences' worth of tokens one rank processes per microbatch: mbs / cp."""
-        return Fraction(self.microbatch_size, self.cp)
+        """Sequences' worth of tokens one rank processes per microbatch: mbs / cp (mbs / (cp ep) under
+        ep_as = "cp")."""
+        return Fraction(self.microbatch_size, self.context_parallel)
 
     def sort_key(self) -> tuple:
         """Deterministic order between configurations of equal step time (simpler ones first)."""
         return (self.pp, self.tp, self.cp, self.ep, self.microbatch_size, self.zero_stage,
                 RECOMPUTE_POLICIES.index(self.recompute), self.schedule, self.virtual_stages,
-                self.order != DEFAULT_ORDER, self.order, self.etp is not None)
+                self.order != DEFAULT_ORDER, self.order, self.etp is not None, self.ep_as != "dp")
 
     def describe(self) -> str:
         schedule = self.schedule if self.virtual_stages == 1 else f"{self.schedule} v={self.virtual_stages}"
@@ -135,16 +163,17 @@ PRICED_GROUPS: tuple[tuple[str, ...], ...] = (("tp",), ("cp",), ("ep",), ("pp",)
 
 
 def mesh_orders(tp: int, cp: int, pp: int, ep: int, dp: int, gpus_per_node: int,
-                etp: int | None = None) -> tuple[tuple[str, ...], ...]:
+                etp: int | None = None, ep_as: str = "dp") -> tuple[tuple[str, ...], ...]:
     """The orders of `ORDERS` that give this mesh different links, the first of each kind (the default first).
 
-    Two orders are equivalent for a mesh when every priced group (`PRICED_GROUPS`, and the experts' ep x tp
-    group under etp < tp) spans the same nodes with the same ranks per node under both (e.g. moving an axis of
-    degree 1, or several axes that stay inside one node either way)."""
+    Two orders are equivalent for a mesh when every priced group (`PRICED_GROUPS`, the experts' ep x tp group
+    under etp < tp, and the Ulysses ep x cp group under ep_as = "cp") spans the same nodes with the same ranks per
+    node under both (e.g. moving an axis of degree 1, or several axes that stay inside one node either way)."""
     found: dict[tuple, tuple[str, ...]] = {}
     for order in ORDERS:
-        mesh = MeshShape(pp=pp, dp=dp, tp=tp, cp=cp, ep=ep, order=order, etp=etp)
-        groups = PRICED_GROUPS + ((mesh.expert_axes,) if mesh.etp < tp else ())
+        mesh = MeshShape(pp=pp, dp=dp, tp=tp, cp=cp, ep=ep, order=order, etp=etp, ep_as=ep_as)
+        groups = (PRICED_GROUPS + ((mesh.expert_axes,) if mesh.etp < tp else ())
+                  + ((mesh.context_axes,) if mesh.ep_as == "cp" else ()))
         found.setdefault(tuple(axes_group(mesh, axes, gpus_per_node) for axes in groups), order)
     return tuple(found.values())
 
@@ -163,8 +192,8 @@ def _cp_degrees(model: ModelConfig, tp: int, seq_len: int, room: int, options: S
 
 
 def enumerate_meshes(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int,
-                     options: SearchOptions) -> list[tuple[int, int, int, int, int]]:
-    """(tp, cp, pp, ep, dp axis) of every mesh the module docstring allows."""
+                     options: SearchOptions) -> list[tuple[int, int, int, int, int, str]]:
+    """(tp, cp, pp, ep, dp axis, ep_as) of every mesh the module docstring allows."""
     world, found = cluster.world_size, []
     for tp in (t for t in divisors(cluster.gpus_per_node) if world % t == 0):
         for cp in _cp_degrees(model, tp, seq_len, world // tp, options):
@@ -172,14 +201,25 @@ def enumerate_meshes(model: ModelConfig, cluster: ClusterSpec, global_batch: int
                 if pp > model.num_layers or (pp > 1 and not options.pipeline):
                     continue
                 data = world // (tp * cp * pp)
-                if global_batch % data:
-                    continue
                 for ep in divisors(data):
                     if ep == 1 or (options.expert_parallel and model.experts and model.experts % ep == 0):
-                        found.append((tp, cp, pp, ep, data // ep))
+                        found.extend((tp, cp, pp, ep, data // ep, ep_as)
+                                     for ep_as in _ep_roles(model, global_batch, seq_len, (tp, cp, ep, data), options))
     if not found:
         raise ConfigError(_no_mesh_message(model, cluster, global_batch, options))
     return found
+
+
+def _ep_roles(model: ModelConfig, global_batch: int, seq_len: int, degrees: tuple[int, int, int, int],
+              options: SearchOptions) -> tuple[str, ...]:
+    """What the ep ranks may be to the non-expert layers for (tp, cp, ep, D): "dp" where D divides the batch,
+    "cp" (ep > 1 only) where dp = D / ep divides it and cp x ep obeys the sequence rules."""
+    tp, cp, ep, data = degrees
+    roles = ("dp",) if global_batch % data == 0 else ()
+    if (ep > 1 and options.ep_over_cp and global_batch % (data // ep) == 0
+            and cp_problem(model.heads, tp, cp * ep, seq_len) is None):
+        roles += ("cp",)
+    return roles
 
 
 def _no_mesh_message(model: ModelConfig, cluster: ClusterSpec, global_batch: int, options: SearchOptions) -> str:
@@ -196,7 +236,8 @@ def _no_mesh_message(model: ModelConfig, cluster: ClusterSpec, global_batch: int
 def expert_tp_degrees(model: ModelConfig, tp: int, cp: int, ep: int, seq_len: int,
                       options: SearchOptions) -> tuple[int | None, ...]:
     """The etp searched for a mesh: None (= tp) always, 1 where it changes something and runs
-    (`parallel_dims.etp_problem`)."""
+    (`parallel_dims.etp_problem`). `cp`: how many ways the dense layers split the sequence (x ep under
+    ep_as = "cp")."""
     if not options.expert_tensor_parallel or tp == 1 or not model.experts:
         return (None,)
     return (None,) if etp_problem(model.experts, ep, tp, 1, seq_len, cp) else (None, 1)
@@ -216,29 +257,41 @@ def enumerate_configs(model: ModelConfig, cluster: ClusterSpec, global_batch: in
                       options: SearchOptions) -> list[Config]:
     """Every configuration of the module docstring, in a fixed order."""
     configs = []
-    for tp, cp, pp, ep, dp in enumerate_meshes(model, cluster, global_batch, seq_len, options):
-        for etp in expert_tp_degrees(model, tp, cp, ep, seq_len, options):
-            orders = (mesh_orders(tp, cp, pp, ep, dp, cluster.gpus_per_node, etp) if options.orders
+    for tp, cp, pp, ep, dp, ep_as in enumerate_meshes(model, cluster, global_batch, seq_len, options):
+        context = cp * ep if ep_as == "cp" else cp
+        for etp in expert_tp_degrees(model, tp, context, ep, seq_len, options):
+            orders = (mesh_orders(tp, cp, pp, ep, dp, cluster.gpus_per_node, etp, ep_as) if options.orders
                       else (DEFAULT_ORDER,))
-            configs.extend(_mesh_configs(model, global_batch, options, (tp, cp, pp, ep, dp), etp, orders))
+            configs.extend(_mesh_configs(model, global_batch, options, (tp, cp, pp, ep, dp), etp, orders, ep_as))
     return configs
 
 
 def _mesh_configs(model: ModelConfig, global_batch: int, options: SearchOptions, degrees: tuple[int, ...],
-                  etp: int | None, orders: tuple[tuple[str, ...], ...]) -> list[Config]:
-    """The configurations of one mesh (tp, cp, pp, ep, dp) and etp: microbatches, schedules, ZeRO, recompute."""
+                  etp: int | None, orders: tuple[tuple[str, ...], ...], ep_as: str = "dp") -> list[Config]:
+    """The configurations of one mesh (tp, cp, pp, ep, dp), etp and ep_as: microbatches, schedules, ZeRO,
+    recompute."""
     tp, cp, pp, ep, dp = degrees
-    per_rank, configs = global_batch // (dp * ep), []
-    for mbs in (d for d in divisors(per_rank) if d <= options.max_microbatch_size):
+    per_rank, configs = global_batch // (dp if ep_as == "cp" else dp * ep), []
+    for mbs in (d for d in divisors(per_rank) if d <= options.max_microbatch_size
+                and not _dominated_by_ep_as_dp(global_batch, dp, ep, d, ep_as)):
         m = per_rank // mbs
         schedules = [(SCHEDULE_1F1B, 1)] + [(SCHEDULE_INTERLEAVED, v) for v in options.virtual_stages
                                             if pp > 1 and model.num_layers % (pp * v) == 0 and m % pp == 0]
         for schedule, v in schedules:
             for zero in runnable_zero_stages(options.zero_stages, pp, ep):
                 for recompute in options.recompute:
-                    configs.extend(Config(tp, cp, pp, ep, dp, mbs, m, zero, recompute, schedule, v, order, etp)
-                                   for order in orders)
+                    configs.extend(Config(tp, cp, pp, ep, dp, mbs, m, zero, recompute, schedule, v, order, etp,
+                                          ep_as) for order in orders)
     return configs
+
+
+def _dominated_by_ep_as_dp(global_batch: int, dp: int, ep: int, mbs: int, ep_as: str) -> bool:
+    """Whether ep_as = "cp" at microbatch `mbs` is never faster than ep_as = "dp" at mbs / ep on the same mesh, which
+    is then enumerated too: each rank holds the same tokens (mbs / (cp ep) sequences), FLOPs, activations,
+    parameters, expert all-to-alls and data-parallel sync, and m is the same; only the Ulysses group grows by ep
+    (more communication, never less). So ep_as = "cp" is searched only where it is new: below a sequence per ep
+    rank (mbs not a multiple of ep), or where the batch does not split over dp x ep."""
+    return ep_as == "cp" and mbs % ep == 0 and global_batch % (dp * ep) == 0
 
 
 # ---------------------------------------------------------------------------------- bounds
@@ -257,7 +310,7 @@ def memory_lower_bound(model: ModelConfig, cfg: Config, seq_len: int, dtype: str
     state = state_bytes_for(dtype)
     experts = expert_parameters(model) if sizes is None else sizes[1]
     dense = model.num_parameters() - experts if sizes is None else sizes[0]
-    data = cfg.data_parallel * cfg.cp
+    data = cfg.data_ranks
     states = sum(model_state_bytes(dense / (cfg.tp * cfg.pp), data, cfg.zero_stage, state))
     if experts:
         states += sum(model_state_bytes(experts / (cfg.tp * cfg.pp * cfg.ep), data // cfg.ep, cfg.zero_stage, state))

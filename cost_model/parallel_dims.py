@@ -27,6 +27,13 @@ and load imbalance are ignored. Mesh representation: ep is its own mesh axis bet
 (order pp, dp, ep, cp, tp), the dense layers are data-parallel over dp x ep, so ep divides the
 data-parallel degree.
 
+Expert parallelism folded over context parallelism (`MeshShape.ep_as` = "cp"): the ep ranks are, to
+the non-expert layers, more context-parallel ranks: each sequence is split over the ep x cp ranks, the
+Ulysses group spans them (`MeshShape.context_axes`), and the batch is split over dp alone. Every rule
+and formula above for cp then holds with cp x ep in place of cp (`MeshShape.context_parallel`); the
+MoE layers still spread their experts over the ep ranks, each dispatching the same tokens per rank as
+when the ep ranks split the batch (routing is per token).
+
 Expert tensor parallelism (`MeshShape.etp`): with etp = 1 < tp the MoE layers also fold the tp ranks
 into expert parallelism. Each tp rank takes 1 / tp of the tokens (the "expert" strategy: sequence
 split), the dispatch and combine run over the ep x tp ranks (`MeshShape.expert_axes`, their links from
@@ -102,21 +109,22 @@ def tp_problem(heads: int, kv_heads: int, tp: int) -> str | None:
             f"nearest tp that work: {', '.join(map(str, sorted(near)))}")
 
 
-def cp_problem(heads: int, tp: int, cp: int, seq_len: int) -> str | None:
-    """Why context parallelism of degree `cp` (with `tp`) cannot run this sequence, or None."""
+def cp_problem(heads: int, tp: int, cp: int, seq_len: int, name: str = "cp") -> str | None:
+    """Why context parallelism of degree `cp` (with `tp`) cannot run this sequence, or None. `name`: what
+    the message calls the degree (e.g. "cp x ep" when the ep ranks split the sequence too)."""
     if cp == 1:
         return None
     if heads % (tp * cp):
         near = _nearest_divisors(cp, heads // tp if heads % tp == 0 else 1)
-        return (f"cp={cp} with tp={tp}: heads={heads} is not divisible by tp x cp = {tp * cp}; "
-                f"nearest cp that work: {', '.join(map(str, sorted(near)))}")
+        return (f"{name}={cp} with tp={tp}: heads={heads} is not divisible by tp x {name} = {tp * cp}; "
+                f"nearest {name} that work: {', '.join(map(str, sorted(near)))}")
     if seq_len % (tp * cp) or seq_len // cp < MIN_TOKENS_PER_CP_RANK:
         largest = max((c for c in range(1, cp + 1) if seq_len % (tp * c) == 0 and seq_len // c >= MIN_TOKENS_PER_CP_RANK
                        and heads % (tp * c) == 0), default=1)
         need = max(cp * MIN_TOKENS_PER_CP_RANK, tp * cp)
-        return (f"sequence {seq_len} is too short for cp={cp}: each cp rank needs >= {MIN_TOKENS_PER_CP_RANK} tokens "
-                f"and the sequence must divide by tp x cp = {tp * cp}; use cp <= {largest} or a sequence of at least "
-                f"{-(-need // (tp * cp)) * tp * cp}")
+        return (f"sequence {seq_len} is too short for {name}={cp}: each context-parallel rank needs >= "
+                f"{MIN_TOKENS_PER_CP_RANK} tokens and the sequence must divide by tp x {name} = {tp * cp}; use "
+                f"{name} <= {largest} or a sequence of at least {-(-need // (tp * cp)) * tp * cp}")
     return None
 
 
@@ -150,15 +158,16 @@ def etp_problem(experts: int, ep: int, tp: int, etp: int, seq_len: int, cp: int 
     return None
 
 
-def batch_problem(global_batch: int, data_parallel: int, microbatch_size: int) -> str | None:
-    """Why the global batch cannot be split into microbatches over the data-parallel ranks, or None."""
+def batch_problem(global_batch: int, data_parallel: int, microbatch_size: int, name: str = "dp") -> str | None:
+    """Why the global batch cannot be split into microbatches over the data-parallel ranks, or None. `name`:
+    what the message calls their count."""
     step = data_parallel * microbatch_size
     if global_batch % step == 0:
         return None
     near = ", ".join(map(str, nearest_multiples(global_batch, step)))
     if microbatch_size == 1:
-        return f"global batch {global_batch} is not divisible by dp={data_parallel}; nearest that work: {near}"
-    return (f"global batch {global_batch} is not divisible by dp={data_parallel} x microbatch {microbatch_size} = "
+        return f"global batch {global_batch} is not divisible by {name}={data_parallel}; nearest that work: {near}"
+    return (f"global batch {global_batch} is not divisible by {name}={data_parallel} x microbatch {microbatch_size} = "
             f"{step}; nearest that work: {near}")
 
 

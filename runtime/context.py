@@ -1,4 +1,6 @@
-"""Context parallelism, DeepSpeed-Ulysses style, on the `cp` mesh axis.
+"""Context parallelism, DeepSpeed-Ulysses style, on the `cp` mesh axis (on ep x cp when the ep
+ranks are context-parallel ranks of the dense layers, mesh ep_as = "cp": then "cp" below stands for
+that group, of cp x ep ranks, and c for a rank's position in it).
 
 Every activation of a cp rank holds its own T/cp tokens of each sequence (rank c: tokens
 [c T/cp, (c+1) T/cp)); the program shards tokens and targets so (`RankProgram.shard_batch`).

@@ -22,14 +22,16 @@ rank runs:
                                                                             reduce-scatter
         (backward ones only where the producer's value needs a gradient: not for token ids,
         targets or positions)
-    cp > 1, attention:        fwd 4 all-to-alls (q, k, v to heads, output back), bwd 4
+    cp > 1, attention:        fwd 4 all-to-alls (q, k, v to heads, output back), bwd 4, on the
+                              context group (cp, or ep x cp under ep_as = "cp") when it has more
+                              than one rank
     experts spread, moe:      fwd 3 all-to-alls (counts, dispatch, combine), bwd 2, on the expert
                               group (ep, or ep x tp when etp < tp) when it has more than one rank
     recompute "full":         every forward collective of a layer's nodes once more in backward
                               ("selective" regions hold no collectives)
 
 Per step: the above times num_microbatches; one all-reduce of the dense gradients over the data
-ranks (dp x ep x cp) and one of the expert gradients over dp x cp, whatever etp (when those groups
+ranks (dp x ep x cp) and one of the expert gradients over dp x cp, whatever etp and ep_as (when those groups
 have more than one rank, and not under ZeRO 2/3, whose FSDP2 reduce-scatters are torch's own); the
 loss's all-reduce over pp (pp > 1) and over the data ranks. Not counted: torch's own collectives
 (FSDP2, ZeroRedundancyOptimizer's broadcasts, the pipeline schedules' sends and receives).
@@ -162,7 +164,7 @@ def expected_collectives(plan: Plan, config: ModelConfig, pp_index: int = 0,
             if local:
                 add(fwd, "tp", recomputed)
                 add(bwd, "tp")
-        if local and mesh.cp > 1 and node.op_kind == "attention":
+        if local and mesh.context_parallel > 1 and node.op_kind == "attention":
             add(["all_to_all"] * 4, "cp", recomputed)
             add(["all_to_all"] * 4, "cp")
         if local and mesh.expert_parallel > 1 and node.op_kind == "moe":

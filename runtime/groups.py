@@ -1,6 +1,9 @@
 """Process groups of the mesh axes, and of the axes' combinations the runtime reduces over.
 
-    tp, cp, ep, dp, pp   one group per axis: the ranks that differ only in that coordinate
+    tp, cp, ep, dp, pp   one group per axis: the ranks that differ only in that coordinate; but
+                         cp spans ep x cp when the ep ranks are context-parallel ranks of the
+                         dense layers (`MeshShape.ep_as` = "cp", `MeshShape.context_axes`): its
+                         ranks in ascending order hold the sequence's chunks in order
     data                 dp x ep x cp: the ranks that hold the same dense parameter shards (same pp
                          and tp coordinates) and see different tokens; dense gradients are summed
                          over it and the loss averaged over it
@@ -33,7 +36,10 @@ GROUP_AXES: dict[str, tuple[str, ...]] = {
 
 def kind_axes(mesh: MeshShape, kind: str) -> tuple[str, ...]:
     """The axes a group of `kind` spans on `mesh`: those of GROUP_AXES, "expert" without tp when
-    etp = tp (its experts are then split over ep only)."""
+    etp = tp (its experts are then split over ep only), "cp" with ep when ep_as = "cp" (the
+    sequence split over ep x cp)."""
+    if kind == "cp":
+        return mesh.context_axes
     return mesh.expert_axes if kind == "expert" else GROUP_AXES[kind]
 
 

@@ -84,18 +84,33 @@ def check_plan(plan: Plan, config: ModelConfig, cluster: ClusterSpec | str | Non
                         f"{config.name} (expert parallelism needs a mixture-of-experts model whose "
                         f"expert count ep divides)")
     _check_expert_tp(plan, config)
-    shards = mesh.dp * mesh.ep
+    shards = mesh.batch_shards
     if plan.global_batch % shards or (plan.global_batch // shards) % plan.num_microbatches:
-        raise PlanError(f"global batch {plan.global_batch} does not split into dp x ep = "
-                        f"{mesh.dp} x {mesh.ep} data shards of {plan.num_microbatches} equal "
-                        f"microbatches")
-    if plan.seq_len % mesh.cp:
-        raise PlanError(f"seq_len {plan.seq_len} is not divisible by cp={mesh.cp}")
+        named = f"dp = {mesh.dp}" if mesh.ep_as == "cp" else f"dp x ep = {mesh.dp} x {mesh.ep}"
+        raise PlanError(f"global batch {plan.global_batch} does not split into {named} data "
+                        f"shards of {plan.num_microbatches} equal microbatches")
+    _check_context(plan, config)
     if plan.zero_stage >= 2 and (mesh.ep > 1 or mesh.pp > 1):
         raise PlanError(f"zero_stage {plan.zero_stage} (FSDP2) with ep={mesh.ep}, pp={mesh.pp}: "
                         f"this runtime shards parameters over dp only without expert or pipeline "
                         f"parallelism; plan zero_stage <= 1")
     _check_pipeline(plan)
+
+
+def _check_context(plan: Plan, config: ModelConfig) -> None:
+    """The sequence, and the attention heads (Ulysses: runtime.context), split over the context
+    group: cp ranks, or ep x cp under ep_as = "cp"."""
+    mesh = plan.mesh
+    context = mesh.context_parallel
+    name = f"cp x ep = {mesh.cp} x {mesh.ep} (ep_as='cp')" if mesh.ep_as == "cp" else "cp"
+    if plan.seq_len % context:
+        raise PlanError(f"seq_len {plan.seq_len} is not divisible by {name}={context}"
+                        + (f"; plan ep_as='dp' or a sequence divisible by {context}"
+                           if mesh.ep_as == "cp" else ""))
+    if mesh.ep_as == "cp" and config.heads % context:
+        raise PlanError(f"{name}={context} context-parallel ranks: Ulysses splits the "
+                        f"{config.heads} attention heads of {config.name} over them, which they do "
+                        f"not divide; plan ep_as='dp' or a cp x ep dividing {config.heads}")
 
 
 def _check_expert_tp(plan: Plan, config: ModelConfig) -> None:
@@ -108,10 +123,12 @@ def _check_expert_tp(plan: Plan, config: ModelConfig) -> None:
                         f"{mesh.expert_parallel} ranks, which do not divide the {config.experts} "
                         f"experts of {config.name}; plan etp={mesh.tp} (the default) or a mesh "
                         f"whose ep x tp divides the experts")
-    if plan.seq_len % (mesh.tp * mesh.cp):
+    split = mesh.tp * mesh.context_parallel  # tp x cp, x ep when the ep ranks split the sequence
+    if plan.seq_len % split:
         raise PlanError(f"etp={mesh.etp} < tp={mesh.tp} splits each sequence's tokens over tp x cp "
-                        f"= {mesh.tp * mesh.cp} ranks, which do not divide seq_len {plan.seq_len}; "
-                        f"plan etp={mesh.tp} or a sequence divisible by {mesh.tp * mesh.cp}")
+                        f"{'x ep ' if mesh.ep_as == 'cp' else ''}= {split} ranks, which do not "
+                        f"divide seq_len {plan.seq_len}; plan etp={mesh.tp} or a sequence "
+                        f"divisible by {split}")
 
 
 def _check_pipeline(plan: Plan) -> None:

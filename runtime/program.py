@@ -9,12 +9,16 @@ stay on meta); this rank's stages run as `pipeline.modules` (runtime.pipeline).
 One step on a global batch of G sequences of T tokens:
 
     data shards: D = dp * ep ranks see different sequences, cp ranks different tokens of them:
-      rank (d, e, c) takes rows [i G/D, (i+1) G/D) with i = d ep + e, and tokens [c T/cp, (c+1) T/cp)
+      rank (d, e, c) takes rows [i G/D, (i+1) G/D) with i = d ep + e, and tokens [c T/cp, (c+1) T/cp);
+      with the ep ranks folded over context parallelism (mesh ep_as = "cp"): D = dp, i = d, and the
+      C = ep x cp ranks of the context group see different tokens: tokens [j T/C, (j+1) T/C) with j
+      the rank's position in that group (runtime.groups "cp": ascending mesh ranks)
     without pipelining: for each of the num_microbatches microbatches m,
       (loss_m / num_microbatches).backward()
     with pipelining (runtime.pipeline): the schedule runs the microbatches through the stages
     gradients summed over the ranks that hold the same shard (dense: dp x ep x cp; experts: dp x
-      cp, whatever etp), one all-reduce per dtype bucket, divided by D * cp (sync_gradients)
+      cp, whatever etp and ep_as), one all-reduce per dtype bucket, divided by dp * ep * cp
+      (sync_gradients)
     optimizer.step()
 
 Every rank's loss is the mean over its own tokens and all hold equally many, so every gradient is
@@ -39,7 +43,8 @@ from autoplan.errors import ConfigError, PlanError
 from autoplan.placement import Shard
 from autoplan.plan import Plan
 from autoplan.runtime import collectives as C
-from autoplan.runtime.groups import AxisGroup
+from autoplan.mesh import MeshShape
+from autoplan.runtime.groups import AxisGroup, group_of
 from autoplan.runtime.init import InitRule, init_local, nested_bounds
 from autoplan.runtime.rewrite import ParamLayout, Rewritten
 from autoplan.runtime.zero import full_tensor, shard_over_dp
@@ -191,28 +196,29 @@ class RankProgram(nn.Module):
         return stack
 
     def _local_rows(self) -> int:
-        shards = self.plan.mesh.dp * self.plan.mesh.ep
+        shards = self.plan.mesh.batch_shards
         if self.plan.global_batch % shards:
-            raise ConfigError(f"global batch {self.plan.global_batch} is not divisible by dp x ep "
-                              f"= {self.plan.mesh.dp} x {self.plan.mesh.ep}")
+            raise ConfigError(f"global batch {self.plan.global_batch} is not divisible by the "
+                              f"{_shards_text(self.plan.mesh)} = {shards} batch shards")
         return self.plan.global_batch // shards
 
     def shard_batch(self, tokens: torch.Tensor, targets: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's rows (dp x ep) and tokens (cp) of the global (G, T) tokens and targets."""
+        """This rank's rows (of the batch shards: dp x ep, or dp under ep_as = "cp") and tokens
+        (its chunk of the context group: cp, or ep x cp) of the global (G, T) tokens and targets
+        (module docstring)."""
         mesh = self.plan.mesh
-        shards = mesh.dp * mesh.ep
+        shards, context = mesh.batch_shards, mesh.context_parallel
         if tokens.shape != targets.shape or tokens.shape[0] % shards:
             raise ConfigError(f"global tokens {tuple(tokens.shape)} and targets "
                               f"{tuple(targets.shape)} must have one shape whose batch is "
-                              f"divisible by dp x ep = {shards}")
-        coords = mesh.coords(self.mesh_rank)
-        rows = tokens.shape[0] // shards
-        lo = (coords["dp"] * mesh.ep + coords["ep"]) * rows
-        cp, c = mesh.cp, coords["cp"]
-        if tokens.shape[1] % cp:
-            raise ConfigError(f"sequence length {tokens.shape[1]} is not divisible by cp={cp}")
-        width = tokens.shape[1] // cp
+                              f"divisible by the {_shards_text(mesh)} = {shards} batch shards")
+        if tokens.shape[1] % context:
+            raise ConfigError(f"sequence length {tokens.shape[1]} is not divisible by the "
+                              f"{' x '.join(mesh.context_axes)} = {context} context-parallel ranks")
+        rows, width = tokens.shape[0] // shards, tokens.shape[1] // context
+        lo = batch_index(mesh, self.mesh_rank) * rows
+        c = context_index(mesh, self.mesh_rank)
         cols = slice(c * width, (c + 1) * width)
         return tokens[lo:lo + rows, cols], targets[lo:lo + rows, cols]
 
@@ -329,3 +335,21 @@ class RankProgram(nn.Module):
         """One line per node that is not replicated: its strategy."""
         return "\n".join(f"{node}: {s.name}" for node, s in self.strategies.items()
                          if s.name != "replicate")
+
+
+def batch_index(mesh: MeshShape, rank: int) -> int:
+    """Which of the batch shards `rank` takes: d ep + e over dp x ep, or d when the ep ranks split
+    the sequence instead (ep_as = "cp")."""
+    coords = mesh.coords(rank)
+    return coords["dp"] if mesh.ep_as == "cp" else coords["dp"] * mesh.ep + coords["ep"]
+
+
+def context_index(mesh: MeshShape, rank: int) -> int:
+    """Which sequence chunk `rank` holds: its position among the ascending mesh ranks of its
+    context group (cp, or ep x cp), the order runtime.groups gives the "cp" group and in which
+    the Ulysses all-to-alls (runtime.context) gather the chunks."""
+    return group_of(mesh, rank, mesh.context_axes).index(rank)
+
+
+def _shards_text(mesh: MeshShape) -> str:
+    return "dp" if mesh.ep_as == "cp" or mesh.ep == 1 else "dp x ep"

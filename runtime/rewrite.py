@@ -19,9 +19,12 @@
    One conversion node serves every consumer that needs the same one (so the q, k and v
    projections share a single all-reduce of their partial input grads).
 
-4. Context parallelism (cp > 1, runtime.context): every activation holds this rank's T/cp tokens;
-   each attention core's q, k, v pass through `cp_heads` (all-to-all from sequence to head shards)
-   and its output through `cp_sequence` (back); position indices get this rank's global offset.
+4. Context parallelism (runtime.context, on the groups' "cp": the cp ranks, or the ep x cp ranks
+   when the ep ranks are context-parallel ones to the dense layers, mesh ep_as = "cp"; C ranks):
+   every activation holds this rank's T/C tokens; each attention core's q, k, v pass through
+   `cp_heads` (all-to-all from sequence to head shards) and its output through `cp_sequence`
+   (back); position indices get this rank's global offset. The MoE layers of step 5 route those
+   T/C tokens per token as they would a batch shard's.
 5. Expert parallelism: each MoE layer holds E/n experts of the expert group (groups "expert":
    the n = ep ranks, or n = ep x tp when etp = 1 < tp) and dispatches tokens to their experts'
    ranks (runtime.experts). Under etp = 1 its strategy "expert" reads its tokens split along the sequence

@@ -169,7 +169,7 @@ def make_plan(model_name, dp: int, tp: int, assignment="replicate", *, seq_len: 
               dtype: str = "float32", recompute: str = "none", direct: bool = False,
               cp: int = 1, ep: int = 1, pp: int = 1, virtual_stages: int = 1,
               schedule: str | None = None, etp: int | None = None,
-              order: tuple[str, ...] | None = None):
+              order: tuple[str, ...] | None = None, ep_as: str = "dp"):
     """A Plan for a preset model (a name, or a ModelConfig) from the planner's
     `plan_from_assignment`.
 
@@ -181,7 +181,8 @@ def make_plan(model_name, dp: int, tp: int, assignment="replicate", *, seq_len: 
     sequences and layer counts the planner's rules refuse). Pipeline stages split the layers
     evenly over pp * virtual_stages stages, stage g = chunk * pp + stage holding the g-th slice.
     `etp`: the experts' tensor-parallel degree (None: tp; 1: MoE layers take the "expert" strategy);
-    `order`: the mesh's order of axes over ranks (None: the default)."""
+    `order`: the mesh's order of axes over ranks (None: the default); `ep_as`: what the ep ranks are
+    to the non-expert layers ("dp": the batch split over dp x ep; "cp": the sequence over ep x cp)."""
     from autoplan.cluster import parse_cluster
     from autoplan.mesh import MeshShape
     from autoplan.models import get_model_config
@@ -192,7 +193,7 @@ def make_plan(model_name, dp: int, tp: int, assignment="replicate", *, seq_len: 
 
     config = model_name if isinstance(model_name, ModelConfig) else get_model_config(model_name)
     graph = capture_model(config, seq_len, dtype)
-    mesh = MeshShape(dp=dp, tp=tp, cp=cp, ep=ep, pp=pp, etp=etp,
+    mesh = MeshShape(dp=dp, tp=tp, cp=cp, ep=ep, pp=pp, etp=etp, ep_as=ep_as,
                      **({"order": tuple(order)} if order else {}))
     registry, info = default_registry(), strategy_info(model_info(config), tp, mesh.etp)
     if isinstance(assignment, dict):

@@ -114,3 +114,16 @@ def test_estimate_takes_the_experts_tensor_parallel_degree(tmp_path, capsys):
     assert (plan.mesh.tp, plan.mesh.ep, plan.mesh.etp) == (2, 2, 1)
     assert main(argv + ["--etp", "3"]) == 2
     assert "etp=3 must be a positive divisor of tp=2" in capsys.readouterr().err
+
+
+def test_estimate_takes_what_the_ep_ranks_are(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["estimate", "--model", "mixtral-8x7b", "--cluster", "1x8xh100", "--ep", "4", "--dp", "2", "--global-batch",
+            "4", "--seq", "8192", "--mbs", "2", "--recompute", "full", "--ep-as", "cp"]
+    assert main(argv + ["-o", str(out)]) == 0
+    assert "ep_as=cp" in capsys.readouterr().out
+    plan = Plan.load(out)
+    assert (plan.mesh.dp, plan.mesh.ep, plan.mesh.ep_as, plan.mesh.context_parallel) == (2, 4, "cp", 4)
+    argv[argv.index("--seq") + 1] = "2048"  # 512 tokens per rank of the 4 context-parallel ranks
+    assert main(argv) == 2
+    assert "sequence 2048 is too short for cp x ep=4" in capsys.readouterr().err
