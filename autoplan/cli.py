@@ -70,8 +70,9 @@ def _estimate_parser(sub) -> None:
     for axis in ("tp", "pp", "cp", "ep"):
         p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} degree (default 1)")
     p.add_argument("--dp", type=int, help="dp degree (default: world / (tp pp cp ep))")
-    p.add_argument("--etp", type=int, help="the MoE experts' tensor-parallel degree: tp (default; each expert's "
-                   "FFN split over tp) or 1 (experts whole, the tp ranks folded into expert parallelism)")
+    p.add_argument("--etp", type=int, help="the MoE experts' tensor-parallel degree, a divisor of tp: tp (default; "
+                   "each expert's FFN split over tp), 1 (experts whole, the tp ranks folded into expert parallelism) "
+                   "or in between (each FFN split over etp ranks, tp / etp of them folded into expert parallelism)")
     p.add_argument("--ep-as", default="dp", choices=("dp", "cp"),
                    help="what the ep ranks are to the non-expert layers: dp (default; the batch split over dp x ep) "
                    "or cp (each sequence split over cp x ep, attention's context-parallel group spanning them)")

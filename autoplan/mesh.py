@@ -7,12 +7,15 @@ consecutive and, when tp divides the GPUs per node, stay inside one node (as in 
     rank = sum_a coord[a] * stride[a],   stride[a] = prod(degree[b] for b after a in order)
 
 `etp`, the expert tensor-parallel degree, is no axis: it says how MoE layers use the tp ranks
-(Megatron Core's MoE parallel folding, Liu et al. 2025). etp = tp (the default): every expert's FFN
-is split over the tp ranks like the dense layers, experts spread over the ep ranks. etp = 1: experts
-are whole and the tp ranks become expert-parallel ranks too, so a MoE layer spreads its experts over
-the ep x tp ranks (`expert_axes`, `expert_parallel`) while attention keeps tp. 1 < etp < tp would
-split the tp axis in two levels (experts over tp / etp, each expert's FFN over etp), which neither
-the per-axis placements of a Plan nor this runtime express, so it is refused.
+(Megatron Core's MoE parallel folding, Liu et al. 2025), any divisor of tp. The tp coordinate t splits
+as t = t_outer * etp + t_inner, f = tp / etp: etp consecutive tp ranks (same t_outer) hold the same
+experts, each 1/etp of every expert's FFN; the f values of t_outer are expert-parallel ranks. So a MoE
+layer spreads its experts over ep x f ranks (`expert_axes`, `expert_parallel`: the "expert" group,
+the dispatch all-to-all) and splits each expert's FFN over the etp ranks differing only in t_inner
+(`expert_tp_axes`: the "expert_tp" group), while attention keeps tp. etp = tp (the default): f = 1,
+experts over ep, their FFN over tp like the dense layers. etp = 1: experts whole over ep x tp. The
+two halves of tp are sub-axes ("tp_outer", "tp_inner") that `degree`, `stride` and `coord` know
+(SUB_AXES); they are never in `order` (t_inner is the fast half, as in Megatron Core).
 
 `ep_as`, no axis either, says what the ep ranks are to the non-expert layers (attention, dense FFNs,
 embeddings), which never hold different experts. "dp" (the default): extra data-parallel ranks, the
@@ -34,6 +37,7 @@ from autoplan.placement import AXIS_NAMES
 
 DEFAULT_ORDER: tuple[str, ...] = ("pp", "dp", "ep", "cp", "tp")
 EP_AS = ("dp", "cp")  # what the ep ranks are to the non-expert layers (module docstring)
+SUB_AXES = ("tp_outer", "tp_inner")  # the halves of tp under 1 < etp < tp (module docstring)
 
 
 @dataclass(frozen=True)
@@ -89,8 +93,19 @@ class MeshShape:
 
     @property
     def expert_axes(self) -> tuple[str, ...]:
-        """The axes whose ranks hold different experts of a MoE layer: ep, and tp when etp < tp."""
-        return ("ep", "tp") if self.etp < self.tp else ("ep",)
+        """The (sub-)axes whose ranks hold different experts of a MoE layer: ep; and tp when etp = 1,
+        its outer half "tp_outer" when 1 < etp < tp."""
+        if self.etp == self.tp:
+            return ("ep",)
+        return ("ep", "tp") if self.etp == 1 else ("ep", "tp_outer")
+
+    @property
+    def expert_tp_axes(self) -> tuple[str, ...]:
+        """The (sub-)axes over which each expert's FFN is split: tp when etp = tp, its inner half
+        "tp_inner" when 1 < etp < tp, none when etp = 1."""
+        if self.etp == self.tp:
+            return ("tp",)
+        return () if self.etp == 1 else ("tp_inner",)
 
     @property
     def expert_parallel(self) -> int:
@@ -102,21 +117,31 @@ class MeshShape:
         return math.prod(self.degree(a) for a in AXIS_NAMES)
 
     def degree(self, axis: str) -> int:
+        """The degree of a mesh axis, or of a half of tp ("tp_outer": tp / etp, "tp_inner": etp)."""
+        if axis in SUB_AXES:
+            return self.tp // self.etp if axis == "tp_outer" else int(self.etp)
         return int(getattr(self, axis))
 
     def degrees(self) -> dict[str, int]:
         return {a: self.degree(a) for a in AXIS_NAMES}
 
     def stride(self, axis: str) -> int:
-        """Rank distance between neighbours along `axis`."""
+        """Rank distance between neighbours along `axis` (a sub-axis of tp: t_inner moves like tp,
+        t_outer by etp tp steps)."""
+        if axis in SUB_AXES:
+            return self.stride("tp") * (self.etp if axis == "tp_outer" else 1)
         after = self.order[self.order.index(axis) + 1 :]
         return math.prod(self.degree(a) for a in after)
+
+    def coord(self, rank: int, axis: str) -> int:
+        """Coordinate of `rank` along a mesh axis or a sub-axis of tp."""
+        return (rank // self.stride(axis)) % self.degree(axis)
 
     def coords(self, rank: int) -> dict[str, int]:
         """Coordinate of `rank` along every axis."""
         if not 0 <= rank < self.world_size:
             raise ConfigError(f"rank {rank} is outside the mesh of {self.world_size} ranks")
-        return {a: (rank // self.stride(a)) % self.degree(a) for a in AXIS_NAMES}
+        return {a: self.coord(rank, a) for a in AXIS_NAMES}
 
     def rank_of(self, coords: dict[str, int]) -> int:
         return sum(coords.get(a, 0) * self.stride(a) for a in AXIS_NAMES)
@@ -166,12 +191,8 @@ class MeshShape:
 
 
 def check_etp(etp: object, tp: int) -> None:
-    """Refuse an expert tensor-parallel degree other than tp or 1 (module docstring)."""
+    """Refuse an expert tensor-parallel degree that is not a positive divisor of tp."""
     if not isinstance(etp, int) or isinstance(etp, bool) or etp < 1 or tp % etp:
         divisors = [d for d in range(1, tp + 1) if tp % d == 0]
         raise ConfigError(f"mesh etp={etp!r} must be a positive divisor of tp={tp} (the tp ranks a MoE expert's "
                           f"FFN is split over); use one of {divisors}")
-    if 1 < etp < tp:
-        raise ConfigError(f"mesh etp={etp} with tp={tp}: only etp={tp} (each expert's FFN split over the tp ranks) "
-                          f"and etp=1 (experts whole, the tp ranks used as more expert-parallel ranks) are "
-                          f"implemented; 1 < etp < tp would split the tp axis in two levels. Use etp=1 or etp={tp}")

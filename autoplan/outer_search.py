@@ -8,7 +8,8 @@
        strategies depend on it, `strategies.moe_strategies`); visit the keys
        in order of their best time lower bound (the roofline's compute rate in the pipeline formula)
        and stop once that bound exceeds the K-th best step time found;
-    4. per key: solve the intra-op problem (`planner.solve_tp`) and price each configuration whose
+    4. per key: solve the intra-op problem (`planner.solve_tp`; under 1 < etp < tp the etp = 1 solve's choice,
+       the same problem up to a constant, `SearchContext._folded_ilp_solution`) and price each configuration whose
        bound with the solution's exact per-layer times stays below the K-th best; for tp > 1, price
        the configurations that did not fit again with Megatron-LM's assignment with sequence
        parallelism, whose lower activation memory can fit where the time-optimal assignment does not
@@ -45,7 +46,7 @@ from autoplan.placement import Replicate, Shard
 from autoplan.plan import (RECOMPUTE_POLICIES, ModelRef, OpPlacement, ParamPlacement, Plan, Predicted, Provenance,
                            StageSpec)
 from autoplan.planner import (capture_model, fold_for_search, fold_note, megatron_assignment, model_info,
-                              solve_tp, tp_solution)
+                              TpSolution, solve_tp, tp_solution)
 from autoplan.parts import EXPERT_PARAMS, BlockCosts, SolutionParts, block_costs, solution_parts
 from autoplan.pricing import Priced, StepEnv, StepModel
 from autoplan.search_space import (Config, FlopsPerSequence, SearchOptions, enumerate_configs, infeasible,
@@ -122,7 +123,9 @@ class SearchContext:
         if key not in self._solutions:
             # tp innermost: the solver sees its own group
             mesh = MeshShape(dp=self.cluster.world_size // tp, tp=tp, etp=etp)
-            if variant == VARIANT_ILP:
+            if variant == VARIANT_ILP and 1 < etp < tp:
+                sol = self._folded_ilp_solution(tp, microbatch, mesh)
+            elif variant == VARIANT_ILP:
                 sol = solve_tp(self.graph, self.registry, self.info, self.cluster, mesh, microbatch, self.dtype,
                                self.efficiency, self.fold, self.time_limit_s, self.fold_map)
                 self.ilp_solves += 1
@@ -132,6 +135,14 @@ class SearchContext:
                                   self.dtype, self.efficiency, variant)
             self._solutions[key] = solution_parts(self.graph, sol)
         return self._solutions[key]
+
+    def _folded_ilp_solution(self, tp: int, microbatch: int, mesh: MeshShape) -> TpSolution:
+        """The intra-op optimum under 1 < etp < tp without another ILP: every etp < tp gives each MoE its one
+        strategy "expert" with the same placements, so the problems differ by a constant (the MoE's expert GEMM
+        width) and share their argmin; the etp = 1 solve's choice, priced at this etp."""
+        whole = self.solution(tp, microbatch, VARIANT_ILP, etp=1).solution
+        return tp_solution(self.graph, self.registry, self.info, self.cluster, mesh, microbatch, whole.assignment,
+                           self.dtype, self.efficiency, whole.solver, whole.status)
 
     def block(self, tp: int, microbatch: Fraction, variant: str = VARIANT_ILP,
               assignment: Mapping[str, str] | None = None, mesh: MeshShape | None = None,
@@ -449,7 +460,8 @@ def check_config(config: ModelConfig, cluster: ClusterSpec, global_batch: int, s
     folded = mesh.ep_as == "cp"  # the ep ranks split the sequence with cp: the rules see cp x ep
     check(cp_problem(config.heads, mesh.tp, mesh.context_parallel, seq_len, "cp x ep" if folded else "cp"))
     check(ep_problem(config.experts, mesh.ep, mesh.dp * mesh.ep))
-    check(etp_problem(config.experts, mesh.ep, mesh.tp, mesh.etp, seq_len, mesh.context_parallel))
+    check(etp_problem(config.experts, mesh.ep, mesh.tp, mesh.etp, seq_len, mesh.context_parallel,
+                      config.ffn_hidden))
     check(batch_problem(global_batch, mesh.batch_shards, microbatch_size, "dp (ep as cp)" if folded else "dp"))
     if mesh.pp > config.num_layers:
         raise ConfigError(f"pp={mesh.pp} exceeds the {config.num_layers} layers of {config.name}; use pp <= {config.num_layers}")

@@ -9,7 +9,8 @@ rank as with the ep ranks splitting the batch)
     t_layer = compute (+ recompute) + tp communication + Ulysses all-to-alls (attention layers, over the
                 cp ranks, or the ep x cp ranks when the ep ranks are context-parallel ranks too, ep_as = "cp")
               + expert dispatch / combine all-to-alls (MoE layers whose experts are spread over more than
-                one rank: over ep, or over ep x tp when etp = 1 < tp, `parallel_dims`)
+                one rank: over ep, or over ep x tp / etp when etp < tp, `parallel_dims`)
+              + the expert-TP all-gather / reduce-scatter of the dispatched rows (1 < etp < tp)
 
 Stages: 1F1B uses the stage DP (`solver.stages`, time-optimal partition, memory-checked, re-solved
 under the memory limit only when it does not fit); interleaved 1F1B uses uniform chunks. Each stage
@@ -61,7 +62,8 @@ from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.comm import AxisGroup, group_collective_time_s
 from autoplan.cost_model.compute import Efficiency, op_time_s
 from autoplan.cost_model.memory import model_state_bytes, state_bytes_for, temporary_bytes
-from autoplan.cost_model.parallel_dims import axes_group, expert_all_to_all_s, ulysses_all_to_all_s
+from autoplan.cost_model.parallel_dims import (axes_group, expert_all_to_all_s, expert_tp_exchange_s,
+                                               ulysses_all_to_all_s)
 from autoplan.cost_model.pipeline import (SCHEDULE_INTERLEAVED, in_flight_microbatches, interleaved_chunks,
                                           p2p_per_microbatch_s, pipeline_time_s)
 from autoplan.models.config import ModelConfig
@@ -149,7 +151,7 @@ class StepModel:
         self._states: dict[tuple, _States] = {}
 
     def group(self, cfg: Config, axes: tuple[str, ...]) -> AxisGroup:
-        key = (cfg.pp, cfg.dp, cfg.ep, cfg.cp, cfg.tp, cfg.order, axes)
+        key = (cfg.pp, cfg.dp, cfg.ep, cfg.cp, cfg.tp, cfg.order, axes, cfg.etp)  # etp: the tp halves' sizes
         if key not in self._groups:
             self._groups[key] = axes_group(cfg.mesh, axes, self.env.cluster.gpus_per_node)
         return self._groups[key]
@@ -164,17 +166,22 @@ class StepModel:
             total += ulysses_all_to_all_s(cfg.microbatch_size * env.seq_len, part.q_width, kv_width, itemsize,
                                           env.cluster, self.group(cfg, cfg.mesh.context_axes),
                                           env.efficiency.collectives)
-        if cfg.mesh.expert_parallel > 1 and part.moe_layers:  # tokens / tp each under etp = 1 (moe_token_share)
+        if cfg.mesh.expert_parallel > 1 and part.moe_layers:  # tokens / tp each under etp < tp (moe_token_share)
             tokens = float(block.microbatch) * env.seq_len * part.moe_token_share
             total += part.moe_layers * expert_all_to_all_s(tokens, env.model.expert_width, env.model.top_k, itemsize,
                                                            env.cluster, self.group(cfg, cfg.mesh.expert_axes),
                                                            env.efficiency.collectives)
+            if 1 < cfg.mesh.etp < cfg.tp:  # the etp peers of one set of experts exchange the dispatched rows
+                total += part.moe_layers * expert_tp_exchange_s(
+                    tokens, env.model.expert_width, env.model.top_k, itemsize, env.cluster,
+                    self.group(cfg, cfg.mesh.expert_tp_axes), env.efficiency.collectives)
         return total
 
-    def _links(self, cfg: Config) -> tuple[AxisGroup, AxisGroup]:
-        """The context (cp, or ep x cp) and expert (ep, or ep x tp) groups' shapes on the network: what the
-        per-layer times depend on of the order."""
-        return self.group(cfg, cfg.mesh.context_axes), self.group(cfg, cfg.mesh.expert_axes)
+    def _links(self, cfg: Config) -> tuple[AxisGroup, ...]:
+        """The context (cp, or ep x cp), expert (ep, or ep x tp / etp) and expert-TP groups' shapes on the
+        network: what the per-layer times depend on of the order."""
+        return (self.group(cfg, cfg.mesh.context_axes), self.group(cfg, cfg.mesh.expert_axes),
+                self.group(cfg, cfg.mesh.expert_tp_axes))
 
     def times(self, block: BlockCosts, cfg: Config) -> _Times:
         key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg))

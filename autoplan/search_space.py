@@ -13,8 +13,9 @@ ZeRO stage, the recompute policy and the pipeline schedule. Enumerated (`enumera
          rules hold for cp x ep (`parallel_dims.cp_problem`; cp may be 1): each sequence split over cp x ep,
          the batch over dp alone (dp must divide it); not at microbatches where ep_as = "dp" does the same
          work per rank with less communication (`_dominated_by_ep_as_dp`)
-    etp  the experts' tensor-parallel degree (`MeshShape.etp`): tp, and 1 for MoE models with tp > 1 where
-         ep x tp divides the experts and tp x cp the sequence (1 < etp < tp is not implemented)
+    etp  the experts' tensor-parallel degree (`MeshShape.etp`): tp, and for MoE models with tp > 1 every
+         smaller divisor of tp where ep x tp / etp divides the experts, etp the experts' FFN width and
+         tp x cp the sequence (`parallel_dims.etp_problem`)
     mbs  divides global_batch / B, at most `max_microbatch_size`; m = global_batch / (B mbs), with B the batch
          shards: D, or dp under ep_as = "cp"
     schedule 1F1B, or interleaved 1F1B with v virtual stages when pp > 1, the layers divide by pp v
@@ -67,7 +68,7 @@ class SearchOptions:
     pipeline: bool = True
     context_parallel: bool = True
     expert_parallel: bool = True
-    expert_tensor_parallel: bool = True  # also try etp = 1 (experts whole, tp folded into their ep group)
+    expert_tensor_parallel: bool = True  # also try every etp < tp dividing it (tp / etp folded into the ep group)
     ep_over_cp: bool = True  # also try ep_as = "cp" (the ep ranks as context-parallel ranks of the dense layers)
     virtual_stages: tuple[int, ...] = (2, 3, 4, 6, 8)
     zero_stages: tuple[int, ...] = ZERO_STAGES
@@ -172,7 +173,7 @@ def mesh_orders(tp: int, cp: int, pp: int, ep: int, dp: int, gpus_per_node: int,
     found: dict[tuple, tuple[str, ...]] = {}
     for order in ORDERS:
         mesh = MeshShape(pp=pp, dp=dp, tp=tp, cp=cp, ep=ep, order=order, etp=etp, ep_as=ep_as)
-        groups = (PRICED_GROUPS + ((mesh.expert_axes,) if mesh.etp < tp else ())
+        groups = (PRICED_GROUPS + ((mesh.expert_axes, mesh.expert_tp_axes) if mesh.etp < tp else ())
                   + ((mesh.context_axes,) if mesh.ep_as == "cp" else ()))
         found.setdefault(tuple(axes_group(mesh, axes, gpus_per_node) for axes in groups), order)
     return tuple(found.values())
@@ -235,12 +236,13 @@ def _no_mesh_message(model: ModelConfig, cluster: ClusterSpec, global_batch: int
 
 def expert_tp_degrees(model: ModelConfig, tp: int, cp: int, ep: int, seq_len: int,
                       options: SearchOptions) -> tuple[int | None, ...]:
-    """The etp searched for a mesh: None (= tp) always, 1 where it changes something and runs
-    (`parallel_dims.etp_problem`). `cp`: how many ways the dense layers split the sequence (x ep under
+    """The etp searched for a mesh: None (= tp) always, then every smaller divisor of tp, ascending, that
+    runs (`parallel_dims.etp_problem`). `cp`: how many ways the dense layers split the sequence (x ep under
     ep_as = "cp")."""
     if not options.expert_tensor_parallel or tp == 1 or not model.experts:
         return (None,)
-    return (None,) if etp_problem(model.experts, ep, tp, 1, seq_len, cp) else (None, 1)
+    return (None,) + tuple(etp for etp in divisors(tp)[:-1]
+                           if etp_problem(model.experts, ep, tp, etp, seq_len, cp, model.ffn_hidden) is None)
 
 
 def runnable_zero_stages(stages: tuple[int, ...], pp: int, ep: int) -> tuple[int, ...]:

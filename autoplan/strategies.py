@@ -72,6 +72,7 @@ class Strategy:
     output: Placement
     params: tuple[ParamSpec, ...] = ()
     compute_fraction: float = 1.0  # of the op's FLOPs and bytes, per tp rank
+    expert_ffn_split: int = 1  # MoE "expert": how many ranks split each expert's FFN (etp)
     fwd_comm: tuple[Comm, ...] = ()
     bwd_comm: tuple[Comm, ...] = ()
 
@@ -266,15 +267,19 @@ def moe_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy]:
               replicated; output all-reduced, the experts' part of x.grad all-reduced in backward
               (with the small (tokens, top_k) gate-weight grads, which the op sums itself).
     sequence: tokens split along the sequence, weights replicated, weight grads summed over tp.
-    etp = 1 < tp, the only strategy (replicating the layer would leave idle the tp ranks that
-    etp = 1 gives the experts):
+    etp < tp, the only strategy (replicating the layer would leave idle the tp ranks that
+    etp < tp gives the experts):
     expert:   tokens split along the sequence (so R -> S(1) slices them and all-gathers their
-              grads, S(1) -> R all-gathers the output), experts split over tp on dim 0 (each tp
-              rank holds whole experts and serves them to the expert group ep x tp, runtime.experts);
-              the router replicated, its grad summed over tp.
+              grads, S(1) -> R all-gathers the output), experts split over tp on dim 0: each group
+              of etp tp ranks holds E / (tp / etp) of them (per ep rank) and serves them to the
+              expert group ep x tp / etp (runtime.experts), each of those etp ranks 1/etp of every
+              expert's FFN (`expert_ffn_split`; the plan's per-axis placements say S(0) on tp, the
+              bytes per rank, and the mesh's etp says how the two levels split); the router
+              replicated, its grad summed over tp.
     """
-    if info.get("etp", tp) < tp:
-        return [_expert_folded(node, tp)]
+    etp = info.get("etp", tp)
+    if etp < tp:
+        return [_expert_folded(node, tp, etp)]
     found = replicate_only(node, tp, info)
     names = _params(node)
     ffn_hidden = info.get("ffn_hidden")
@@ -289,16 +294,17 @@ def moe_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy]:
     return found
 
 
-def _expert_folded(node: "NodeInfo", tp: int) -> Strategy:
-    """The MoE strategy of etp = 1 < tp (`moe_strategies`)."""
+def _expert_folded(node: "NodeInfo", tp: int, etp: int = 1) -> Strategy:
+    """The MoE strategy of etp < tp (`moe_strategies`)."""
     tokens = node.input_metas[0].shape[1]
     if not _divides(tp, tokens):
-        raise ConfigError(f"node {node.name!r}: etp=1 splits the MoE's {tokens} tokens per sequence over tp={tp}, "
+        raise ConfigError(f"node {node.name!r}: etp={etp} splits the MoE's {tokens} tokens per sequence over tp={tp}, "
                           f"which does not divide them; use a sequence divisible by tp x cp, or etp={tp}")
     experts = {"w_gate": Shard(0), "w_up": Shard(0), "w_down": Shard(0)}
     params = tuple(ParamSpec(p, experts.get(p, R), grad_partial=p not in experts) for p in _params(node))
     return Strategy("expert", (InputSpec(SEQ),), SEQ, params, 1 / tp,
-                    bwd_comm=tuple(Comm("all_reduce", f"param:{p.name}") for p in params if p.grad_partial))
+                    bwd_comm=tuple(Comm("all_reduce", f"param:{p.name}") for p in params if p.grad_partial),
+                    expert_ffn_split=etp)
 
 
 def strategy_info(info: Mapping, tp: int, etp: int) -> dict:

@@ -144,8 +144,10 @@ def _moe_shape(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tuple[
         return x.numel / x.shape[-1] * ctx.batch_scale, float(x.shape[-1]), float(x.shape[-1])
     experts, width, ffn = shapes["w_gate"]
     per_expert = max(1.0, node.fwd_flops * ctx.batch_scale / (6.0 * width * ffn * experts))
-    whole = strategy.param_placement("w_gate") == Shard(0)  # experts split, each whole (etp = 1)
-    return per_expert, max(1.0, ffn * (1.0 if whole else strategy.compute_fraction)), float(width)
+    # experts split over ranks on dim 0 (etp < tp): each expert's FFN split etp ways, whole for etp = 1
+    folded = strategy.param_placement("w_gate") == Shard(0)
+    share = 1.0 / strategy.expert_ffn_split if folded else strategy.compute_fraction
+    return per_expert, max(1.0, ffn * share), float(width)
 
 
 def node_compute_s(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tuple[float, float]:

@@ -34,12 +34,20 @@ and formula above for cp then holds with cp x ep in place of cp (`MeshShape.cont
 MoE layers still spread their experts over the ep ranks, each dispatching the same tokens per rank as
 when the ep ranks split the batch (routing is per token).
 
-Expert tensor parallelism (`MeshShape.etp`): with etp = 1 < tp the MoE layers also fold the tp ranks
-into expert parallelism. Each tp rank takes 1 / tp of the tokens (the "expert" strategy: sequence
-split), the dispatch and combine run over the ep x tp ranks (`MeshShape.expert_axes`, their links from
-the mesh order) with tokens_per_rank / tp each, experts are divided by ep x tp, whole (no tp
-all-reduce of their outputs), and their gradients still reduce over dp x cp. Rules: the experts
-divisible by ep x tp, the sequence by tp x cp, a MoE model (`etp_problem`).
+Expert tensor parallelism (`MeshShape.etp`): with etp < tp the MoE layers also fold f = tp / etp of
+the tp ranks into expert parallelism. Each tp rank takes 1 / tp of the tokens (the "expert" strategy:
+sequence split), the dispatch and combine run over the ep x f ranks (`MeshShape.expert_axes`, their
+links from the mesh order) with tokens_per_rank / tp each, experts are divided by ep x f and each
+expert's FFN by etp (expert GEMMs at ffn / etp; parameters split over ep x f x etp = ep x tp), no tp
+all-reduce of their outputs, and their gradients still reduce over dp x cp. With 1 < etp < tp the
+etp ranks sharing experts exchange the dispatched rows (`expert_tp_exchange_s`):
+
+    per MoE layer and microbatch  fwd: all-gather of the dispatched rows + reduce-scatter of the partial
+                                  outputs, bwd: the same two, each of
+                                  B = etp * tokens_per_rank / tp * top_k * hidden * itemsize bytes over etp
+
+Rules: a MoE model, etp dividing tp and the experts' FFN width, the experts divisible by ep x f, the
+sequence by tp x cp (`etp_problem`).
 """
 
 from __future__ import annotations
@@ -83,6 +91,19 @@ def expert_all_to_all_s(tokens_per_rank: float, hidden: int, top_k: int, itemsiz
         return 0.0
     nbytes = group.size * tokens_per_rank * top_k * hidden * itemsize
     return 4 * group_collective_time_s("all_to_all", nbytes, cluster, group, measured)
+
+
+def expert_tp_exchange_s(tokens_per_rank: float, hidden: int, top_k: int, itemsize: float, cluster: ClusterSpec,
+                         group: AxisGroup, measured: CollectiveCalibration | None = None) -> float:
+    """Forward + backward seconds of one MoE layer's expert-TP all-gather and reduce-scatter of the
+    dispatched rows for one microbatch (module docstring); `tokens_per_rank`: the tokens this rank
+    dispatches (already / tp)."""
+    if group.size == 1:
+        return 0.0
+    nbytes = group.size * tokens_per_rank * top_k * hidden * itemsize
+    gather = group_collective_time_s("all_gather", nbytes, cluster, group, measured)
+    scatter = group_collective_time_s("reduce_scatter", nbytes, cluster, group, measured)
+    return 2 * (gather + scatter)
 
 
 # ---------------------------------------------------------------------------------- rules
@@ -142,19 +163,27 @@ def ep_problem(experts: int, ep: int, data_parallel: int) -> str | None:
     return None
 
 
-def etp_problem(experts: int, ep: int, tp: int, etp: int, seq_len: int, cp: int = 1) -> str | None:
-    """Why expert tensor-parallel degree `etp` cannot run with this model and mesh, or None."""
+def etp_problem(experts: int, ep: int, tp: int, etp: int, seq_len: int, cp: int = 1,
+                ffn: int | None = None) -> str | None:
+    """Why expert tensor-parallel degree `etp` cannot run with this model and mesh, or None. `ffn`: the
+    experts' FFN width (None: not checked)."""
     if etp == tp:
         return None
     if experts == 0:
         return (f"etp={etp} with tp={tp} needs a mixture-of-experts model (etp is the tensor-parallel degree of "
                 f"the experts); this model has none: leave etp unset (= tp)")
+    if tp % etp:
+        divisors = [d for d in range(1, tp + 1) if tp % d == 0]
+        return f"etp={etp} must divide tp={tp} (the tp ranks an expert's FFN is split over); use one of {divisors}"
     if experts % (ep * tp // etp):
         return (f"etp={etp} spreads the {experts} experts over ep x tp / etp = {ep} x {tp // etp} ranks, which "
                 f"does not divide them; use etp={tp}, or an ep whose ep x {tp // etp} divides {experts}")
     if seq_len % (tp * cp):
         return (f"etp={etp} splits each sequence's tokens over tp x cp = {tp * cp} ranks, which does not divide "
                 f"seq_len {seq_len}; use etp={tp} or a sequence divisible by {tp * cp}")
+    if ffn is not None and ffn % etp:
+        return (f"etp={etp} splits each expert's FFN width {ffn} over {etp} ranks, which does not divide it; use "
+                f"an etp dividing {ffn} (etp=1 keeps the experts whole)")
     return None
 
 

@@ -10,11 +10,11 @@
         program.train_step(...)                   # expected_collectives(plan, config, pp_index)
 
 Every mesh axis runs: dp (ZeRO 0-3), tp (with sequence parallelism), cp (Ulysses), ep (expert
-dispatch; with etp = 1 over ep x tp), pp (torch.distributed.pipelining schedules); recompute and
-bf16 autocast as the plan says. Module map: launch (checks, groups) -> rewrite (tp modules and
-conversions, then context, recompute) -> program (materialise, pipeline, data parallel,
-checkpoints); collectives, losses, modules, experts are the pieces the graph calls; counting
-predicts a step's collectives.
+dispatch; with etp < tp over ep x tp / etp, each expert's FFN over etp), pp
+(torch.distributed.pipelining schedules); recompute and bf16 autocast as the plan says. Module map:
+launch (checks, groups) -> rewrite (tp modules and conversions, then context, recompute) -> program
+(materialise, pipeline, data parallel, checkpoints); collectives, losses, modules, experts are the
+pieces the graph calls; counting predicts a step's collectives.
 
 Names are imported lazily, so importing the package has no side effects.
 """

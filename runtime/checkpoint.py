@@ -11,8 +11,10 @@ What is saved, per parameter `name` of the user's model:
 Each rank hands DCP its pieces as DTensors on a DeviceMesh of the ranks of its pipeline stage (axes
 dp, ep, cp, tp in mesh order; built without process groups, DCP only needs coordinates): Shard(d) on
 tp for tensor-parallel shards, Shard(0) on ep for expert weights, Replicate elsewhere. Under
-etp < tp an expert weight is Shard(0) on both ep and tp: DTensor splits dim 0 over them in mesh
-order, which is the ascending rank order of the expert group, the order its experts are spread in. DCP writes
+etp = 1 < tp an expert weight is Shard(0) on both ep and tp: DTensor splits dim 0 over them in mesh
+order, which is the ascending rank order of the expert group, the order its experts are spread in.
+Under 1 < etp < tp its DeviceMesh has tp as two dims, tp_outer (t // etp) then tp_inner (t % etp):
+Shard(0) on ep and tp_outer (the expert group, in the same order), Shard(FFN dim) on tp_inner. DCP writes
 each distinct piece once and, on load, reads whatever slice the new layout asks for. Parameters
 sharded over dp by ZeRO 2/3 (FSDP2) are gathered over dp first (their tp-local piece); under ZeRO 1
 each rank saves and loads the states of the parameters whose optimizer states it owns.
@@ -65,22 +67,21 @@ class CheckpointError(AutoplanError):
 # ------------------------------------------------------------------ layout
 
 
-def checkpoint_mesh(program: "RankProgram") -> DeviceMesh:
-    """The ranks of this rank's pipeline stage as a DeviceMesh over the other axes (no groups)."""
+def checkpoint_mesh(program: "RankProgram", split_tp: bool = False) -> DeviceMesh:
+    """The ranks of this rank's pipeline stage as a DeviceMesh over the other axes (no groups);
+    `split_tp`: with the tp axis as its two halves ("tp_outer", "tp_inner", `MeshShape.coord`),
+    for expert weights under 1 < etp < tp, split over both (DTensor splits a mesh dim one way)."""
     mesh = program.plan.mesh
     axes = tuple(a for a in mesh.order if a != "pp")
-    mine = mesh.coords(program.mesh_rank)
-    ranks = []
-
-    def walk(i: int, coords: dict) -> None:
-        if i == len(axes):
-            ranks.append(program.global_rank_of(mesh.rank_of({**coords, "pp": mine["pp"]})))
-            return
-        for c in range(mesh.degree(axes[i])):
-            walk(i + 1, {**coords, axes[i]: c})
-
-    walk(0, {})
+    if split_tp:
+        at = axes.index("tp")
+        axes = axes[:at] + ("tp_outer", "tp_inner") + axes[at + 1:]
+    base = mesh.coord(program.mesh_rank, "pp") * mesh.stride("pp")
+    ranks = [base]
+    for axis in axes:  # row-major over `axes`: the last one varies fastest
+        ranks = [r + c * mesh.stride(axis) for r in ranks for c in range(mesh.degree(axis))]
     shape = [mesh.degree(a) for a in axes]
+    ranks = [program.global_rank_of(r) for r in ranks]
     return DeviceMesh(program.device.type, torch.tensor(ranks).view(shape), mesh_dim_names=axes,
                       _init_backend=False)
 
@@ -89,8 +90,10 @@ def _placements(program: "RankProgram", name: str, mesh: DeviceMesh) -> list:
     layout = program.layouts[name]
     found = []
     for axis in mesh.mesh_dim_names:
-        if axis == "tp" and layout.folded:  # experts spread over ep x tp (etp < tp)
+        if axis in ("tp", "tp_outer") and layout.folded:  # experts spread over ep x tp (/ etp)
             found.append(DShard(0))
+        elif axis == "tp_inner" and layout.ffn_split is not None:  # their FFN over etp
+            found.append(DShard(layout.ffn_split.dim))
         elif axis == "tp" and isinstance(layout.placement, Shard):
             found.append(DShard(layout.placement.dim % len(layout.shape)))
         elif axis == "ep" and layout.expert:
@@ -145,11 +148,14 @@ def _states(program: "RankProgram", optimizer: torch.optim.Optimizer
 def _state_dict(program: "RankProgram", optimizer: torch.optim.Optimizer | None,
                 for_load: bool) -> tuple[dict[str, torch.Tensor], list]:
     """DCP's state dict and, for loading, the (destination, loaded tensor) copies to do after."""
-    mesh = checkpoint_mesh(program)
+    plain = checkpoint_mesh(program)
+    etp, tp = program.plan.mesh.etp, program.plan.mesh.tp
+    split = checkpoint_mesh(program, split_tp=True) if 1 < etp < tp else None  # expert weights' mesh
     state, copies = {}, []
 
     def add(key: str, name: str, value: torch.Tensor) -> None:
         layout = program.layouts[name]
+        mesh = split if layout.ffn_split is not None else plain
         if value.dim() == 0:  # a step counter: the same on every rank
             state[key] = value.detach().clone() if for_load else value.detach()
             if for_load:

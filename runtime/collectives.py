@@ -14,6 +14,11 @@ builds the backward communication by itself. With n ranks in the group and x_r t
     all_to_all_dims(a, b)   fwd  sharded on dim a -> sharded on dim b    bwd  b -> a
     all_to_all_uneven       fwd  rows [send_0 | send_1 | ...] to ranks 0, 1, ...; receive recv_j
                             rows from rank j (expert dispatch)            bwd  the reverse exchange
+    gather_rows_uneven      fwd  y = cat_r(x_r), x_r with rows[r] rows    bwd  dx = rank's rows of sum_r dy_r
+    reduce_scatter_rows_uneven
+                            fwd  y = rank's rows[rank] rows of sum_r x_r  bwd  dx = cat_r(dy_r)
+                            (the expert-TP exchange of 1 < etp < tp, runtime.experts; both pad every
+                            rank's rows to max(rows), so they run as one all-gather / reduce-scatter)
 
 A group of one rank makes every function the identity. On meta tensors (shape inference) nothing
 communicates: the results only have the right shapes.
@@ -200,6 +205,36 @@ def all_to_all_rows(x: torch.Tensor, send_rows: list[int], recv_rows: list[int],
     return out
 
 
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x (m, ...) with zero rows appended up to `rows`."""
+    if x.shape[0] == rows:
+        return x.contiguous()
+    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
+
+
+def all_gather_rows(x: torch.Tensor, rows: list[int], group: Group) -> torch.Tensor:
+    """cat over ranks of x_r (rows[r] rows each; this rank's x has rows[rank]), no autograd: one
+    all-gather of every x padded to max(rows), then the padding dropped."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    width = max(max(rows), 1)  # never an empty message
+    gathered = all_gather_dim(_padded(x, width), 0, group)  # (n * width, ...)
+    return torch.cat([gathered[r * width: r * width + rows[r]] for r in range(n)])
+
+
+def reduce_scatter_rows(x: torch.Tensor, rows: list[int], group: Group) -> torch.Tensor:
+    """This rank's rows of sum_r x_r, x laid out as [rows[0] | rows[1] | ...] on every rank (no
+    autograd): one reduce-scatter of the blocks padded to max(rows), then the padding dropped."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    width = max(max(rows), 1)  # never an empty message
+    blocks = x.split(rows)
+    summed = reduce_scatter_dim(torch.cat([_padded(b, width) for b in blocks]), 0, group)  # (width, ...)
+    return summed[: rows[group_rank(group)]].contiguous()
+
+
 def _check_divisible(x: torch.Tensor, dim: int, n: int) -> None:
     if x.shape[dim] % n:
         raise ValueError(f"tensor of shape {tuple(x.shape)}: dim {dim} (size {x.shape[dim]}) is not "
@@ -296,6 +331,28 @@ class _AllToAllUneven(Function):
         return all_to_all_rows(dy, ctx.recv_rows, ctx.send_rows, ctx.group), None, None, None
 
 
+class _GatherRowsUneven(Function):
+    @staticmethod
+    def forward(ctx, x, rows, group):
+        ctx.rows, ctx.group = rows, group
+        return all_gather_rows(x, rows, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return reduce_scatter_rows(dy, ctx.rows, ctx.group), None, None
+
+
+class _ReduceScatterRowsUneven(Function):
+    @staticmethod
+    def forward(ctx, x, rows, group):
+        ctx.rows, ctx.group = rows, group
+        return reduce_scatter_rows(x, rows, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_gather_rows(dy, ctx.rows, ctx.group), None, None
+
+
 def _norm_dim(x: torch.Tensor, dim: int) -> int:
     return dim % x.dim()
 
@@ -346,3 +403,15 @@ def all_to_all_uneven(x: torch.Tensor, send_rows: list[int], recv_rows: list[int
     if group_size(group) == 1:
         return x
     return _AllToAllUneven.apply(x, list(send_rows), list(recv_rows), group)
+
+
+def gather_rows_uneven(x: torch.Tensor, rows: list[int], group: Group) -> torch.Tensor:
+    """All-gather rows forward (rank r brings rows[r] of them); backward: the sum of the grads
+    over ranks, this rank's rows of it (the uneven reduce-scatter)."""
+    return x if group_size(group) == 1 else _GatherRowsUneven.apply(x, list(rows), group)
+
+
+def reduce_scatter_rows_uneven(x: torch.Tensor, rows: list[int], group: Group) -> torch.Tensor:
+    """Sum over ranks and keep this rank's rows[rank] rows forward (x holds every rank's rows in
+    rank order); backward: the all-gather of the rows' grads."""
+    return x if group_size(group) == 1 else _ReduceScatterRowsUneven.apply(x, list(rows), group)

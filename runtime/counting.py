@@ -26,7 +26,9 @@ rank runs:
                               context group (cp, or ep x cp under ep_as = "cp") when it has more
                               than one rank
     experts spread, moe:      fwd 3 all-to-alls (counts, dispatch, combine), bwd 2, on the expert
-                              group (ep, or ep x tp when etp < tp) when it has more than one rank
+                              group (ep, or ep x tp / etp when etp < tp) when it has more than one rank
+    1 < etp < tp, moe:        fwd 2 all-gathers (row counts, rows) + 1 reduce-scatter (partial
+                              outputs), bwd 1 all-gather + 1 reduce-scatter, on the expert_tp group
     recompute "full":         every forward collective of a layer's nodes once more in backward
                               ("selective" regions hold no collectives)
 
@@ -37,8 +39,8 @@ loss's all-reduce over pp (pp > 1) and over the data ranks. Not counted: torch's
 (FSDP2, ZeroRedundancyOptimizer's broadcasts, the pipeline schedules' sends and receives).
 
 Group names: a group is named by the narrowest kind with the same ranks, in the order data,
-expert_data, expert, pp, dp, ep, cp, tp (so with only dp > 1, the data group is "dp", and with
-etp = tp the expert group is "ep").
+expert_data, expert, expert_tp, pp, dp, ep, cp, tp (so with only dp > 1, the data group is "dp",
+and with etp = tp the expert group is "ep" and the expert_tp group "tp").
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from autoplan.runtime.groups import GROUP_AXES, kind_axes
 from autoplan.runtime.rewrite import model_info, resolve_strategies
 from autoplan.strategies import Strategy
 
-NAME_ORDER = ("data", "expert_data", "expert", "pp", "dp", "ep", "cp", "tp")  # later = narrower
+NAME_ORDER = ("data", "expert_data", "expert", "expert_tp", "pp", "dp", "ep", "cp", "tp")  # later = narrower
 
 Collectives = Counter  # (kind, group name) -> calls
 
@@ -170,6 +172,9 @@ def expected_collectives(plan: Plan, config: ModelConfig, pp_index: int = 0,
         if local and mesh.expert_parallel > 1 and node.op_kind == "moe":
             add(["all_to_all"] * 3, "expert", recomputed)
             add(["all_to_all"] * 2, "expert")
+        if local and 1 < mesh.etp < mesh.tp and node.op_kind == "moe":
+            add(["all_gather"] * 2 + ["reduce_scatter"], "expert_tp", recomputed)
+            add(["all_gather", "reduce_scatter"], "expert_tp")
     total = Counter({key: n * plan.num_microbatches for key, n in per_microbatch.items()})
     data, expert_data = mesh.dp * mesh.ep * mesh.cp, mesh.dp * mesh.cp
     local_params = {p for n in graph.nodes if stages[n.name] in mine for p, _ in n.params}

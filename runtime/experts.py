@@ -21,6 +21,19 @@ Expert parallel (`expert_parallel_ffn`), n = ep ranks, E_l = E / n experts per r
     back   = all_to_all(y, the reverse row counts)                (combine; in send's order)
     out_t  = moe_unpermute(back, w, r)
 
+Expert tensor parallelism 1 < etp < tp (`etp_group`, the expert_tp group of runtime.groups: the
+etp ranks holding the same experts, each 1/etp of every expert's FFN, w_gate / w_up (E_l, h, f/etp),
+w_down (E_l, f/etp, h)). Between the dispatch and the combine:
+
+    all    = all_gather over etp of recv (and of recv_counts, to know every peer's rows)
+    g      = all's rows grouped by local expert;  y = grouped_swiglu(g) on this FFN shard (partial)
+    mine   = reduce_scatter (sum) over etp of y, back in all's order: each peer gets its own rows
+
+so every peer computes its FFN shard for the tokens of all etp peers; the sum of the partial outputs
+over the etp FFN shards is the whole SwiGLU. Uneven row counts: each peer's rows are padded to the largest
+(`collectives.gather_rows_uneven`); the backward of the gather is the reduce-scatter and vice versa,
+so the expert weights' grads come from every token routed to them and need no further reduction.
+
 Both data all-to-alls are autograd-aware (`all_to_all_uneven`: backward sends the grads back along
 the same rows), so the expert weights' grads come from every rank's tokens and the tokens' grads
 return to their ranks. Splits are uneven and carry every token: there is no capacity limit.
@@ -37,7 +50,9 @@ from __future__ import annotations
 import torch
 
 from autoplan.models.layers import swiglu
-from autoplan.runtime.collectives import all_to_all_uneven, exchange, group_size
+from autoplan.runtime.collectives import (all_gather_dim, all_to_all_uneven, exchange,
+                                          gather_rows_uneven, group_size,
+                                          reduce_scatter_rows_uneven)
 from autoplan.runtime.kernels import (Routing, moe_permute, moe_routing, moe_unpermute, silu_mul,
                                       use_triton)
 
@@ -80,9 +95,10 @@ def _inverse(routing: Routing, segments: torch.Tensor) -> Routing:
 
 def expert_parallel_ffn(x: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor,
                         w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                        group, backend: str = "auto") -> torch.Tensor:
+                        group, backend: str = "auto", etp_group=None) -> torch.Tensor:
     """sum_j weights[:, j] * swiglu_{top_idx[:, j]}(x) for x (N, h) with E_l local experts of
-    E_l * ep (module docstring); returns (N, h)."""
+    E_l * n over the n ranks of `group`, each expert's FFN split over `etp_group` when given
+    (module docstring); returns (N, h)."""
     n, local = group_size(group), w_gate.shape[0]
     routing = moe_routing(top_idx, local * n)
     send = moe_permute(x, routing, backend)  # (N k, h) in expert order
@@ -90,11 +106,29 @@ def expert_parallel_ffn(x: torch.Tensor, top_idx: torch.Tensor, weights: torch.T
     recv_counts = exchange(counts, group)  # (n, E_l): from each source rank, per local expert
     send_rows, recv_rows = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
     received = all_to_all_uneven(send, send_rows, recv_rows, group)  # (M, h) by source, expert
-    local_expert = torch.arange(local, device=recv_counts.device).repeat(n)
+    y_received = _local_experts(received, recv_counts, (w_gate, w_up, w_down), backend, etp_group)
+    back = all_to_all_uneven(y_received, recv_rows, send_rows, group)  # (N k, h) expert order
+    return moe_unpermute(back, weights, routing, backend)
+
+
+def _local_experts(received: torch.Tensor, recv_counts: torch.Tensor, experts: tuple,
+                   backend: str, etp_group=None) -> torch.Tensor:
+    """The SwiGLU outputs of the dispatched rows `received` (M, h), laid out by source rank then
+    local expert with `recv_counts` (n, E_l) of them, in the same order. With `etp_group` the rows
+    of every etp peer join (all-gather), this rank's FFN shard runs on all of them, and the summed
+    partial outputs return to their peers (reduce-scatter)."""
+    gathered = etp_group is not None and group_size(etp_group) > 1
+    if gathered:
+        peer_counts = all_gather_dim(recv_counts, 0, etp_group)  # (etp n, E_l): every peer's rows
+        rows = [int(c.sum()) for c in peer_counts.chunk(group_size(etp_group))]
+        received, recv_counts = gather_rows_uneven(received, rows, etp_group), peer_counts
+    local = recv_counts.shape[1]
+    local_expert = torch.arange(local, device=recv_counts.device).repeat(recv_counts.shape[0])
     local_expert = local_expert.repeat_interleave(recv_counts.reshape(-1))  # (M,)
     regroup = moe_routing(local_expert.unsqueeze(1), local)  # k = 1: rows by local expert
     grouped = moe_permute(received, regroup, backend)  # (M, h) grouped by local expert
-    outputs = grouped_swiglu(grouped, regroup.tokens_per_expert, w_gate, w_up, w_down, backend)
-    y_received = moe_permute(outputs, _inverse(regroup, recv_counts.reshape(-1)), backend)
-    back = all_to_all_uneven(y_received, recv_rows, send_rows, group)  # (N k, h) expert order
-    return moe_unpermute(back, weights, routing, backend)
+    outputs = grouped_swiglu(grouped, regroup.tokens_per_expert, *experts, backend)
+    y = moe_permute(outputs, _inverse(regroup, recv_counts.reshape(-1)), backend)
+    if gathered:  # partial sums over the FFN shards, back to the peers whose rows they are
+        y = reduce_scatter_rows_uneven(y, rows, etp_group)
+    return y

@@ -10,10 +10,13 @@
     expert_data          dp x cp: the ranks that hold the same experts (same pp, ep, tp); expert
                          gradients are summed over it
     expert               the ranks a MoE layer spreads its experts over and dispatches tokens
-                         to: ep, or ep x tp when etp < tp (MoE parallel folding,
-                         `MeshShape.expert_axes`); its ranks in ascending order hold the experts'
-                         blocks in order (rank i: experts [i E_l, (i+1) E_l)), whatever the mesh
-                         order
+                         to: ep, ep x tp when etp = 1, ep x tp_outer when 1 < etp < tp (MoE
+                         parallel folding, `MeshShape.expert_axes`); its ranks in ascending order
+                         hold the experts' blocks in order (rank i: experts [i E_l, (i+1) E_l)),
+                         whatever the mesh order
+    expert_tp            the ranks that split each of the same experts' FFN: tp_inner, the etp
+                         ranks differing only in t_inner (`MeshShape.expert_tp_axes`); the tp
+                         ranks when etp = tp (the tp group itself), one rank when etp = 1
 
 Every process calls `torch.distributed.new_group` for every distinct rank set of every kind, in the
 same order (kinds in `GROUP_AXES` order, groups by first rank), which torch requires; each keeps the
@@ -31,15 +34,18 @@ from autoplan.mesh import MeshShape
 GROUP_AXES: dict[str, tuple[str, ...]] = {
     "tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "dp": ("dp",), "pp": ("pp",),
     "data": ("dp", "ep", "cp"), "expert_data": ("dp", "cp"), "expert": ("ep", "tp"),
+    "expert_tp": ("tp_inner",),
 }
 
 
 def kind_axes(mesh: MeshShape, kind: str) -> tuple[str, ...]:
-    """The axes a group of `kind` spans on `mesh`: those of GROUP_AXES, "expert" without tp when
-    etp = tp (its experts are then split over ep only), "cp" with ep when ep_as = "cp" (the
+    """The axes a group of `kind` spans on `mesh`: those of GROUP_AXES, "expert" and "expert_tp" as
+    etp says (`MeshShape.expert_axes`, `expert_tp_axes`), "cp" with ep when ep_as = "cp" (the
     sequence split over ep x cp)."""
     if kind == "cp":
         return mesh.context_axes
+    if kind == "expert_tp":
+        return mesh.expert_tp_axes
     return mesh.expert_axes if kind == "expert" else GROUP_AXES[kind]
 
 
@@ -64,9 +70,9 @@ class AxisGroup(nn.Module):
 
 
 def group_of(mesh: MeshShape, rank: int, axes: tuple[str, ...]) -> tuple[int, ...]:
-    """The ranks that share every coordinate of `rank` except those along `axes`, ascending."""
-    coords = mesh.coords(rank)
-    found = [rank - sum(coords[a] * mesh.stride(a) for a in axes)]
+    """The ranks that share every coordinate of `rank` except those along `axes` (mesh axes or
+    sub-axes of tp), ascending."""
+    found = [rank - sum(mesh.coord(rank, a) * mesh.stride(a) for a in axes)]
     for axis in axes:
         found = [base + i * mesh.stride(axis) for base in found for i in range(mesh.degree(axis))]
     return tuple(sorted(found))

@@ -114,15 +114,21 @@ def _check_context(plan: Plan, config: ModelConfig) -> None:
 
 
 def _check_expert_tp(plan: Plan, config: ModelConfig) -> None:
-    """etp < tp (runtime.rewrite step 5) needs experts for ep x tp ranks and tokens for tp x cp."""
+    """etp < tp (runtime.rewrite step 5) needs experts for ep x tp / etp ranks, tokens for tp x cp
+    and, for etp > 1, an expert FFN width that etp divides."""
     mesh = plan.mesh
     if mesh.etp == mesh.tp:
         return
+    spread = "ep x tp" + (" / etp" if mesh.etp > 1 else "")
     if not config.experts or config.experts % mesh.expert_parallel:
-        raise PlanError(f"etp={mesh.etp} < tp={mesh.tp} spreads the experts over ep x tp = "
+        raise PlanError(f"etp={mesh.etp} < tp={mesh.tp} spreads the experts over {spread} = "
                         f"{mesh.expert_parallel} ranks, which do not divide the {config.experts} "
                         f"experts of {config.name}; plan etp={mesh.tp} (the default) or a mesh "
-                        f"whose ep x tp divides the experts")
+                        f"whose {spread} divides the experts")
+    if config.ffn_hidden % mesh.etp:
+        raise PlanError(f"etp={mesh.etp} splits each expert's FFN width {config.ffn_hidden} of "
+                        f"{config.name} over {mesh.etp} ranks, which do not divide it; plan an etp "
+                        f"dividing {config.ffn_hidden}")
     split = mesh.tp * mesh.context_parallel  # tp x cp, x ep when the ep ranks split the sequence
     if plan.seq_len % split:
         raise PlanError(f"etp={mesh.etp} < tp={mesh.tp} splits each sequence's tokens over tp x cp "

@@ -13,8 +13,8 @@ Every module keeps the parameter names of the module it replaces (`weight`, `bia
     ParallelMoE             "ffn": experts split on the FFN dim, router replicated, experts' input
                             and gate weights wrapped in copy-to-region, output all-reduced;
                             "sequence": every weight wrapped in copy-to-region, local tokens only;
-                            "expert" (etp = 1 < tp): local tokens, whole experts, E/(ep tp) of them
-                            here, the router wrapped in copy-to-region;
+                            "expert" (etp < tp): local tokens, E/(ep tp/etp) experts here, each
+                            1/etp of its FFN, the router wrapped in copy-to-region;
                             with an expert group, E/n experts here and tokens dispatched to them
     VocabParallelLoss       the kernel of runtime.kernels.cross_entropy on backend `plan.kernels`
     SequenceParallelLoss    see runtime.losses
@@ -123,10 +123,11 @@ class ParallelMoE(nn.Module):
     through copy-to-region; the router runs replicated and its grads are already whole.
     mode "sequence": full weights, each through copy-to-region, on this rank's tokens.
     mode "replicate": full weights on every tp rank (only with expert parallelism).
-    mode "expert" (etp = 1 < tp, MoE parallel folding): this rank's 1/tp of the tokens (split along
-    the sequence), whole experts spread over the expert group ep x tp; only the router passes
-    through copy-to-region (it sees this rank's tokens), the experts' grads are whole already: the
-    all-to-alls bring them every token of the group routed to them.
+    mode "expert" (etp < tp, MoE parallel folding): this rank's 1/tp of the tokens (split along
+    the sequence), experts spread over the expert group ep x tp / etp, each expert's FFN split over
+    `etp_group` (w_gate, w_up (E_l, h, f/etp), w_down (E_l, f/etp, h); whole experts when etp = 1);
+    only the router passes through copy-to-region (it sees this rank's tokens), the experts' grads
+    are whole already: the all-to-alls (and the etp all-gather) bring them every token routed to them.
     With `ep_group` (the expert group: ep ranks, or ep x tp in mode "expert") this rank holds
     E/n of its n ranks' experts and every routed token travels to its expert's rank and back
     (runtime.experts); the router stays whole.
@@ -134,9 +135,10 @@ class ParallelMoE(nn.Module):
     in backward) is the same on every rank whatever the routing."""
 
     def __init__(self, hidden: int, ffn_local: int, experts: int, top_k: int, group,
-                 mode: str, ep_group=None) -> None:
+                 mode: str, ep_group=None, etp_group=None) -> None:
         super().__init__()
         self.top_k, self.group, self.mode, self.ep_group = top_k, group, mode, ep_group
+        self.etp_group = etp_group  # the expert_tp group under 1 < etp < tp, else None
         self.kernels = "auto"  # plan.kernels for the permute / silu * mul kernels (runtime.rewrite)
         self.ep = ep = group_size(ep_group) if ep_group is not None else 1
         self.router = nn.Linear(hidden, experts * ep, bias=False, device="meta")
@@ -168,7 +170,7 @@ class ParallelMoE(nn.Module):
             weights, expert_in = copy_to_region(weights, g), copy_to_region(flat, g)
         if self.ep > 1:
             out = expert_parallel_ffn(expert_in, top_idx, weights, w_gate, w_up, w_down,
-                                      self.ep_group, self.kernels)
+                                      self.ep_group, self.kernels, self.etp_group)
         else:
             out = local_experts_ffn(expert_in, top_idx, weights, w_gate, w_up, w_down,
                                     self.kernels)

@@ -167,6 +167,8 @@ class RankProgram(nn.Module):
         layout = self.layouts[name]
         if isinstance(layout.placement, Shard) and self.tp.size > 1 and not layout.folded:
             local = C.all_gather_dim(local, layout.placement.dim % local.dim(), self.tp.group)
+        if layout.ffn_split is not None:  # 1 < etp < tp: the FFN slices of the expert_tp ranks
+            local = C.all_gather_dim(local, layout.ffn_split.dim, self.groups["expert_tp"].group)
         if layout.expert:  # in the expert group's (ascending rank) order, as init splits them
             local = C.all_gather_dim(local, 0, self.groups["expert"].group)
         return local.cpu()

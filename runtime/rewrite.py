@@ -26,10 +26,11 @@
    (back); position indices get this rank's global offset. The MoE layers of step 5 route those
    T/C tokens per token as they would a batch shard's.
 5. Expert parallelism: each MoE layer holds E/n experts of the expert group (groups "expert":
-   the n = ep ranks, or n = ep x tp when etp = 1 < tp) and dispatches tokens to their experts'
-   ranks (runtime.experts). Under etp = 1 its strategy "expert" reads its tokens split along the sequence
-   over tp (step 3 slices a replicated input and all-gathers the output where the next op wants it
-   whole), so each tp rank dispatches its own 1/tp of the tokens and holds whole experts.
+   the n = ep ranks, or n = ep x tp / etp when etp < tp) and dispatches tokens to their experts'
+   ranks (runtime.experts). Under etp < tp its strategy "expert" reads its tokens split along the
+   sequence over tp (step 3 slices a replicated input and all-gathers the output where the next op
+   wants it whole), so each tp rank dispatches its own 1/tp of the tokens; each expert's FFN is
+   split over the etp ranks of the "expert_tp" group (whole when etp = 1).
 6. The fused kernels of runtime.kernels (runtime.kernel_ops) for norms, RoPE, the loss and the
    MLP activations, on the backend `plan.kernels` names ("auto": Triton on CUDA, torch on CPU).
 7. Recomputation as the plan says (runtime.recompute): "full" wraps each layer's subgraph, "selective"
@@ -122,13 +123,17 @@ class ParamLayout:
     expert: bool = False  # an expert weight: dim 0 (experts) split over the expert group
     node: str = ""  # the captured node that uses it
     folded: bool = False  # an expert weight whose expert group spans tp too (etp < tp): no tp split
+    ffn_split: Placement | None = None  # folded, 1 < etp < tp: its FFN dim, split over expert_tp
 
     def pieces(self, groups: dict[str, AxisGroup]) -> list[tuple[Placement, int, int]]:
         """(placement, index, degree) per splitting axis, outer first: the argument of
-        `init.nested_bounds`. Experts take their block by their position in the expert group."""
-        experts, tp = groups["expert"], groups["tp"]
+        `init.nested_bounds`. Experts take their block by their position in the expert group, then
+        (1 < etp < tp) their FFN slice by their position in the expert_tp group."""
+        experts, tp, etp = groups["expert"], groups["tp"], groups["expert_tp"]
         outer = [(Shard(0), experts.index, experts.size)] if self.expert else []
-        return outer + ([] if self.folded else [(self.placement, tp.index, tp.size)])
+        if self.folded:
+            return outer + ([(self.ffn_split, etp.index, etp.size)] if self.ffn_split else [])
+        return outer + [(self.placement, tp.index, tp.size)]
 
 
 @dataclass
@@ -163,6 +168,7 @@ def rewrite(model: nn.Module, config: ModelConfig, plan: Plan,
     groups = _complete(groups)
     tp, experts = groups["tp"], groups["expert"]
     folded = plan.mesh.etp < plan.mesh.tp
+    etp_group = groups["expert_tp"] if 1 < plan.mesh.etp < plan.mesh.tp else None
     captured = capture(meta_copy(model), config, plan.microbatch_size, plan.seq_len,
                        getattr(torch, plan.dtype))
     gm, infos = captured.graph_module, {n.name: n for n in captured.nodes}
@@ -177,9 +183,9 @@ def rewrite(model: nn.Module, config: ModelConfig, plan: Plan,
             original = kernel_module(current, plan.kernels)
             expert = experts.size > 1 and infos[node.name].op_kind == "moe"
             params.update(_layouts(node.name, node.target, original, strategies[node.name], planned,
-                                   expert, folded))
+                                   expert, folded, etp_group is not None))
             replacement = _parallel_module(original, infos[node.name], strategies[node.name], tp,
-                                           experts if expert else None, plan.kernels)
+                                           experts if expert else None, plan.kernels, etp_group)
             if isinstance(replacement, ParallelMoE):
                 replacement.kernels = plan.kernels  # its permute / silu * mul kernels
             if replacement is not current:
@@ -203,6 +209,7 @@ def _complete(groups: dict[str, AxisGroup] | AxisGroup) -> dict[str, AxisGroup]:
     full = {k: AxisGroup(k, (0,), 0, None) for k in ("tp", "cp", "ep", "dp", "pp", "data",
                                                       "expert_data")}
     full["expert"] = groups.get("ep", full["ep"])  # experts over ep alone unless told
+    full["expert_tp"] = groups.get("tp", full["tp"])  # and their FFN over tp
     return {**full, **groups}
 
 
@@ -230,11 +237,14 @@ def resolve_strategies(plan: Plan, nodes: tuple[NodeInfo, ...], info: dict) -> d
 
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # MoE weights whose dim 0 is the expert
+EXPERT_FFN_DIMS = {"w_gate": Shard(2), "w_up": Shard(2), "w_down": Shard(1)}  # split over etp
 
 
 def _layouts(node: str, path: str, module: nn.Module, strategy: Strategy,
-             planned: dict[str, dict], expert_parallel: bool, folded: bool = False
-             ) -> dict[str, ParamLayout]:
+             planned: dict[str, dict], expert_parallel: bool, folded: bool = False,
+             ffn_split: bool = False) -> dict[str, ParamLayout]:
+    """Each parameter's layout; `folded`: etp < tp, `ffn_split`: 1 < etp < tp (expert weights'
+    FFN dim split over the expert_tp group)."""
     out = {}
     for pname, param in module.named_parameters():
         name = f"{path}.{pname}"
@@ -248,8 +258,9 @@ def _layouts(node: str, path: str, module: nn.Module, strategy: Strategy,
             raise PlanError(f"parameter {name!r}: the plan places it {said['ep']} on ep; the "
                             f"runtime splits expert weights on dim 0 (S(0)) and replicates the rest")
         grad_partial = any(s.name == pname and s.grad_partial for s in strategy.params)
+        split = EXPERT_FFN_DIMS[pname] if expert and folded and ffn_split else None
         out[name] = ParamLayout(name, tuple(param.shape), placement, grad_partial, expert, node,
-                                expert and folded)
+                                expert and folded, split)
     return out
 
 
@@ -294,9 +305,11 @@ def _insert_conversions(graph: fx.Graph, infos: dict[str, NodeInfo],
 
 
 def _parallel_module(module: nn.Module, info: NodeInfo, strategy: Strategy, tp: AxisGroup,
-                     ep: AxisGroup | None = None, kernels: str = "auto") -> nn.Module:
+                     ep: AxisGroup | None = None, kernels: str = "auto",
+                     etp: AxisGroup | None = None) -> nn.Module:
     """The module that runs `strategy` for node `info` on this rank (meta parameters); `ep` for a
-    MoE layer whose experts are split over the ranks of an expert group (ep, or ep x tp)."""
+    MoE layer whose experts are split over the ranks of an expert group (ep, or ep x tp / etp),
+    `etp` the expert_tp group splitting each expert's FFN under 1 < etp < tp."""
     kind, name, g, n, r = info.op_kind, strategy.name, tp.group, tp.size, tp.index
     if kind == "moe" and ep is not None:
         experts, hidden, ffn = module.w_gate.shape
@@ -304,9 +317,12 @@ def _parallel_module(module: nn.Module, info: NodeInfo, strategy: Strategy, tp: 
             raise PlanError(f"node {info.name!r}: {experts} experts cannot be split over the "
                             f"{ep.size} ranks of the expert group (ep, x tp when etp < tp); plan "
                             f"an ep (and etp) whose group size divides {experts}")
-        ffn_local = ffn // n if name == "ffn" else ffn
-        return ParallelMoE(hidden, ffn_local, experts // ep.size, module.top_k, g, name,
-                           ep_group=ep.group)
+        split = n if name == "ffn" else etp.size if etp is not None else 1
+        if ffn % split:
+            raise PlanError(f"node {info.name!r}: the experts' FFN width {ffn} cannot be split over "
+                            f"{split} ranks (etp); plan an etp that divides {ffn}")
+        return ParallelMoE(hidden, ffn // split, experts // ep.size, module.top_k, g, name,
+                           ep_group=ep.group, etp_group=etp.group if etp is not None else None)
     if name == "replicate" or (kind, name) == ("attention", "heads"):
         return module
     if kind == "linear" and name == "column":

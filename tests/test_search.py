@@ -143,10 +143,13 @@ def test_expert_parallel_divides_expert_weights_and_pays_dispatch():
 def test_expert_tp_is_searched_where_it_changes_something():
     cluster = small_gpus(1, 80.0)
     moe = enumerate_configs(MID_MOE, cluster, 16, 2048, OPTIONS)
-    folded = [c for c in moe if c.etp is not None]
-    assert {c.etp for c in folded} == {1}  # only etp = 1 besides the default: 1 < etp < tp is not implemented
+    folded = [c for c in moe if c.etp == 1]
     assert {(c.tp, c.ep) for c in folded} == {(c.tp, c.ep) for c in moe if c.tp > 1 and 8 % (c.ep * c.tp) == 0}
     assert all(c.mesh.expert_parallel == c.ep * c.tp and c.mesh.expert_axes == ("ep", "tp") for c in folded)
+    between = [c for c in moe if c.etp not in (None, 1)]  # 1 < etp < tp: tp split into its two halves
+    assert {(c.tp, c.ep, c.etp) for c in between} == {(c.tp, c.ep, e) for c in moe for e in (2, 4)
+                                                        if e < c.tp and 8 % (c.ep * c.tp // e) == 0}
+    assert all(c.mesh.expert_axes == ("ep", "tp_outer") and c.mesh.expert_tp_axes == ("tp_inner",) for c in between)
     assert not any(c.etp for c in enumerate_configs(MID, cluster, 16, 2048, OPTIONS))  # a dense model
     off = dataclasses.replace(OPTIONS, expert_tensor_parallel=False)
     assert not any(c.etp for c in enumerate_configs(MID_MOE, cluster, 16, 2048, off))
