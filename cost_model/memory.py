@@ -24,7 +24,11 @@ autograd does when several ops save the same tensor:
     cross_entropy      fp32 log-probabilities (4 B per logit) and the targets
     embedding          the token ids
     moe                its input, the router logits, and per routed token the gate, up, activation
-                       and product (3 f) plus the weighted expert output (h)
+                       and product (3 f), the expert GEMMs' input row and output row (2 h); a rank runs
+                       the rows of the g ranks whose experts' FFN it shares, each row at width f / g:
+                       g = tp under "ffn" (every token, each expert's FFN split over tp), etp under
+                       "expert" (the rows gathered over the expert_tp group), 1 otherwise; so the full
+                       bytes (before the strategy's 1 / tp) are tokens k (3 f + 2 h g) itemsize
 
 Recompute policies:
     none       everything above;
@@ -214,7 +218,10 @@ def _internal_tensors(node: "NodeInfo", strategy: Strategy, info: Mapping,
         experts, _, ffn = dict((n.rsplit(".", 1)[-1], m.shape) for n, m in node.params)["w_gate"]
         top_k = max(1, round((node.fwd_flops - 2 * tokens * hidden * experts) / (6 * tokens * hidden * ffn)))
         itemsize = x.nbytes // x.numel
-        return [("router", tokens * experts * itemsize), ("experts", tokens * top_k * (3 * ffn + hidden) * itemsize)]
+        served = {"ffn": round(1 / strategy.compute_fraction), "expert": strategy.expert_ffn_split}.get(strategy.name, 1)
+        return [("router", tokens * experts * itemsize),
+                ("experts", tokens * top_k * (3 * ffn + hidden * served) * itemsize),  # gate, up, product; output
+                ("expert_inputs", tokens * top_k * hidden * served * itemsize)]
     return []
 
 

@@ -126,3 +126,60 @@ def test_their_worked_numbers_for_the_175b_layer(graphs):
     assert 34 * SBH / T / 1e6 == pytest.approx(107.0, rel=0.01)
     assert per_layer_sbh(graphs, T, True, "full") * SBH / 1e6 == pytest.approx(2 * SBH / T / 1e6)
     assert per_layer_sbh(graphs, T, True, "selective") * SBH / 1e6 == pytest.approx(157.3, rel=0.01)
+
+
+# ------------------------------------------------------------------------------ MoE layers
+
+
+@pytest.mark.parametrize("strategy, tp, etp, served", [("replicate", 1, 1, 1), ("sequence", 4, 4, 1),
+                                                       ("ffn", 4, 4, 4), ("expert", 4, 2, 2), ("expert", 4, 1, 1)])
+def test_moe_keeps_its_routed_rows_per_rank(strategy, tp, etp, served):
+    """A MoE keeps per routed token its gate, up and product (3 f) and its expert GEMMs' input and output rows
+    (2 h); a rank runs the rows of the `served` ranks sharing each expert's FFN (every token under "ffn", the
+    etp peers' gathered rows under "expert") at width f / served: tokens k (3 f + 2 h served) / tp bytes."""
+    from autoplan.cost_model.memory import saved_tensors
+    from autoplan.strategies import strategy_info
+
+    config = dataclasses.replace(get_model_config("tiny-moe"), num_layers=1)
+    graph = capture(build_model(config, "meta", torch.bfloat16), config, 2, 64, torch.bfloat16)
+    moe = next(n for n in graph.nodes if n.op_kind == "moe")
+    info = strategy_info(model_info(config), tp, etp)
+    strategies = resolve_strategies(graph, default_registry(), info, tp, {moe.name: strategy})
+    kept = {t.key.split(":")[1]: t.nbytes for t in saved_tensors(graph, strategies, tp, info)
+            if t.key.split(":")[0] == moe.name and ":" in t.key}
+    tokens, k, h, f = 2 * 64, config.top_k, config.hidden, config.ffn_hidden
+    share = 1 if strategy == "replicate" else tp
+    assert kept["experts"] + kept["expert_inputs"] == pytest.approx(tokens * k * (3 * f + 2 * h * served) * 2 / share)
+    assert kept["router"] == pytest.approx(tokens * config.experts * 2 / share)
+
+
+def test_moe_formula_matches_what_the_runtime_keeps():
+    """The runtime's local experts (torch path, fp32 on CPU), measured with saved-tensor hooks: the distinct
+    activations kept for backward (parameters and their per-expert views aside, the router's input aside: it
+    is the norm's output, counted there) are the formula's tokens k (3 f + 2 h) plus the SiLU output that the
+    torch path keeps and the fused silu_mul kernel does not (f per row), plus the (tokens, k) gate weights."""
+    import torch.nn.functional as F
+
+    from autoplan.runtime.experts import local_experts_ffn
+
+    tokens, h, f, experts, k = 256, 64, 96, 4, 2
+    torch.manual_seed(0)
+    x = torch.randn(tokens, h, requires_grad=True)
+    router = torch.randn(experts, h, requires_grad=True)
+    weights = [torch.randn(experts, *shape, requires_grad=True) for shape in ((h, f), (h, f), (f, h))]
+    params = [router, *weights]
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        inside = any(p.data_ptr() <= t.data_ptr() < p.data_ptr() + p.numel() * p.element_size() for p in params)
+        if t.is_floating_point() and not inside and t.data_ptr() != x.data_ptr():
+            kept[t.data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits, top_idx = F.linear(x, router).topk(k, dim=-1)
+        gates = F.softmax(logits, dim=-1)
+        local_experts_ffn(x, top_idx, gates, *weights, "torch").sum().backward()
+    formula = tokens * k * (3 * f + 2 * h) * 4  # memory.py's experts + expert_inputs, served = 1, fp32
+    silu_output, gate_weights = tokens * k * f * 4, tokens * k * 4
+    assert sum(kept.values()) == formula + silu_output + gate_weights
