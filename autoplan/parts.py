@@ -282,4 +282,5 @@ def block_costs(graph: "CapturedGraph", parts: SolutionParts, ctx: CostContext, 
     return BlockCosts(sol.tp, microbatch, variant, sol, _part(graph, parts.pre, sol, ctx, parts.pre_tally, False),
                       distinct, parts.index, _part(graph, parts.post, sol, ctx, parts.post_tally, False),
                       parts.boundary_bytes_per_sequence * float(microbatch),
-                      largest_comm_buffer_bytes(graph, sol.strategies, sol.tp, float(microbatch)))
+                      largest_comm_buffer_bytes(graph, sol.strategies, sol.tp, float(microbatch),
+                                                sol.comm_lines or None))

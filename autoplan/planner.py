@@ -34,8 +34,8 @@ from autoplan.cost_model.comm import AxisGroup
 from autoplan.cost_model.compute import Efficiency, calibrate
 from autoplan.cost_model.intra_op import (AssignmentCost, assignment_from_choice, build_intra_op_problem,
                                           make_context, price_assignment, resolve_strategies)
-from autoplan.cost_model.memory import (SavedTensor, largest_comm_buffer_bytes, parameter_count_by_layer,
-                                        saved_tensors)
+from autoplan.cost_model.memory import (SavedTensor, comm_buffer_lines, largest_comm_buffer_bytes,
+                                        parameter_count_by_layer, saved_tensors)
 from autoplan.errors import ConfigError
 from autoplan.fold import FoldedGraph, fold_graph, solve_folded
 from autoplan.mesh import MeshShape
@@ -68,10 +68,11 @@ class TpSolution:
     saved: tuple[SavedTensor, ...]  # activations at the capture batch
     local_params: float  # parameters per rank after tp
     largest_layer_params: float
-    comm_buffer_bytes: float
+    comm_buffer_bytes: float  # at microbatch_size
     dp_group: AxisGroup
     solver: str = ""
     status: str = "optimal"
+    comm_lines: tuple[tuple[float, float], ...] = ()  # `memory.comm_buffer_lines`: the buffer at any microbatch
 
 
 def model_info(config: ModelConfig) -> dict:
@@ -87,12 +88,13 @@ def tp_solution(graph: CapturedGraph, registry: StrategyRegistry, info: Mapping,
     strategies = resolve_strategies(graph, registry, info, tp, assignment)
     ctx = make_context(graph, cluster, mesh, microbatch_size, dtype, efficiency)
     by_layer = parameter_count_by_layer(graph, strategies, tp)
+    lines = comm_buffer_lines(graph, strategies, tp)
     return TpSolution(tp, microbatch_size, {n.name: strategies[n.name].name for n in graph.nodes}, strategies,
                       price_assignment(graph, strategies, ctx), saved_tensors(graph, strategies, tp, info,
                                                                               ctx.efficiency.attention),
                       float(sum(by_layer.values())), max(by_layer.values(), default=0.0),
-                      largest_comm_buffer_bytes(graph, strategies, tp, microbatch_size),
-                      AxisGroup.of(mesh, "dp", cluster.gpus_per_node), solver, status)
+                      largest_comm_buffer_bytes(graph, strategies, tp, microbatch_size, lines),
+                      AxisGroup.of(mesh, "dp", cluster.gpus_per_node), solver, status, lines)
 
 
 def solve_tp(graph: CapturedGraph, registry: StrategyRegistry, info: Mapping, cluster: ClusterSpec, mesh: MeshShape,

@@ -296,22 +296,34 @@ def _reshards(src: Placement, dst: Placement, grad_partial: bool) -> bool:
     return src != dst or grad_partial or isinstance(src, Partial)
 
 
-def largest_comm_buffer_bytes(graph: "CapturedGraph", strategies: Mapping[str, Strategy], tp: int,
-                              microbatch_size: int) -> float:
-    """Full bytes of the largest tensor a tp collective produces (0 when tp == 1)."""
+def comm_buffer_lines(graph: "CapturedGraph", strategies: Mapping[str, Strategy], tp: int
+                      ) -> tuple[tuple[float, float], ...]:
+    """Each distinct tensor a tp collective produces as (a, b): a * m / B + b full bytes at microbatch m
+    (capture batch B; batched tensors have b = 0, the others a = 0). Found in one pass over the nodes, so
+    that `largest_comm_buffer_bytes` at many microbatches does not walk the graph again."""
     if tp == 1:
-        return 0.0
-    scale = microbatch_size / graph.batch_size
-    largest = 0.0
+        return ()
+    lines: set[tuple[float, float]] = set()
     for node in graph.nodes:
         strategy = strategies[node.name]
         for comm in strategy.fwd_comm + strategy.bwd_comm:
             if not comm.tensor.startswith("param"):  # parameter gradients are reduced in place
-                largest = max(largest, comm_tensor_nbytes(node, comm, graph.batch_size, scale))
+                fixed = comm_tensor_nbytes(node, comm, graph.batch_size, 0.0)
+                lines.add((comm_tensor_nbytes(node, comm, graph.batch_size, 1.0) - fixed, fixed))
         for producer, meta, spec in zip(node.inputs, node.input_metas, strategy.inputs):
             if _reshards(strategies[producer].output, spec.placement, spec.grad_partial):
-                largest = max(largest, scaled_nbytes(meta, graph.batch_size, scale))
-    return largest
+                fixed = scaled_nbytes(meta, graph.batch_size, 0.0)
+                lines.add((scaled_nbytes(meta, graph.batch_size, 1.0) - fixed, fixed))
+    return tuple(sorted(lines))
+
+
+def largest_comm_buffer_bytes(graph: "CapturedGraph", strategies: Mapping[str, Strategy], tp: int,
+                              microbatch_size: float, lines: tuple[tuple[float, float], ...] | None = None) -> float:
+    """Full bytes of the largest tensor a tp collective produces (0 when tp == 1); `lines`: the graph's
+    `comm_buffer_lines`, when found before."""
+    scale = microbatch_size / graph.batch_size
+    lines = comm_buffer_lines(graph, strategies, tp) if lines is None else lines
+    return max((a * scale + b for a, b in lines), default=0.0)
 
 
 def largest_layer_parameter_count(graph: "CapturedGraph", strategies: Mapping[str, Strategy], tp: int) -> float:

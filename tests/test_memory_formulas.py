@@ -183,3 +183,20 @@ def test_moe_formula_matches_what_the_runtime_keeps():
     formula = tokens * k * (3 * f + 2 * h) * 4  # memory.py's experts + expert_inputs, served = 1, fp32
     silu_output, gate_weights = tokens * k * f * 4, tokens * k * 4
     assert sum(kept.values()) == formula + silu_output + gate_weights
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_the_largest_tp_buffer_is_an_activation_and_scales_with_the_microbatch(sequence_parallel):
+    """Megatron's tp = 2 on tiny-gpt: the collectives move (m, T, h) activations and the loss's fp32 statistics
+    (3 per token, vocabulary-parallel); each tensor is one line a m / B + b, found once per solution."""
+    from autoplan.cost_model.memory import comm_buffer_lines, largest_comm_buffer_bytes
+
+    config = get_model_config("tiny-gpt")
+    graph = capture(build_model(config, "meta", torch.bfloat16), config, 1, 64, torch.bfloat16)
+    registry, info = default_registry(), model_info(config)
+    assignment = megatron_assignment(graph, registry, 2, info, sequence_parallel=sequence_parallel)
+    strategies = resolve_strategies(graph, registry, info, 2, assignment)
+    activation, stats = 64 * config.hidden * 2, 3 * 4 * 64
+    assert comm_buffer_lines(graph, strategies, 2) == ((stats, 0.0), (activation, 0.0))
+    assert [largest_comm_buffer_bytes(graph, strategies, 2, m) for m in (1, 2, 4)] == [activation * m for m in (1, 2, 4)]
+    assert comm_buffer_lines(graph, strategies, 1) == () and largest_comm_buffer_bytes(graph, strategies, 1, 4) == 0.0
