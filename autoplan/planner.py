@@ -23,7 +23,8 @@ the runtime's Triton kernels, the nodes they run are priced at the profile's mea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
@@ -32,8 +33,9 @@ from autoplan.capture import CapturedGraph, capture
 from autoplan.cluster import ClusterSpec, parse_cluster
 from autoplan.cost_model.comm import AxisGroup
 from autoplan.cost_model.compute import Efficiency, calibrate
-from autoplan.cost_model.intra_op import (AssignmentCost, assignment_from_choice, build_intra_op_problem,
-                                          make_context, price_assignment, resolve_strategies)
+from autoplan.cost_model.intra_op import (AssignmentCost, CostContext, assignment_from_choice,
+                                          build_intra_op_problem, make_context, price_assignment,
+                                          resolve_strategies)
 from autoplan.cost_model.memory import (SavedTensor, comm_buffer_lines, largest_comm_buffer_bytes,
                                         parameter_count_by_layer, saved_tensors)
 from autoplan.errors import ConfigError
@@ -58,21 +60,44 @@ Progress = Callable[[str], None]
 
 @dataclass(frozen=True)
 class TpSolution:
-    """One (tp, microbatch) point: the strategies chosen and what the step model needs of them."""
+    """One (tp, microbatch) point: the strategies chosen and what the step model needs of them. The
+    whole-graph figures (`cost`, the parameter counts, the buffer at `microbatch_size`) are computed on
+    first use: the search prices parts instead (`autoplan.parts`), and each is a pass over every node."""
 
     tp: int
     microbatch_size: int
     assignment: dict[str, str]
     strategies: dict[str, Strategy]
-    cost: AssignmentCost  # seconds per microbatch
     saved: tuple[SavedTensor, ...]  # activations at the capture batch
-    local_params: float  # parameters per rank after tp
-    largest_layer_params: float
-    comm_buffer_bytes: float  # at microbatch_size
     dp_group: AxisGroup
     solver: str = ""
     status: str = "optimal"
     comm_lines: tuple[tuple[float, float], ...] = ()  # `memory.comm_buffer_lines`: the buffer at any microbatch
+    graph: CapturedGraph | None = field(default=None, compare=False, repr=False)
+    ctx: CostContext | None = field(default=None, compare=False, repr=False)
+
+    @functools.cached_property
+    def cost(self) -> AssignmentCost:
+        """Seconds per microbatch of the whole graph (`intra_op.price_assignment`)."""
+        return price_assignment(self.graph, self.strategies, self.ctx)
+
+    @functools.cached_property
+    def _params_by_layer(self) -> dict:
+        return parameter_count_by_layer(self.graph, self.strategies, self.tp)
+
+    @property
+    def local_params(self) -> float:
+        """Parameters per rank after tp."""
+        return float(sum(self._params_by_layer.values()))
+
+    @property
+    def largest_layer_params(self) -> float:
+        return max(self._params_by_layer.values(), default=0.0)
+
+    @property
+    def comm_buffer_bytes(self) -> float:
+        """The largest tp collective buffer at `microbatch_size`."""
+        return largest_comm_buffer_bytes(self.graph, self.strategies, self.tp, self.microbatch_size, self.comm_lines)
 
 
 def model_info(config: ModelConfig) -> dict:
@@ -87,14 +112,10 @@ def tp_solution(graph: CapturedGraph, registry: StrategyRegistry, info: Mapping,
     tp, info = mesh.tp, strategy_info(info, mesh.tp, mesh.etp)
     strategies = resolve_strategies(graph, registry, info, tp, assignment)
     ctx = make_context(graph, cluster, mesh, microbatch_size, dtype, efficiency)
-    by_layer = parameter_count_by_layer(graph, strategies, tp)
-    lines = comm_buffer_lines(graph, strategies, tp)
     return TpSolution(tp, microbatch_size, {n.name: strategies[n.name].name for n in graph.nodes}, strategies,
-                      price_assignment(graph, strategies, ctx), saved_tensors(graph, strategies, tp, info,
-                                                                              ctx.efficiency.attention),
-                      float(sum(by_layer.values())), max(by_layer.values(), default=0.0),
-                      largest_comm_buffer_bytes(graph, strategies, tp, microbatch_size, lines),
-                      AxisGroup.of(mesh, "dp", cluster.gpus_per_node), solver, status, lines)
+                      saved_tensors(graph, strategies, tp, info, ctx.efficiency.attention),
+                      AxisGroup.of(mesh, "dp", cluster.gpus_per_node), solver, status,
+                      comm_buffer_lines(graph, strategies, tp), graph, ctx)
 
 
 def solve_tp(graph: CapturedGraph, registry: StrategyRegistry, info: Mapping, cluster: ClusterSpec, mesh: MeshShape,
