@@ -26,6 +26,7 @@ strategy index. Arrays only: no graph, no torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -60,7 +61,7 @@ def elimination_plan(sizes: dict[int, int], pairs: Sequence[tuple[int, int]],
     while neighbours:
         v = min(neighbours, key=lambda x: (fill(x), len(neighbours[x]), x))
         scope = tuple(sorted(neighbours.pop(v)))
-        table = sizes[v] * int(np.prod([sizes[u] for u in scope], dtype=np.int64))
+        table = sizes[v] * math.prod(sizes[u] for u in scope)
         if table > max_table:
             return None
         largest = max(largest, table)
