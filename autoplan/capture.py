@@ -112,6 +112,7 @@ class GraphIndex:
     blocks: np.ndarray
     input_ptr: np.ndarray
     inputs: np.ndarray
+    block_paths: tuple[str, ...] = ()  # block id -> its module path ("encoder.layers.0")
 
 
 @dataclass(frozen=True)
@@ -150,14 +151,15 @@ class CapturedGraph:
 
     @functools.cached_property
     def index(self) -> GraphIndex:
-        """Names, labels, layers and inputs of every node as arrays (`GraphIndex`)."""
+        """Names, labels, blocks and inputs of every node as arrays (`GraphIndex`)."""
         counts = np.fromiter((len(x) for x in self.input_indices), np.int64, len(self.nodes))
         ids: dict[str | None, int] = {None: -1}
         blocks = np.fromiter((ids.setdefault(block_of(n.module_path), len(ids) - 1) for n in self.nodes), np.int64,
                              len(self.nodes))
         return GraphIndex(tuple(n.name for n in self.nodes), np.asarray(self.labels, np.int64), blocks,
                           np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-                          np.fromiter((u for x in self.input_indices for u in x), np.int64, int(counts.sum())))
+                          np.fromiter((u for x in self.input_indices for u in x), np.int64, int(counts.sum())),
+                          tuple(path for path in ids if path is not None))
 
     def node(self, name: str) -> NodeInfo:
         for n in self.nodes:

@@ -48,7 +48,6 @@ import networkx as nx
 import numpy as np
 from networkx.algorithms.isomorphism import DiGraphMatcher
 
-from autoplan.capture import block_of
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.compute import Efficiency
 from autoplan.cost_model.intra_op import (assignment_from_choice, boundary_variant, build_intra_op_problem,
@@ -138,8 +137,9 @@ class _Layout:
         cuts = _cuts(index.inputs, segment_of, consumer, len(starts) - 1)
         slots = [{u: j for j, u in enumerate(cut)} for cut in cuts]
         refs = index.inputs - starts[consumer]
-        for e in np.flatnonzero(segment_of[index.inputs] != consumer).tolist():  # edges that cross a cut
-            refs[e] = -1 - slots[consumer[e] - 1][int(index.inputs[e])]
+        crossing = np.flatnonzero(segment_of[index.inputs] != consumer)  # edges that cross a cut
+        refs[crossing] = [-1 - slots[c - 1][u] for c, u in zip(consumer[crossing].tolist(),
+                                                               index.inputs[crossing].tolist())]
         starts_list = starts.tolist()
         provides = [tuple(u - starts_list[c] if u >= starts_list[c] else -1 - slots[c - 1][u] for u in cut)
                     for c, cut in enumerate(cuts)] + [()]
@@ -284,34 +284,42 @@ def _kind_of(draft: _Draft, kinds: list[list], by_hash: dict[str, list[int]]
     return len(kinds) - 1, list(range(len(draft.members)))
 
 
-def _array_signature(graph: "CapturedGraph", layout: _Layout, s: int) -> tuple:
-    """Segment s's positional signature from array slices (labels, input counts, references, what
-    it provides): equal iff the `_Draft.signature`s are equal, at a few microseconds a segment."""
-    index = graph.index
-    a, b = layout.starts[s], layout.starts[s + 1]
-    ptr = index.input_ptr
-    return (index.labels[a:b].tobytes(), (ptr[a + 1:b + 1] - ptr[a:b]).tobytes(),
-            layout.refs[ptr[a]:ptr[b]].tobytes(), layout.provides[s])
+class _Signatures:
+    """Positional signatures of segments as byte slices: per node its label and input count, per input
+    edge its reference (`_Layout.refs`), as int64 bytes made once per graph, so a segment's signature
+    is three slices of Python bytes. Equal iff the `_Draft.signature`s are equal."""
+
+    def __init__(self, graph: "CapturedGraph", layout: _Layout) -> None:
+        index = graph.index
+        self.nodes = np.stack([index.labels, np.diff(index.input_ptr)], axis=1).astype(np.int64).tobytes()
+        self.refs = layout.refs.astype(np.int64).tobytes()
+        self.ptr = index.input_ptr.tolist()
+        self.layout = layout
+
+    def of(self, s: int) -> tuple:
+        a, b = self.layout.starts[s], self.layout.starts[s + 1]
+        return self.nodes[16 * a:16 * b], self.refs[8 * self.ptr[a]:8 * self.ptr[b]], self.layout.provides[s]
 
 
 def fold_graph(graph: "CapturedGraph") -> FoldedGraph:
     """Segments, cuts and kinds of `graph` (module docstring)."""
     start = time.perf_counter()
     layout = _Layout.of(graph)
-    names, blocks = graph.index.names, graph.index.blocks
+    signatures = _Signatures(graph, layout)
+    names, blocks, paths = graph.index.names, graph.index.blocks.tolist(), graph.index.block_paths
     kinds: list[list] = []  # [hash, first segment, its digraph once an isomorphism test needs it]
     by_hash: dict[str, list[int]] = defaultdict(list)
     seen: dict[tuple, tuple] = {}  # positional signature -> (kind, order or None, reads, provides)
     segments, kind_nodes = [], []
     for s in range(len(layout.starts) - 1):
-        signature = _array_signature(graph, layout, s)
+        signature = signatures.of(s)
         if signature not in seen:
             seen[signature] = _kind_entry(_Draft.of(graph, layout, s), kinds, by_hash)
         kind, order, reads, provides = seen[signature]
         a, b = layout.starts[s], layout.starts[s + 1]
         members = names[a:b] if order is None else tuple(names[a + p] for p in order)
-        block = block_of(graph.nodes[a].module_path) if blocks[a] >= 0 else None
-        segments.append(Segment(kind, graph.nodes[a].layer, members, reads, provides, block))
+        segments.append(Segment(kind, graph.nodes[a].layer, members, reads, provides,
+                                paths[blocks[a]] if blocks[a] >= 0 else None))
         if kind == len(kind_nodes):  # the kind's first segment: its nodes, in the kind's order
             kind_nodes.append(graph.nodes[a:b] if order is None else tuple(graph.nodes[a + p] for p in order))
     cuts = tuple(tuple(names[u] for u in cut) for cut in layout.cuts)
