@@ -63,11 +63,10 @@ LLAMA_CLUSTER, LLAMA_MESH, LLAMA_BATCH = "8x8xh100", MeshShape(dp=8, tp=8), 64
 
 class Clock:
     """Wall and process CPU seconds of a block: `with Clock() as c: ...; c.wall_s, c.cpu_s`. As `timeit`
-    does, the cyclic garbage collector is run before and kept off during the block: a full collection
-    over a captured graph's objects takes milliseconds and would land at random in the ~8 ms solves."""
+    does, the cyclic garbage collector is kept off during the block: a full collection over a captured
+    graph's objects takes milliseconds and would land at random in the ~8 ms solves."""
 
     def __enter__(self) -> "Clock":
-        gc.collect()
         self._enabled = gc.isenabled()
         gc.disable()
         self._wall, self._cpu = time.perf_counter(), time.process_time()
