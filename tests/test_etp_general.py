@@ -101,7 +101,9 @@ PARITY = {  # id: (world, make_plan arguments); tiny-moe has 4 experts of FFN wi
     "tp4-etp2": (4, dict(tp=4, etp=2, assignment="megatron-sp", microbatch_size=4)),
     "ep2tp4-etp2-ep-inner": (8, dict(ep=2, tp=4, etp=2, assignment="megatron-sp", microbatch_size=2,
                                      order=("pp", "dp", "cp", "tp", "ep"))),
+    "dp2tp4-etp2-zero3": (8, dict(dp=2, tp=4, etp=2, assignment="megatron-sp", microbatch_size=2, zero_stage=3)),
 }
+EIGHT = ("ep2tp4-etp2-ep-inner", "dp2tp4-etp2-zero3")  # one spawn of 8 ranks runs both
 SAVES = {  # the plan saved under (3 steps) -> the plans resumed from it (steps 4 and 5)
     "tp4-etp2": {"tp4-etp1": dict(tp=4, etp=1, assignment="megatron-sp", microbatch_size=4),
                  "tp4-etp4": dict(tp=4, assignment="megatron", microbatch_size=4)},
@@ -160,8 +162,8 @@ def _run_four(rank: int, world: int, plans: dict, root: str) -> dict:
     return out
 
 
-def _run_eight(rank: int, world: int, plan) -> dict:
-    return _parity(plan)
+def _run_eight(rank: int, world: int, plans: dict) -> dict:
+    return {cid: _parity(plan) for cid, plan in plans.items()}
 
 
 # ------------------------------------------------------------------------------ gloo: in pytest
@@ -178,7 +180,7 @@ def four(tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def eight() -> list[dict]:
-    return spawn(_run_eight, 8, _plan(PARITY["ep2tp4-etp2-ep-inner"][1]))
+    return spawn(_run_eight, 8, {cid: _plan(PARITY[cid][1]) for cid in EIGHT})
 
 
 @pytest.fixture(scope="module")
@@ -212,8 +214,11 @@ def test_tp4_etp2_matches_one_process(four, references):
 
 
 @pytest.mark.gloo
-def test_ep2_tp4_etp2_matches_one_process(eight, references):
-    _check_parity(eight, "ep2tp4-etp2-ep-inner", references)
+@pytest.mark.parametrize("cid", EIGHT)
+def test_eight_rank_etp2_layouts_match_one_process(eight, references, cid):
+    """ep2 x tp4 etp2 with ep innermost; dp2 x tp4 etp2 under ZeRO-3 (FSDP2 over the dp ranks of weights
+    already split two ways on tp)."""
+    _check_parity([out[cid] for out in eight], cid, references)
 
 
 @pytest.mark.gloo
