@@ -154,7 +154,8 @@ CONFIGS = {
     2: [("moe-ep2-as-cp", dict(ep=2, microbatch_size=2))],
     4: [("moe-ep2cp2-as-cp-ep-inner", dict(ep=2, cp=2, microbatch_size=2,
                                             order=("pp", "dp", "cp", "tp", "ep"))),
-        ("moe-dp2ep2-as-cp-full", dict(ep=2, dp=2, recompute="full"))],
+        ("moe-dp2ep2-as-cp-full", dict(ep=2, dp=2, recompute="full")),
+        ("moe-ep2-as-cp-tp2-etp1", dict(ep=2, tp=2, etp=1, assignment="megatron-sp", microbatch_size=2))],
 }
 CASES = [(world, cid) for world, configs in CONFIGS.items() for cid, _ in configs]
 
@@ -163,7 +164,8 @@ def _plans(world: int) -> list[tuple]:
     from autoplan.models import get_model_config
 
     config = get_model_config("tiny-moe")
-    return [(cid, config, make_plan(config, kw.pop("dp", 1), 1, ep_as="cp", **kw))
+    return [(cid, config, make_plan(config, kw.pop("dp", 1), kw.pop("tp", 1), kw.pop("assignment", "replicate"),
+                                    ep_as="cp", **kw))
             for cid, kw in ((c, dict(k)) for c, k in CONFIGS[world])]
 
 
