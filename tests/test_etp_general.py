@@ -305,7 +305,8 @@ def test_search_picks_etp_2_for_few_large_experts():
     """4 experts of FFN width 28672 (48 layers, hidden 8192) on 8 x 8 H100: ep2 x tp4 cannot take etp = 1 (8
     ranks for 4 experts), but etp = 2 spreads them over ep2 x tp_outer2 with each FFN halved, which halves the
     expert weights per rank against ep = 1 and so needs 4 pipeline stages instead of 8. Best plans by etp
-    (the cost model's figures): etp2 14.46 s, etp1 14.53 s (pp8 x dp2 x tp4), etp = tp 14.89 s, etp4 16.1 s."""
+    (the cost model's figures): etp2 14.46 s, etp1 14.53 s (pp8 x dp2 x tp4), etp = tp 15.38 s (pp8 x ep2 x tp4),
+    etp4 16.22 s."""
     from autoplan.cluster import parse_cluster
     from autoplan.models.config import ModelConfig
     from autoplan.outer_search import run_search
