@@ -1,7 +1,7 @@
 """Autograd-aware collectives over one process group (the tensor-parallel axis, usually).
 
-Each is a `torch.autograd.Function` whose backward is the adjoint of its forward, so autograd
-builds the backward communication by itself. With n ranks in the group and x_r the local tensor:
+Each is a pair of collectives in one `torch.autograd.Function` (`_Paired`), the backward the adjoint
+of the forward, so autograd builds the backward communication by itself. With n ranks in the group and x_r the local tensor:
 
     copy_to_region          fwd  y = x                       bwd  dx = sum_r dy_r      (Megatron's f)
     reduce_from_region      fwd  y = sum_r x_r               bwd  dx = dy              (Megatron's g)
@@ -244,113 +244,27 @@ def _check_divisible(x: torch.Tensor, dim: int, n: int) -> None:
 # ------------------------------------------------------------------ autograd functions
 
 
-class _CopyToRegion(Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
+class _Paired(Function):
+    """A collective (or identity) whose backward is another: y = fwd(x, *args) forward, and
+    dx = bwd(dy, *bwd_args) backward. Every autograd-aware collective below is one such pair."""
 
     @staticmethod
-    def backward(ctx, dy):
-        return all_reduce(dy, ctx.group), None
-
-
-class _ReduceFromRegion(Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x, group)
+    def forward(ctx, x, fwd, bwd, args, bwd_args):
+        ctx.bwd, ctx.bwd_args = bwd, bwd_args
+        return fwd(x, *args)
 
     @staticmethod
     def backward(ctx, dy):
-        return dy, None
+        return ctx.bwd(dy, *ctx.bwd_args), None, None, None, None
 
 
-class _Split(Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return split_dim(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return all_gather_dim(dy, ctx.dim, ctx.group), None, None
+def _paired(x: torch.Tensor, fwd, bwd, args: tuple, bwd_args: tuple | None = None) -> torch.Tensor:
+    """`_Paired` over x; `bwd_args` default to `args`."""
+    return _Paired.apply(x, fwd, bwd, args, args if bwd_args is None else bwd_args)
 
 
-class _Gather(Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather_dim(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return split_dim(dy, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatter(Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return reduce_scatter_dim(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return all_gather_dim(dy, ctx.dim, ctx.group), None, None
-
-
-class _GatherReduceScatterBwd(Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather_dim(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return reduce_scatter_dim(dy, ctx.dim, ctx.group), None, None
-
-
-class _AllToAll(Function):
-    @staticmethod
-    def forward(ctx, x, src_dim, dst_dim, group):
-        ctx.src_dim, ctx.dst_dim, ctx.group = src_dim, dst_dim, group
-        return all_to_all_dim(x, src_dim, dst_dim, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return all_to_all_dim(dy, ctx.dst_dim, ctx.src_dim, ctx.group), None, None, None
-
-
-class _AllToAllUneven(Function):
-    @staticmethod
-    def forward(ctx, x, send_rows, recv_rows, group):
-        ctx.send_rows, ctx.recv_rows, ctx.group = send_rows, recv_rows, group
-        return all_to_all_rows(x, send_rows, recv_rows, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return all_to_all_rows(dy, ctx.recv_rows, ctx.send_rows, ctx.group), None, None, None
-
-
-class _GatherRowsUneven(Function):
-    @staticmethod
-    def forward(ctx, x, rows, group):
-        ctx.rows, ctx.group = rows, group
-        return all_gather_rows(x, rows, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return reduce_scatter_rows(dy, ctx.rows, ctx.group), None, None
-
-
-class _ReduceScatterRowsUneven(Function):
-    @staticmethod
-    def forward(ctx, x, rows, group):
-        ctx.rows, ctx.group = rows, group
-        return reduce_scatter_rows(x, rows, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return all_gather_rows(dy, ctx.rows, ctx.group), None, None
+def _view(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x.view_as(x)
 
 
 def _norm_dim(x: torch.Tensor, dim: int) -> int:
@@ -359,41 +273,48 @@ def _norm_dim(x: torch.Tensor, dim: int) -> int:
 
 def copy_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Identity forward, all-reduce backward (Megatron's f): x is used on a partial-grad path."""
-    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
+    return x if group_size(group) == 1 else _paired(x, _view, all_reduce, (group,))
 
 
 def reduce_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-reduce forward, identity backward (Megatron's g): sums partial results."""
-    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
+    return x if group_size(group) == 1 else _paired(x, all_reduce, _view, (group,))
 
 
 def split_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Keep this rank's slice of dim `dim` forward; all-gather the grad backward."""
-    return x if group_size(group) == 1 else _Split.apply(x, _norm_dim(x, dim), group)
+    if group_size(group) == 1:
+        return x
+    return _paired(x, split_dim, all_gather_dim, (_norm_dim(x, dim), group))
 
 
 def gather_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """All-gather along `dim` forward; keep this rank's slice of the grad backward."""
-    return x if group_size(group) == 1 else _Gather.apply(x, _norm_dim(x, dim), group)
+    if group_size(group) == 1:
+        return x
+    return _paired(x, all_gather_dim, split_dim, (_norm_dim(x, dim), group))
 
 
 def reduce_scatter_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Sum over ranks and keep this rank's slice of `dim` forward; all-gather the grad backward."""
-    return x if group_size(group) == 1 else _ReduceScatter.apply(x, _norm_dim(x, dim), group)
+    if group_size(group) == 1:
+        return x
+    return _paired(x, reduce_scatter_dim, all_gather_dim, (_norm_dim(x, dim), group))
 
 
 def gather_fwd_reduce_scatter_bwd(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """All-gather along `dim` forward; reduce-scatter the (partial) grad backward."""
     if group_size(group) == 1:
         return x
-    return _GatherReduceScatterBwd.apply(x, _norm_dim(x, dim), group)
+    return _paired(x, all_gather_dim, reduce_scatter_dim, (_norm_dim(x, dim), group))
 
 
 def all_to_all_dims(x: torch.Tensor, src_dim: int, dst_dim: int, group: Group) -> torch.Tensor:
     """Re-shard from dim `src_dim` to dim `dst_dim` (and back in backward)."""
     if group_size(group) == 1:
         return x
-    return _AllToAll.apply(x, _norm_dim(x, src_dim), _norm_dim(x, dst_dim), group)
+    src, dst = _norm_dim(x, src_dim), _norm_dim(x, dst_dim)
+    return _paired(x, all_to_all_dim, all_to_all_dim, (src, dst, group), (dst, src, group))
 
 
 def all_to_all_uneven(x: torch.Tensor, send_rows: list[int], recv_rows: list[int],
@@ -402,16 +323,21 @@ def all_to_all_uneven(x: torch.Tensor, send_rows: list[int], recv_rows: list[int
     backward sends the grads back the same way."""
     if group_size(group) == 1:
         return x
-    return _AllToAllUneven.apply(x, list(send_rows), list(recv_rows), group)
+    send, recv = list(send_rows), list(recv_rows)
+    return _paired(x, all_to_all_rows, all_to_all_rows, (send, recv, group), (recv, send, group))
 
 
 def gather_rows_uneven(x: torch.Tensor, rows: list[int], group: Group) -> torch.Tensor:
     """All-gather rows forward (rank r brings rows[r] of them); backward: the sum of the grads
     over ranks, this rank's rows of it (the uneven reduce-scatter)."""
-    return x if group_size(group) == 1 else _GatherRowsUneven.apply(x, list(rows), group)
+    if group_size(group) == 1:
+        return x
+    return _paired(x, all_gather_rows, reduce_scatter_rows, (list(rows), group))
 
 
 def reduce_scatter_rows_uneven(x: torch.Tensor, rows: list[int], group: Group) -> torch.Tensor:
     """Sum over ranks and keep this rank's rows[rank] rows forward (x holds every rank's rows in
     rank order); backward: the all-gather of the rows' grads."""
-    return x if group_size(group) == 1 else _ReduceScatterRowsUneven.apply(x, list(rows), group)
+    if group_size(group) == 1:
+        return x
+    return _paired(x, reduce_scatter_rows, all_gather_rows, (list(rows), group))
