@@ -23,8 +23,12 @@ from autoplan.cluster import ClusterSpec
 from autoplan.errors import PlanError
 from autoplan.mesh import MeshShape
 from autoplan.placement import Placement, check_axis, parse_placement
+from autoplan.plan_json import strategies_from_json, strategies_to_json
+from autoplan.strategies import Strategy
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: each op carries its resolved strategy and module path; the recompute set
+# version 1 plans still load (show, explain, compare); the runtime asks for a re-made plan to run one
+READABLE_VERSIONS = (1, 2)
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -108,11 +112,17 @@ class Predicted:
 
 @dataclass(frozen=True)
 class OpPlacement:
-    """The strategy chosen for one captured node and its output's placement per mesh axis."""
+    """The strategy chosen for one captured node and its output's placement per mesh axis.
+
+    `module`: the path of the module that runs the op ("" for an op of a forward function);
+    `resolved`: the strategy on tp as the planner priced it (input, output and parameter placements,
+    the collectives it issues), so the runtime executes the plan without the strategy rules."""
 
     node: str
     strategy: str
     output: AxisPlacements = ()
+    module: str = ""
+    resolved: Strategy | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +159,7 @@ class Plan:
     dtype: str = "bfloat16"
     version: int = PLAN_VERSION
     kernels: str = "auto"  # the runtime's fused kernels: "auto" | "triton" | "torch"
+    recompute_nodes: tuple[str, ...] = ()  # under "selective": the nodes whose outputs backward recomputes
     _index: dict = field(default=None, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -173,6 +184,7 @@ class Plan:
 
     # ---------------------------------------------------------------- JSON
     def to_json(self) -> dict:
+        table, ops = strategies_to_json(self.ops, _axis_json)
         return {
             "version": self.version,
             "model": asdict(self.model),
@@ -190,8 +202,10 @@ class Plan:
             "stages": [asdict(s) for s in self.stages],
             "placements": {
                 "parameters": {p.name: _axis_json(p.placements) for p in self.params},
-                "ops": {o.node: {"strategy": o.strategy, "output": _axis_json(o.output)} for o in self.ops},
+                "ops": ops,
             },
+            "strategies": table,
+            "recompute_nodes": list(self.recompute_nodes),
             "predicted": self.predicted.to_json(),
             "provenance": {**asdict(self.provenance), "notes": list(self.provenance.notes)},
         }
@@ -201,12 +215,14 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanError(f"a plan must be a JSON object, got {type(data).__name__}")
         version = data.get("version")
-        if version != PLAN_VERSION:
-            raise PlanError(f"plan version {version!r} is not supported; this autoplan reads version {PLAN_VERSION}. Re-run `autoplan search` to make a new plan.")
+        if version not in READABLE_VERSIONS:
+            raise PlanError(f"plan version {version!r} is not supported; this autoplan reads versions "
+                            f"{', '.join(map(str, READABLE_VERSIONS))}. Re-run `autoplan search` to make a new plan.")
         allowed = {"version", "model", "cluster", "mesh", "microbatch_size", "num_microbatches", "global_batch", "seq_len", "dtype",
-                   "kernels", "zero_stage", "recompute", "schedule", "stages", "placements", "predicted", "provenance"}
+                   "kernels", "zero_stage", "recompute", "schedule", "stages", "placements", "predicted", "provenance", "strategies",
+                   "recompute_nodes"}
         _check_keys("plan", data, allowed)
-        missing = sorted(allowed - {"dtype", "kernels"} - set(data))
+        missing = sorted(allowed - {"dtype", "kernels", "recompute_nodes", "strategies"} - set(data))
         if missing:
             raise PlanError(f"plan is missing keys {missing}")
         placements = data["placements"]
@@ -226,7 +242,10 @@ class Plan:
             schedule=data["schedule"],
             stages=tuple(StageSpec(**s) for s in data["stages"]),
             params=tuple(ParamPlacement(n, _axis_from_json(p)) for n, p in placements.get("parameters", {}).items()),
-            ops=tuple(OpPlacement(n, o["strategy"], _axis_from_json(o.get("output", {}))) for n, o in placements.get("ops", {}).items()),
+            ops=tuple(OpPlacement(n, o["strategy"], _axis_from_json(o.get("output", {})), o.get("module", ""), resolved)
+                      for (n, o), resolved in zip(placements.get("ops", {}).items(),
+                                                  strategies_from_json(data.get("strategies", []), placements.get("ops", {})))),
+            recompute_nodes=tuple(data.get("recompute_nodes", ())),
             predicted=Predicted.from_json(data["predicted"]),
             provenance=Provenance(**{**prov, "notes": tuple(prov.get("notes", ()))}),
         )

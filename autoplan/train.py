@@ -71,7 +71,7 @@ def batch_at(stream: torch.Tensor, step: int, batch: int, seq: int) -> tuple[tor
 def resolve_plan(args, config):
     from autoplan.cluster import parse_cluster
     from autoplan.plan import Plan
-    from autoplan.planner import search
+    from autoplan.api import search
 
     if args.plan:
         return Plan.load(args.plan)

@@ -7,7 +7,7 @@ Hugging Face configs of real size.
 Cases (batch 1, seq 2048, bf16, no weights anywhere):
 
     fx-gpt3-175b       autoplan.capture.capture of build_model(gpt3-175b) (96 layers, hidden 12288)
-    hf-llama3-8b       autoplan.capture_hf.capture_hf of a LlamaConfig of Llama-3-8B's shape: 2 layers
+    hf-llama3-8b       autoplan.capture.hf.capture_hf of a LlamaConfig of Llama-3-8B's shape: 2 layers
                        exported, layers 2..31 copied (the default)
     hf-llama3-8b-full  the same with replicate_layers=False: all 32 layers exported
     hf-mixtral-8x7b    capture_hf of MixtralConfig() (Mixtral-8x7B's shape, 32 layers, 8 experts)
@@ -50,7 +50,7 @@ def run_case(case: str) -> dict:
     if case.startswith("hf-"):
         import transformers
 
-        from autoplan.capture_hf import build_hf_model, capture_hf
+        from autoplan.capture.hf import build_hf_model, capture_hf
     imported = time.perf_counter()
     if case == "fx-gpt3-175b":
         from autoplan.capture import capture

@@ -52,7 +52,8 @@ from autoplan.cost_model.compute import AttentionKernel, Efficiency
 from autoplan.mesh import MeshShape
 from autoplan.models.config import ModelConfig
 from autoplan.plan import Plan
-from autoplan.planner import capture_model, estimate, megatron_assignment, model_info, plan_from_assignment, search
+from autoplan.api import capture_model, estimate, plan_from_assignment, search
+from autoplan.solver.intra_op import megatron_assignment
 from autoplan.strategies import default_registry
 
 OUT = Path(__file__).parent / "out"
@@ -137,7 +138,7 @@ def price_published(row: Row, graph=None) -> Plan:
 def price_as_run(row: Row, graph) -> Plan:
     """The published configuration with Megatron-LM's 2021 tensor-parallel layout (no sequence parallelism)."""
     config = row.config()
-    assignment = megatron_assignment(graph, default_registry(), row.tp, model_info(config), sequence_parallel=False)
+    assignment = megatron_assignment(graph, default_registry(), row.tp, config.rule_info(), sequence_parallel=False)
     return plan_from_assignment(graph, config, row.cluster(), row.mesh(), assignment, 1, row.batch // row.dp, 0, "full",
                                 dtype=DTYPE, efficiency=MEGATRON_2021, schedule=row.schedule,
                                 virtual_stages=row.virtual_stages)

@@ -6,7 +6,7 @@
 For every case of the zoo (GPT-3 1.3B to 175B, Llama 3 8B / 70B / 405B, Mixtral 8x7B / 8x22B, a
 BigMac-style MoE beside fine-grained DeepSeek-style MoEs, and long sequences of 32k to 128k tokens;
 H100 clusters of 8 to 4096 GPUs) the search runs with its
-baselines (`autoplan.baselines`: Megatron-style and FSDP / ZeRO-3, priced by the same cost model),
+baselines (`autoplan.solver.baselines`: Megatron-style and FSDP / ZeRO-3, priced by the same cost model),
 and the table prints the chosen plan, the best baseline, and
 
     ratio = best baseline step time / chosen plan step time   (predicted throughput ratio)
@@ -48,7 +48,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from autoplan.models import get_model_config  # noqa: E402
-from autoplan.planner import search_plans  # noqa: E402
+from autoplan.api import search_plans  # noqa: E402
 
 OUT = Path(__file__).parent / "out"
 
@@ -124,7 +124,7 @@ def run_case(case: Case) -> dict:
 COLD = """
 import resource, time
 start = time.perf_counter()
-from autoplan.planner import search
+from autoplan.api import search
 search({model!r}, {cluster!r}, {batch}, {seq})
 usage = resource.getrusage(resource.RUSAGE_SELF)
 print(time.perf_counter() - start, usage.ru_utime + usage.ru_stime)

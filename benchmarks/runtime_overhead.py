@@ -207,17 +207,18 @@ def runtime_plan(config):
     from autoplan.mesh import MeshShape
     from autoplan.plan import (MemoryBreakdown, ModelRef, OpPlacement, ParamPlacement, Plan,
                                Predicted, Provenance, StageSpec, TimeBreakdown)
-    from autoplan.planner import capture_model, megatron_assignment, model_info
+    from autoplan.api import capture_model
+    from autoplan.solver.intra_op import megatron_assignment
     from autoplan.strategies import default_registry
 
-    graph, registry, info = capture_model(config, SEQ, "float32"), default_registry(), model_info(
-        config)
+    graph, registry, info = capture_model(config, SEQ, "float32"), default_registry(), config.rule_info()
     chosen = megatron_assignment(graph, registry, WORLD, info)
     ops, params = [], []
     for node in graph.nodes:
         strategy = registry.strategy(node, WORLD, chosen[node.name], info)
         ops.append(OpPlacement(node.name, strategy.name,
-                               (("tp", strategy.output),) if node.output is not None else ()))
+                               (("tp", strategy.output),) if node.output is not None else (), node.module_path,
+                               strategy))
         prefix = node.module_path + "."
         params += [ParamPlacement(n, (("tp", strategy.param_placement(n[len(prefix):])),))
                    for n, _ in node.params]

@@ -19,7 +19,7 @@ already captured: every mesh, microbatch, ZeRO stage, recompute policy and sched
 solved folded, then priced by the step model), the minimum over two runs.
 
 Then the Llama-3-8B shape (32 layers, hidden 4096, seq 2048) on 8 x 8 H100 as dp=8 x tp=8, end to end
-through `autoplan.planner.estimate` (capture, fold, solve, price, Plan), and the whole `search` over
+through `autoplan.api.estimate` (capture, fold, solve, price, Plan), and the whole `search` over
 that cluster. Each GPT figure is the minimum over `--repeat` runs. The table shows process CPU
 seconds, the stable figure on a shared machine (HiGHS runs on one thread); search_scaling.json has
 wall seconds too, and the goals table shows both.
@@ -48,11 +48,12 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from autoplan.cluster import parse_cluster  # noqa: E402
-from autoplan.cost_model.intra_op import build_intra_op_problem  # noqa: E402
-from autoplan.fold import fold_graph, solve_folded  # noqa: E402
+from autoplan.cost_model.intra_op_problem import build_intra_op_problem  # noqa: E402
+from autoplan.capture.blocks import fold_graph
+from autoplan.solver.folded import solve_folded  # noqa: E402
 from autoplan.mesh import MeshShape  # noqa: E402
 from autoplan.models import get_model_config  # noqa: E402
-from autoplan.planner import capture_model, estimate, model_info, search, search_plans  # noqa: E402
+from autoplan.api import capture_model, estimate, search, search_plans  # noqa: E402
 from autoplan.solver.ilp import solve_ilp  # noqa: E402
 from autoplan.strategies import default_registry  # noqa: E402
 
@@ -97,7 +98,7 @@ def unfolded_solve(graph, registry, info, cluster, mesh, microbatch, time_limit_
 
 def gpt_row(layers: int, unfolded: bool, time_limit_s: float, with_grid: bool, repeat: int) -> dict:
     config = dataclasses.replace(get_model_config("gpt3-175b"), name=f"gpt3-{layers}l", num_layers=layers)
-    cluster, registry, info = parse_cluster(GPT_CLUSTER), default_registry(), model_info(config)
+    cluster, registry, info = parse_cluster(GPT_CLUSTER), default_registry(), config.rule_info()
     row: dict = {"layers": layers}
 
     def timed(key: str, fn, runs: int = repeat):

@@ -92,7 +92,7 @@ class Efficiency:
     memory: achievable fraction of HBM bandwidth. attention: the attention kernel. collectives:
     measured collective fits (a profile's) that replace the datasheet links inside a node.
     overlap_grad_reduce: data-parallel gradient buckets are reduced while the backward runs (PyTorch
-    DDP / FSDP2, Megatron-Core's --overlap-grad-reduce; `autoplan.pricing`), or, when False, after the
+    DDP / FSDP2, Megatron-Core's --overlap-grad-reduce; `autoplan.cost_model.step`), or, when False, after the
     whole backward (Megatron-LM of 2021). kernels: the plan's fused kernels and their measured HBM
     efficiencies (`cost_model.kernels`), which replace `memory` for the nodes they run (`for_node`)."""
 

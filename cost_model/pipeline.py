@@ -35,15 +35,96 @@ Interleaving needs the layers divisible by pp * v (uniform chunks; chunk c of st
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Sequence
+
+import numpy as np
 
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.comm import link_for_axis, p2p_time_s
-from autoplan.errors import ConfigError
+from autoplan.errors import AutoplanError, ConfigError
 from autoplan.mesh import MeshShape
 
 SCHEDULE_1F1B = "1f1b"
 SCHEDULE_INTERLEAVED = "interleaved-1f1b"
+
+MEMORY_RTOL = 1e-9  # prefix-sum and direct sums of the same bytes differ in the last bits
+
+
+@dataclass(frozen=True)
+class Part:
+    """A piece pinned to a stage: time (s per microbatch), static, activation and transient bytes."""
+
+    time_s: float = 0.0
+    static_bytes: float = 0.0
+    activation_bytes: float = 0.0
+    transient_bytes: float = 0.0
+
+
+@dataclass(frozen=True, eq=False)
+class StageProblem:
+    """Inputs of one partition (module docstring); arrays of length L, per-stage arrays of length pp."""
+
+    layer_time_s: np.ndarray
+    layer_static_bytes: np.ndarray
+    layer_activation_bytes: np.ndarray
+    layer_transient_bytes: np.ndarray
+    in_flight: np.ndarray  # (pp,) microbatches of activations stage s keeps
+    memory_limit_bytes: float
+    first: Part = field(default_factory=Part)
+    last: Part = field(default_factory=Part)
+    overhead_s: np.ndarray | None = None  # (pp,) per-stage seconds per microbatch, e.g. p2p sends
+    extra_bytes: np.ndarray | None = None  # (pp,) per-stage bytes, e.g. temporary buffers
+
+    def __post_init__(self) -> None:
+        arrays = {}
+        for name in ("layer_time_s", "layer_static_bytes", "layer_activation_bytes", "layer_transient_bytes"):
+            arrays[name] = np.asarray(getattr(self, name), dtype=np.float64)
+        sizes = {a.shape for a in arrays.values()}
+        if len(sizes) != 1 or len(next(iter(sizes))) != 1 or next(iter(sizes))[0] < 1:
+            raise AutoplanError(f"stage problem: the four layer arrays must be 1-d of one length >= 1, got shapes "
+                                f"{[a.shape for a in arrays.values()]}")
+        pp = len(np.atleast_1d(self.in_flight))
+        arrays["in_flight"] = np.asarray(self.in_flight, dtype=np.float64).reshape(pp)
+        arrays["overhead_s"] = np.zeros(pp) if self.overhead_s is None else np.asarray(self.overhead_s, float)
+        arrays["extra_bytes"] = np.zeros(pp) if self.extra_bytes is None else np.asarray(self.extra_bytes, float)
+        for name in ("overhead_s", "extra_bytes"):
+            if arrays[name].shape != (pp,):
+                raise AutoplanError(f"stage problem: {name} must have one entry per stage ({pp}), got {arrays[name].shape}")
+        joined = np.concatenate(list(arrays.values()))
+        if not (np.isfinite(joined).all() and (joined >= 0).all()):
+            bad = [name for name, a in arrays.items() if not (np.isfinite(a).all() and (a >= 0).all())]
+            raise AutoplanError(f"stage problem: {', '.join(bad)} must be finite and >= 0, got "
+                                f"{[arrays[name].tolist() for name in bad]}")
+        for name, array in arrays.items():
+            array.setflags(write=False)
+            object.__setattr__(self, name, array)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.layer_time_s.shape[0])
+
+    @property
+    def num_stages(self) -> int:
+        return int(self.in_flight.shape[0])
+
+    def stage_time_s(self, stage: int, start: int, end: int) -> float:
+        """time(s, i, j) of the module docstring."""
+        pp = self.num_stages
+        total = float(self.layer_time_s[start:end].sum()) + float(self.overhead_s[stage])
+        return total + (self.first.time_s if stage == 0 else 0.0) + (self.last.time_s if stage == pp - 1 else 0.0)
+
+    def stage_memory_bytes(self, stage: int, start: int, end: int) -> float:
+        """memory(s, i, j) of the module docstring."""
+        pp, f = self.num_stages, float(self.in_flight[stage])
+        static = float(self.layer_static_bytes[start:end].sum()) + float(self.extra_bytes[stage])
+        act = float(self.layer_activation_bytes[start:end].sum())
+        transient = [float(self.layer_transient_bytes[start:end].max())] if end > start else [0.0]
+        for part, here in ((self.first, stage == 0), (self.last, stage == pp - 1)):
+            if here:
+                static, act = static + part.static_bytes, act + part.activation_bytes
+                transient.append(part.transient_bytes)
+        return static + f * act + max(transient)
 
 
 def in_flight_microbatches(stage: int, pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:

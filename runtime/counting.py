@@ -56,7 +56,7 @@ from autoplan.models.config import ModelConfig
 from autoplan.placement import Replicate
 from autoplan.plan import Plan
 from autoplan.runtime.groups import GROUP_AXES, kind_axes
-from autoplan.runtime.rewrite import model_info, resolve_strategies
+from autoplan.runtime.rewrite import resolve_strategies
 from autoplan.strategies import Strategy
 
 NAME_ORDER = ("data", "expert_data", "expert", "expert_tp", "pp", "dp", "ep", "cp", "tp")  # later = narrower
@@ -135,7 +135,7 @@ def expected_collectives(plan: Plan, config: ModelConfig, pp_index: int = 0,
     if graph is None:
         graph = capture(build_model(config, "meta"), config, plan.microbatch_size, plan.seq_len,
                         getattr(torch, plan.dtype))
-    strategies = resolve_strategies(plan, graph.nodes, model_info(config))
+    strategies = resolve_strategies(plan, graph.nodes)
     stages = node_stages(graph, plan)
     mine = {s.chunk * mesh.pp + s.stage for s in plan.stages if s.stage == pp_index}
     grad = _needs_grad(graph)

@@ -4,9 +4,10 @@ sub-GraphModules.
     "full"       one region per transformer layer: every node of layer i (the capture's
                  `NodeInfo.layer`, or `meta["layer"]` for nodes the runtime inserted, such as the
                  tensor-parallel conversions, which belong to the node they feed)
-    "selective"  the ops selective recompute drops in the cost model
-                 (`cost_model.memory.selective_recompute_nodes`: attention cores and the pointwise
-                 ops that keep their own inputs), one region per (layer, enclosing module):
+    "selective"  the plan's `recompute_nodes`, the ops the cost model priced as recomputed
+                 (written by the planner from `cost_model.memory.selective_recompute_nodes`: attention
+                 cores and the pointwise ops that keep their own inputs), one region per (layer,
+                 enclosing module):
                  the attention core; the MLP's activation and gating product
     "none"       nothing
 
@@ -28,7 +29,7 @@ import operator
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from autoplan.capture import CapturedGraph, NodeInfo
+from autoplan.capture import NodeInfo
 from autoplan.errors import PlanError
 
 SKIPPED_OPS = ("placeholder", "output", "get_attr")
@@ -50,7 +51,7 @@ def node_layer(node: fx.Node, infos: dict[str, NodeInfo]) -> int | None:
 
 
 def apply_recompute(gm: fx.GraphModule, policy: str, infos: dict[str, NodeInfo],
-                    captured: CapturedGraph) -> int:
+                    recompute_nodes: tuple[str, ...]) -> int:
     """Move the regions of `policy` into checkpointed submodules; returns how many."""
     if policy == "none":
         return 0
@@ -63,9 +64,7 @@ def apply_recompute(gm: fx.GraphModule, policy: str, infos: dict[str, NodeInfo],
             if node.op not in SKIPPED_OPS and layer is not None:
                 candidates.setdefault((layer,), []).append(node)
     else:
-        from autoplan.cost_model.memory import selective_recompute_nodes
-
-        chosen = set(selective_recompute_nodes(captured))
+        chosen = set(recompute_nodes)  # the plan's: what the cost model priced as recomputed
         for node in gm.graph.nodes:
             if node.name in chosen:
                 info = infos[node.name]

@@ -1,8 +1,8 @@
 """The graph rewrite: a model on meta + a Plan + this rank's mesh groups -> a per-rank GraphModule.
 
 1. Capture the model with `autoplan.capture.capture` at the plan's (microbatch_size, seq_len): the
-   node names are the planner's. Each node's strategy is `plan.op(node).strategy`, resolved through
-   `default_registry()` into a `Strategy` (input / output / parameter placements on tp).
+   node names are the planner's. Each node's strategy is the `Strategy` the plan carries
+   (`plan.op(node).resolved`: input / output / parameter placements on tp), as the planner priced it.
 2. Each `call_module` node whose strategy is not "replicate" gets the module that executes it on
    local shards (`_parallel_module`; see runtime.modules). Attention "heads" keeps the original
    module: it reads its head counts from the widths it is given.
@@ -61,7 +61,7 @@ from autoplan.runtime.modules import (GradSummed, ParallelMoE, RowParallelLinear
                                       SequenceParallelLoss, VocabParallelEmbedding,
                                       VocabParallelLoss)
 from autoplan.runtime.recompute import apply_recompute
-from autoplan.strategies import Strategy, default_registry, strategy_info
+from autoplan.strategies import Strategy, replicate_only
 
 R = Replicate()
 DEFAULT_REPLICATED_KINDS = ("placeholder", "output")  # may be left out of a plan
@@ -146,11 +146,6 @@ class Rewritten:
     regions: int = 0  # recompute regions
 
 
-def model_info(config: ModelConfig) -> dict:
-    """The `info` argument of the strategy rules."""
-    return {"head_dim": config.head_dim, "ffn_hidden": config.ffn_hidden}
-
-
 def meta_copy(model: nn.Module) -> nn.Module:
     """A deep copy of `model` whose parameters and buffers are on meta (the original is untouched,
     and a CPU model's weights are not copied)."""
@@ -172,7 +167,7 @@ def rewrite(model: nn.Module, config: ModelConfig, plan: Plan,
     captured = capture(meta_copy(model), config, plan.microbatch_size, plan.seq_len,
                        getattr(torch, plan.dtype))
     gm, infos = captured.graph_module, {n.name: n for n in captured.nodes}
-    strategies = resolve_strategies(plan, captured.nodes, model_info(config))
+    strategies = resolve_strategies(plan, captured.nodes)
     params: dict[str, ParamLayout] = {}
     planned = {p.name: dict(p.placements) for p in plan.params}
     targets = []
@@ -196,7 +191,7 @@ def rewrite(model: nn.Module, config: ModelConfig, plan: Plan,
     if groups["cp"].size > 1:
         apply_context_parallel(gm, infos, strategies, groups["cp"], tp.size, config.head_dim)
     apply_kernels(gm.graph, plan.kernels)
-    regions = apply_recompute(gm, plan.recompute, infos, captured)
+    regions = apply_recompute(gm, plan.recompute, infos, plan.recompute_nodes)
     gm.graph.lint()
     gm.recompile()
     return Rewritten(gm, params, strategies, infos, tuple(targets), regions)
@@ -213,21 +208,26 @@ def _complete(groups: dict[str, AxisGroup] | AxisGroup) -> dict[str, AxisGroup]:
     return {**full, **groups}
 
 
-def resolve_strategies(plan: Plan, nodes: tuple[NodeInfo, ...], info: dict) -> dict[str, Strategy]:
-    registry, tp, found = default_registry(), plan.mesh.tp, {}
-    info = strategy_info(info, tp, plan.mesh.etp)  # the MoE's strategies follow etp
+def resolve_strategies(plan: Plan, nodes: tuple[NodeInfo, ...]) -> dict[str, Strategy]:
+    """Each node's strategy as the plan resolved it (`OpPlacement.resolved`): the runtime executes the
+    plan, it never asks the strategy rules again."""
+    found = {}
     for node in nodes:
         op = plan.op(node.name)
+        if op is None and (node.op_kind in DEFAULT_REPLICATED_KINDS or node.output is None):
+            found[node.name] = replicate_only(node, plan.mesh.tp, {})[0]
+            continue
         if op is None:
-            if node.op_kind in DEFAULT_REPLICATED_KINDS or node.output is None:
-                found[node.name] = registry.strategies(node, tp, info)[0]
-                continue
             raise PlanError(f"node {node.name!r} ({node.op_kind} {node.target}) is missing from the "
                             f"plan's op placements; the plan was made for another model or capture")
-        try:
-            strategy = registry.strategy(node, tp, op.strategy, info)
-        except KeyError as exc:
-            raise PlanError(f"plan: {exc.args[0]}") from None
+        if op.resolved is None:
+            raise PlanError(f"plan: op {node.name!r} carries no resolved strategy (a plan written by hand or "
+                            f"by another tool); re-make it with `autoplan search` or `autoplan estimate`")
+        strategy = op.resolved
+        if strategy.name != op.strategy:
+            raise PlanError(f"node {node.name!r}: the plan names strategy {op.strategy!r} but carries the "
+                            f"resolved strategy {strategy.name!r}; re-make the plan with `autoplan search` or "
+                            f"`autoplan estimate` rather than editing it")
         planned = dict(op.output).get("tp")
         if planned is not None and node.output is not None and planned != strategy.output:
             raise PlanError(f"node {node.name!r}: the plan says its output is {planned} on tp but "

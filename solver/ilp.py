@@ -16,7 +16,7 @@ node's cost; edges whose matrix is additive (C[i, j] = a_i + b_j, e.g. all zeros
 nodes; parallel edges merge. The objective is solved in microseconds (seconds are tiny next to
 solver tolerances) and reported in seconds, recomputed exactly from the chosen strategies.
 
-Folded graphs (`autoplan.fold`). A block of the folded graph is solved with its boundary fixed: for a
+Folded graphs (`autoplan.capture.blocks`, `autoplan.solver.folded`). A block of the folded graph is solved with its boundary fixed: for a
 placement p of each tensor it reads from the previous block and a placement q of each tensor it
 hands to the next, the block's problem is the one above over the block's nodes, with
 
@@ -58,7 +58,7 @@ import pulp
 
 from autoplan.errors import AutoplanError, InfeasibleError
 from autoplan.solver.elimination import elimination_plan, solve_by_elimination
-from autoplan.solver.problem import IntraOpProblem, ProblemVariant
+from autoplan.cost_model.problem import IntraOpProblem, ProblemVariant
 
 OBJECTIVE_SCALE = 1e6  # solve in microseconds
 MEMORY_SCALE = 1e-9  # write the memory row in GB

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 TIMEOUT_S = 240.0
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.fx", "autoplan.capture",
-           "autoplan.planner", "autoplan.runtime.launch"]
+           "autoplan.api", "autoplan.runtime.launch"]
 
 
 def _free_port() -> int:
@@ -187,15 +187,15 @@ def make_plan(model_name, dp: int, tp: int, assignment="replicate", *, seq_len: 
     from autoplan.mesh import MeshShape
     from autoplan.models import get_model_config
     from autoplan.models.config import ModelConfig
-    from autoplan.planner import (capture_model, megatron_assignment, model_info,
-                                  plan_from_assignment)
+    from autoplan.api import capture_model, plan_from_assignment
+    from autoplan.solver.intra_op import megatron_assignment
     from autoplan.strategies import default_registry, strategy_info
 
     config = model_name if isinstance(model_name, ModelConfig) else get_model_config(model_name)
     graph = capture_model(config, seq_len, dtype)
     mesh = MeshShape(dp=dp, tp=tp, cp=cp, ep=ep, pp=pp, etp=etp, ep_as=ep_as,
                      **({"order": tuple(order)} if order else {}))
-    registry, info = default_registry(), strategy_info(model_info(config), tp, mesh.etp)
+    registry, info = default_registry(), strategy_info(config.rule_info(), tp, mesh.etp)
     if isinstance(assignment, dict):
         chosen = assignment
     elif assignment == "replicate":
@@ -231,7 +231,7 @@ def _direct_plan(graph, config, cluster, mesh, chosen, registry, info, microbatc
         first = registry.strategies(node, mesh.tp, info)[0].name  # replicate, or a MoE's "expert"
         strategy = registry.strategy(node, mesh.tp, chosen.get(node.name, first), info)
         output = (("tp", strategy.output),) if node.output is not None else ()
-        ops.append(OpPlacement(node.name, strategy.name, output))
+        ops.append(OpPlacement(node.name, strategy.name, output, node.module_path, strategy))
         prefix = node.module_path + "."
         for n, _ in node.params:
             where = (("tp", strategy.param_placement(n[len(prefix):])),)
@@ -246,12 +246,17 @@ def _direct_plan(graph, config, cluster, mesh, chosen, registry, info, microbatc
                    for g in range(count))
     zero = Predicted(0.0, 0.0, 0.0, 0.0, MemoryBreakdown(0, 0, 0, 0), TimeBreakdown(0, 0, 0, 0))
 
+    from autoplan.cost_model.memory import selective_recompute_nodes
+
+    recompute_nodes = selective_recompute_nodes(graph) if recompute == "selective" else ()
+
     def plan(batch):
         return Plan(ModelRef(config.name, config.fingerprint(), config.num_layers,
                              config.num_parameters()),
                     cluster, mesh, microbatch_size, num_microbatches, batch, graph.seq_len,
                     zero_stage, recompute, schedule, stages, tuple(params), tuple(ops), zero,
-                    Provenance("0.1.0", 0.0, "tests/_dist.py"), dtype=dtype)
+                    Provenance("0.1.0", 0.0, "tests/_dist.py"), dtype=dtype,
+                    recompute_nodes=recompute_nodes)
 
     batch = microbatch_size * num_microbatches * mesh.dp
     try:  # a Plan version that counts ep ranks as data-parallel wants them in the batch

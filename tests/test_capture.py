@@ -134,7 +134,7 @@ def test_capture_gpt3_175b_on_meta():
 
 @pytest.mark.parametrize("name", ["tiny-gpt", "tiny-llama", "tiny-moe", "tiny-gqa"])
 def test_shape_rules_agree_with_meta_kernels(name):
-    """autoplan.shape_rules gives every node the shape and dtype its meta kernel gives."""
+    """autoplan.capture.shape_rules gives every node the shape and dtype its meta kernel gives."""
     config = get_model_config(name) if name != "tiny-gqa" else _gqa_config()
     by_rule = capture(build_model(config), config, 2, 16, torch.bfloat16)
     by_kernel = capture(build_model(config), config, 2, 16, torch.bfloat16, shape_rules=False)
@@ -150,7 +150,7 @@ def _gqa_config():
 def test_planning_capture_never_imports_dynamo():
     """Building and capturing a model on meta runs no reference decomposition, whose first use
     imports torch._dynamo (seconds of every planning run)."""
-    code = ("import sys\nfrom autoplan.models import get_model_config\nfrom autoplan.planner import capture_model\n"
+    code = ("import sys\nfrom autoplan.models import get_model_config\nfrom autoplan.api import capture_model\n"
             "for name in ('tiny-gpt', 'tiny-llama', 'tiny-moe'):\n    capture_model(get_model_config(name), 32)\n"
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
@@ -159,7 +159,7 @@ def test_planning_capture_never_imports_dynamo():
 
 def test_attention_shape_rule_keeps_the_head_check():
     from autoplan.models.layers import CausalAttention
-    from autoplan.shape_rules import module_output
+    from autoplan.capture.shape_rules import module_output
 
     attention = CausalAttention(heads=4, kv_heads=4, head_dim=8, rope=False, max_seq=64)
     q, k = torch.empty(1, 16, 32, device="meta"), torch.empty(1, 16, 24, device="meta")  # 4 q heads, 3 kv heads

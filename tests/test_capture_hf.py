@@ -11,12 +11,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from autoplan.capture import CapturedGraph  # noqa: E402
-from autoplan.capture_hf import (CaptureError, capture_hf, hf_model_config, hf_model_info,  # noqa: E402
+from autoplan.capture.hf import (CaptureError, capture_hf, hf_model_config, hf_model_info,  # noqa: E402
                                  load_hf_config, unsupported_nodes)
 from autoplan.errors import ConfigError  # noqa: E402
-from autoplan.hf_rules import hf_registry, reshape_source_dim  # noqa: E402
+from autoplan.capture.hf_rules import hf_registry, reshape_source_dim  # noqa: E402
 from autoplan.mesh import MeshShape  # noqa: E402
-from autoplan.planner import capture_model, estimate  # noqa: E402
+from autoplan.api import capture_model, estimate  # noqa: E402
 from autoplan.strategies import default_registry  # noqa: E402
 
 B, T = 2, 16

@@ -10,16 +10,18 @@ import pytest
 import torch
 
 from autoplan.capture import capture
-from autoplan.cost_model.intra_op import build_intra_op_problem, make_context, price_assignment, resolve_strategies
+from autoplan.cost_model.intra_op import make_context, price_assignment
+from autoplan.cost_model.intra_op_problem import build_intra_op_problem, resolve_strategies
 from autoplan.errors import AutoplanError, InfeasibleError
-from autoplan.fold import fold_graph, solve_folded
+from autoplan.capture.blocks import fold_graph
+from autoplan.solver.folded import solve_folded
 from autoplan.mesh import MeshShape
 from autoplan.models import build_model, get_model_config
 from autoplan.models.config import ModelConfig
-from autoplan.planner import model_info, solve_tp
+from autoplan.solver.intra_op import solve_tp
 from autoplan.solver.chain import chain_cost, solve_chain, solve_chain_brute_force
 from autoplan.solver.ilp import restrict, solve_brute_force, solve_ilp, solve_ilp_variants
-from autoplan.solver.problem import ProblemVariant
+from autoplan.cost_model.problem import ProblemVariant
 from autoplan.strategies import StrategyRegistry, default_registry, elementwise_strategies, norm_strategies
 from test_cost_model import zero_latency
 from test_ilp import random_problem
@@ -201,7 +203,7 @@ def assert_folded_equals_unfolded(graph, info, tp, microbatch, registry=None, cl
 def test_folded_equals_unfolded_on_the_zoo(name, layers, tp):
     cfg, graph = zoo_graph(name, layers)
     for microbatch in (1, 64):
-        folded, _, _ = assert_folded_equals_unfolded(graph, model_info(cfg), tp, microbatch)
+        folded, _, _ = assert_folded_equals_unfolded(graph, cfg.rule_info(), tp, microbatch)
         assert folded.num_ilps <= 3 * 3 + 3 + 3  # 3 kinds, once per pair of boundary placements
 
 
@@ -229,7 +231,7 @@ def test_the_chain_closes_the_gap_of_layer_uniform_folding():
     differ at its boundary, which is what the unfolded optimum does here."""
     cfg = ModelConfig("small-llama", "llama", 2, 512, 8, 4, 1024, 4096, 1024)  # wide enough that tp pays
     graph = capture(build_model(cfg, "meta", torch.bfloat16), cfg, 1, 256)
-    registry, info, cluster, mesh = default_registry(), model_info(cfg), zero_latency(), MeshShape(dp=4, tp=2)
+    registry, info, cluster, mesh = default_registry(), cfg.rule_info(), zero_latency(), MeshShape(dp=4, tp=2)
     uniform = solve_ilp(build_intra_op_problem(graph, registry, info, 2, cluster, mesh, 8, fold=True).problem)
     folded, unfolded, _ = assert_folded_equals_unfolded(graph, info, 2, 8)
     assert folded.objective < uniform.objective * (1 - 1e-4)
@@ -251,7 +253,7 @@ def test_folded_and_unfolded_equal_brute_force_on_tiny_graphs(name, layers, kind
     cfg, graph = zoo_graph(name, layers, seq=16)
     registry = small_registry(kinds)
     for microbatch in (1, 64):
-        folded, unfolded, built = assert_folded_equals_unfolded(graph, model_info(cfg), 2, microbatch, registry)
+        folded, unfolded, built = assert_folded_equals_unfolded(graph, cfg.rule_info(), 2, microbatch, registry)
         assert np.prod(built.problem.num_strategies()) <= 3000
         brute = solve_brute_force(built.problem)
         assert folded.objective == pytest.approx(brute.objective, rel=1e-9)
@@ -259,7 +261,7 @@ def test_folded_and_unfolded_equal_brute_force_on_tiny_graphs(name, layers, kind
 
 def test_too_many_cut_states_fall_back_to_the_unfolded_ilp():
     cfg, graph = zoo_graph("tiny-gpt", 2)
-    registry, info, cluster, mesh = default_registry(), model_info(cfg), zero_latency(), MeshShape(dp=4, tp=2)
+    registry, info, cluster, mesh = default_registry(), cfg.rule_info(), zero_latency(), MeshShape(dp=4, tp=2)
     chained = solve_folded(fold_graph(graph), registry, info, cluster, mesh, 1)
     fallback = solve_folded(fold_graph(graph), registry, info, cluster, mesh, 1, max_cut_states=2)
     assert fallback.method.startswith("unfolded: a cut has 3 joint placements")
@@ -268,7 +270,7 @@ def test_too_many_cut_states_fall_back_to_the_unfolded_ilp():
 
 def test_planner_fold_and_no_fold_agree():
     cfg, graph = zoo_graph("tiny-llama", 3)
-    args = (graph, default_registry(), model_info(cfg), zero_latency(), MeshShape(dp=2, tp=4), 8, "bfloat16")
+    args = (graph, default_registry(), cfg.rule_info(), zero_latency(), MeshShape(dp=2, tp=4), 8, "bfloat16")
     from autoplan.cost_model.compute import Efficiency
     folded = solve_tp(*args, Efficiency(), True, 10.0)
     unfolded = solve_tp(*args, Efficiency(), False, 10.0)

@@ -11,8 +11,8 @@ from autoplan.capture import capture
 from autoplan.cluster import ClusterSpec, LinkSpec, parse_cluster, preset
 from autoplan.cost_model import comm
 from autoplan.cost_model.compute import Efficiency, calibrate, linear_time_s, op_time_s
-from autoplan.cost_model.intra_op import (InputSpec, assignment_from_choice, build_intra_op_problem, fold_mapping,
-                                          make_context, price_assignment, reshard_collectives, resolve_strategies)
+from autoplan.cost_model.intra_op import InputSpec, make_context, price_assignment, reshard_collectives
+from autoplan.cost_model.intra_op_problem import assignment_from_choice, build_intra_op_problem, fold_mapping, resolve_strategies
 from autoplan.cost_model.memory import (activation_bytes, memory_breakdown, model_state_bytes, saved_tensors,
                                         state_bytes_for)
 from autoplan.errors import ConfigError
@@ -20,7 +20,8 @@ from autoplan.mesh import MeshShape
 from autoplan.models import build_model, get_model_config
 from autoplan.placement import Partial, Replicate, Shard
 from autoplan.profiler.profile import CollectiveFit, GemmSample, HardwareProfile, MemorySample, ProfileError
-from autoplan.planner import estimate, megatron_assignment, model_info, search
+from autoplan.api import estimate, search
+from autoplan.solver.intra_op import megatron_assignment
 from autoplan.solver.ilp import solve_ilp
 from autoplan.strategies import default_registry
 
@@ -100,7 +101,7 @@ def test_model_states_under_each_zero_stage(stage, expected):
 def test_parameter_bytes_match_the_config_count():
     cfg, graph = tiny_graph("tiny-gpt")
     registry = default_registry()
-    replicated = resolve_strategies(graph, registry, model_info(cfg), 1, {})
+    replicated = resolve_strategies(graph, registry, cfg.rule_info(), 1, {})
     mem = memory_breakdown(graph, replicated, 1, 1, 1, 0, "none")
     assert mem.parameters_bytes == 2 * cfg.num_parameters()
     assert mem.optimizer_bytes == 12 * cfg.num_parameters()
@@ -112,7 +113,7 @@ def test_saved_activations_of_one_layer_by_hand():
     log-sum-exp 4*16*4 = 256, o_proj in 2048, ln_2 in 2048 + 128, ln_2 out 2048, fc out 8192, gelu out
     8192 = 35328 B. Selective drops attention's out, lse, o_proj's input and gelu's output: 12544 B."""
     cfg, graph = tiny_graph("tiny-gpt", layers=3)
-    registry, info = default_registry(), model_info(cfg)
+    registry, info = default_registry(), cfg.rule_info()
     replicated = resolve_strategies(graph, registry, info, 1, {})
     layer1 = [t for t in saved_tensors(graph, replicated, 1, info) if t.layer == 1]
     assert sum(t.nbytes for t in layer1) == 35328
@@ -125,7 +126,7 @@ def test_saved_activations_of_one_layer_by_hand():
 
 def test_activation_policies_order_and_scale_with_the_microbatch():
     cfg, graph = tiny_graph("tiny-gpt", layers=4, seq=64)
-    strategies = resolve_strategies(graph, default_registry(), model_info(cfg), 1, {})
+    strategies = resolve_strategies(graph, default_registry(), cfg.rule_info(), 1, {})
     sizes = {r: activation_bytes(graph, strategies, 1, 1, r) for r in ("none", "selective", "full")}
     assert sizes["none"] > sizes["selective"] > sizes["full"] > 0
     for policy in sizes:
@@ -159,7 +160,7 @@ def test_column_linear_reads_its_whole_input():
     for this memory-bound tiny GEMM it costs more than a tp-th of replicate, and less than half."""
     cfg, graph = tiny_graph("tiny-gpt")
     cluster, mesh = zero_latency(), MeshShape(dp=2, tp=4)
-    built = build_intra_op_problem(graph, default_registry(), model_info(cfg), 4, cluster, mesh, 64,
+    built = build_intra_op_problem(graph, default_registry(), cfg.rule_info(), 4, cluster, mesh, 64,
                                    efficiency=Efficiency(matmul=0.75))
     fc = built.mapping["layers_0_mlp_fc"]
     names = [s.name for s in built.strategies[fc]]
@@ -187,7 +188,7 @@ def test_small_gemms_gain_little_from_sharding_large_ones_a_tp_th():
 @pytest.mark.parametrize("tp", [2, 4])
 def test_folded_objective_equals_unfolded(name, layers, tp):
     cfg, graph = tiny_graph(name, layers=layers, seq=32)
-    registry, info, cluster, mesh = default_registry(), model_info(cfg), zero_latency(), MeshShape(dp=8 // tp, tp=tp)
+    registry, info, cluster, mesh = default_registry(), cfg.rule_info(), zero_latency(), MeshShape(dp=8 // tp, tp=tp)
     assert fold_mapping(graph) is not None
     for microbatch in (1, 64):
         folded = build_intra_op_problem(graph, registry, info, tp, cluster, mesh, microbatch, fold=True)

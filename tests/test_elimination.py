@@ -7,7 +7,7 @@ import pytest
 
 from autoplan.solver.elimination import elimination_plan
 from autoplan.solver.ilp import restrict, solve_brute_force, solve_ilp_variants
-from autoplan.solver.problem import IntraOpProblem, ProblemVariant
+from autoplan.cost_model.problem import IntraOpProblem, ProblemVariant
 
 
 def random_graph_problem(seed: int, n: int, density: float, max_strategies: int = 4,

@@ -66,9 +66,10 @@ LONG = dict(global_batch=8, seq_len=16384)
 def _priced(ep_as: str, mbs: int):
     from autoplan.cluster import parse_cluster
     from autoplan.models import get_model_config
-    from autoplan.outer_search import SearchContext, check_config
+    from autoplan.api import search_context
+    from autoplan.solver.search import check_config
 
-    ctx = SearchContext(get_model_config("mixtral-8x7b"), parse_cluster("1x8xh100"), LONG["global_batch"],
+    ctx = search_context(get_model_config("mixtral-8x7b"), parse_cluster("1x8xh100"), LONG["global_batch"],
                         LONG["seq_len"])
     mesh = MeshShape(dp=8 // 4 if ep_as == "dp" else 2, ep=4, ep_as=ep_as)
     cfg = check_config(ctx.config, ctx.cluster, LONG["global_batch"], LONG["seq_len"], mesh, mbs, 1, "full",
@@ -94,7 +95,7 @@ def test_pricing_same_tokens_per_rank_wider_context_group_fewer_batch_shards():
 
 
 def test_estimate_names_the_effective_context_degree_when_the_sequence_does_not_divide():
-    from autoplan.planner import estimate
+    from autoplan.api import estimate
 
     kwargs = dict(microbatch_size=1, zero_stage=1, recompute="full")
     mesh = MeshShape(ep=4, cp=2, ep_as="cp")
@@ -112,13 +113,13 @@ def long_moe():
     """Mixtral 8x7B at 32k tokens, batch 8 on 16 GPUs: the ep ranks pay off only as context-parallel ranks
     (the batch is too small to split over them): 3.83 s against 3.99 s for the best plan without (cp2 x tp8,
     etp1), by the cost model."""
-    from autoplan.planner import search_plans
+    from autoplan.api import search_plans
 
     return search_plans("mixtral-8x7b", "2x8xh100", 8, 32768, top=2)
 
 
 def test_search_folds_ep_over_cp_on_a_long_sequence_moe(long_moe):
-    from autoplan.explain import explain_plan
+    from autoplan.cli.explain import explain_plan
 
     best = long_moe.plans[0]
     assert best.mesh.ep_as == "cp" and best.mesh.ep > 1, best.mesh
@@ -130,7 +131,7 @@ def test_search_folds_ep_over_cp_on_a_long_sequence_moe(long_moe):
 def test_search_of_a_dense_model_never_tries_it():
     from autoplan.cluster import parse_cluster
     from autoplan.models import get_model_config
-    from autoplan.search_space import SearchOptions, enumerate_configs
+    from autoplan.solver.space import SearchOptions, enumerate_configs
 
     configs = enumerate_configs(get_model_config("llama3-8b"), parse_cluster("2x8xh100"), 16, 32768,
                                 SearchOptions())
@@ -138,8 +139,8 @@ def test_search_of_a_dense_model_never_tries_it():
 
 
 def test_compare_shows_the_ep_role():
-    from autoplan.explain import compare_plans
-    from autoplan.planner import estimate
+    from autoplan.cli.explain import compare_plans
+    from autoplan.api import estimate
 
     kwargs = dict(microbatch_size=1, zero_stage=1, recompute="full")
     a = estimate("mixtral-8x7b", "1x8xh100", 8, 16384, mesh=MeshShape(ep=8), **kwargs)

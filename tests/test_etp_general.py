@@ -248,17 +248,18 @@ def test_pricing_of_etp_1_2_and_tp():
     from autoplan.cost_model.intra_op import _moe_shape, make_context
     from autoplan.cost_model.parallel_dims import axes_group, expert_all_to_all_s, expert_tp_exchange_s
     from autoplan.models.config import ModelConfig
-    from autoplan.outer_search import VARIANT_MEGATRON, SearchContext
-    from autoplan.search_space import Config
+    from autoplan.api import search_context
+    from autoplan.solver.search import VARIANT_MEGATRON
+    from autoplan.cost_model.step_config import Config
 
     model = ModelConfig(*MID_MOE_ARGS, experts=8, top_k=2)
-    ctx = SearchContext(model, parse_cluster("1x8xh100"), 16, 2048)
-    base = Config(tp=4, cp=1, pp=1, ep=2, dp=1, microbatch_size=1, num_microbatches=16, zero_stage=0,
+    ctx = search_context(model, parse_cluster("1x8xh100"), 16, 2048)
+    base = Config.of(tp=4, cp=1, pp=1, ep=2, dp=1, microbatch_size=1, num_microbatches=16, zero_stage=0,
                   recompute="none")
     moe = next(n for n in ctx.graph.nodes if n.op_kind == "moe")
     extra, memory, ffn = {}, {}, {}
     for etp in (1, 2, 4):
-        cfg = dataclasses.replace(base, etp=etp)
+        cfg = base.replace(etp=etp)
         block = ctx.block(4, Fraction(1), VARIANT_MEGATRON, etp=etp)
         arrays = block.arrays("none")
         extra[etp] = (ctx.steps.times(block, cfg).time - (arrays["compute"] + arrays["comm"]))[0]
@@ -266,7 +267,7 @@ def test_pricing_of_etp_1_2_and_tp():
         strategy = block.solution.strategies[moe.name]
         ffn[etp] = _moe_shape(moe, strategy, make_context(ctx.graph, ctx.cluster, cfg.mesh, 1))[1]
         assert strategy.name == ("ffn" if etp == 4 else "expert")
-    mesh2 = dataclasses.replace(base, etp=2).mesh
+    mesh2 = base.replace(etp=2).mesh
     dispatch = {etp: expert_all_to_all_s(tokens, 1024, 2, 2, ctx.cluster, axes_group(mesh, axes, 8))
                 for etp, tokens, mesh, axes in ((4, 2048, base.mesh, ("ep",)), (2, 512, mesh2, ("ep", "tp_outer")),
                                                 (1, 512, base.mesh, ("ep", "tp")))}
@@ -286,11 +287,11 @@ def test_intermediate_etp_reuses_the_etp_1_ilp_exactly():
     model prices the unfolded choice 0.3% lower here; `AssignmentCost.shared_comm_s`.)"""
     from autoplan.cluster import parse_cluster
     from autoplan.models.config import ModelConfig
-    from autoplan.outer_search import SearchContext
-    from autoplan.planner import solve_tp
+    from autoplan.api import search_context
+    from autoplan.solver.intra_op import solve_tp
 
     model = ModelConfig(*MID_MOE_ARGS, experts=8, top_k=2)
-    ctx = SearchContext(model, parse_cluster("1x8xh100"), 16, 2048)
+    ctx = search_context(model, parse_cluster("1x8xh100"), 16, 2048)
     reused = ctx.solution(4, 1, etp=2).solution
     assert ctx.ilp_solves == 1 and ctx.solution(4, 1, etp=1) and ctx.ilp_solves == 1  # one solve serves both
     direct = solve_tp(ctx.graph, ctx.registry, ctx.info, ctx.cluster, MeshShape(dp=2, tp=4, etp=2), 1, ctx.dtype,
@@ -309,13 +310,13 @@ def test_search_picks_etp_2_for_few_large_experts():
     etp4 16.22 s."""
     from autoplan.cluster import parse_cluster
     from autoplan.models.config import ModelConfig
-    from autoplan.outer_search import run_search
+    from autoplan.api import search_plans
     from autoplan.plan import Plan
-    from autoplan.search_space import SearchOptions
+    from autoplan.solver.space import SearchOptions
 
     model = ModelConfig("few-large-moe", "moe", 48, 8192, 64, 8, 28672, 32000, 8192, experts=4, top_k=2)
     options = SearchOptions(max_microbatch_size=1, zero_stages=(0, 1), recompute=("none", "full"), virtual_stages=())
-    result = run_search(model, parse_cluster("8x8xh100"), 256, 4096, options=options, baselines=False, top=50)
+    result = search_plans(model, parse_cluster("8x8xh100"), 256, 4096, options=options, baselines=False, top=50)
     best: dict[str, float] = {}
     for priced in result.priced:  # sorted by step time: the first of each etp is its best
         mesh = priced.config.mesh

@@ -6,12 +6,12 @@ import argparse
 
 import pytest
 
-from autoplan.explain import (add_compare_parser, add_explain_parser, add_search_options, cmd_compare, cmd_explain,
+from autoplan.cli.explain import (add_compare_parser, add_explain_parser, add_search_options, cmd_compare, cmd_explain,
                               compare_plans, explain_plan, op_family, op_family_costs, save_top, search_report,
                               side_by_side)
 from autoplan.mesh import MeshShape
 from autoplan.models import get_model_config
-from autoplan.planner import capture_model, estimate, search_plans
+from autoplan.api import capture_model, estimate, search_plans
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from torch import nn
 
 from autoplan.capture import capture
 from autoplan.capture import node_label
-from autoplan.fold import fold_graph
+from autoplan.capture.blocks import fold_graph
 from autoplan.models import build_model, get_model_config
 from autoplan.models.config import ModelConfig
 from autoplan.models.gpt import GPTBlock
@@ -265,7 +265,7 @@ def test_kind_hashes_are_the_same_in_another_process():
     """Python salts str hashes per process; the Weisfeiler-Lehman hash must not depend on that."""
     script = ("import dataclasses, torch\n"
               "from autoplan.capture import capture\n"
-              "from autoplan.fold import fold_graph\n"
+              "from autoplan.capture.blocks import fold_graph\n"
               "from autoplan.models import build_model, get_model_config\n"
               "cfg = dataclasses.replace(get_model_config('tiny-moe'), num_layers=2)\n"
               f"graph = capture(build_model(cfg, 'meta', torch.bfloat16), cfg, 1, {SEQ})\n"

@@ -7,7 +7,7 @@ import pytest
 
 from autoplan.errors import AutoplanError, InfeasibleError
 from autoplan.solver.ilp import solve_brute_force, solve_ilp
-from autoplan.solver.problem import IntraOpProblem
+from autoplan.cost_model.problem import IntraOpProblem
 
 
 def random_problem(seed: int, budget_quantile: float | None = None) -> IntraOpProblem:

@@ -16,7 +16,7 @@ from autoplan.cost_model.compute import Efficiency, calibrate
 from autoplan.cost_model.intra_op import make_context, node_compute_s
 from autoplan.cost_model.kernels import FusedKernels, fused_kernels, measured_efficiencies, node_kernel
 from autoplan.models import get_model_config
-from autoplan.planner import capture_model, model_info
+from autoplan.api import capture_model
 from autoplan.profiler.profile import GemmSample, HardwareProfile, KernelSample, MemorySample, ProfileError
 from autoplan.strategies import default_registry
 
@@ -115,7 +115,7 @@ def _node_times(kernels: str, profile: HardwareProfile | None, cluster: str = "1
     graph = capture_model(get_model_config("tiny-llama"), 16, "bfloat16")
     calibrated, eff = calibrate(parse_cluster(cluster), None, profile, kernels)
     ctx = make_context(graph, calibrated, _mesh(), 1, "bfloat16", eff)
-    registry, info = default_registry(), model_info(get_model_config("tiny-llama"))
+    registry, info = default_registry(), get_model_config("tiny-llama").rule_info()
     return {n.name: node_compute_s(n, registry.strategies(n, 1, info)[0], ctx) for n in graph.nodes}
 
 
@@ -151,14 +151,14 @@ def test_without_measurements_triton_keeps_the_assumed_efficiency():
 
 def _estimate(kernels: str, profile: HardwareProfile | None):
     from autoplan.mesh import MeshShape
-    from autoplan.planner import estimate
+    from autoplan.api import estimate
 
     return estimate("tiny-llama", "1xh200", 8, 64, mesh=MeshShape(dp=1, tp=1), microbatch_size=1, zero_stage=0,
                     recompute="none", profile=profile, kernels=kernels)
 
 
 def test_plan_notes_say_measured_or_assumed_and_carry_the_option():
-    from autoplan.explain import explain_plan
+    from autoplan.cli.explain import explain_plan
 
     slow = _profile({"rms_norm": 0.2, "silu_mul": 0.2, "cross_entropy": 0.2})
     measured, eager, assumed = _estimate("auto", slow), _estimate("torch", slow), _estimate("triton", None)

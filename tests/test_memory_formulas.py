@@ -36,10 +36,10 @@ import torch
 
 from autoplan.capture import capture
 from autoplan.cost_model.compute import AttentionKernel
-from autoplan.cost_model.intra_op import resolve_strategies
+from autoplan.cost_model.intra_op_problem import resolve_strategies
 from autoplan.cost_model.memory import activation_bytes
 from autoplan.models import build_model, get_model_config
-from autoplan.planner import megatron_assignment, model_info
+from autoplan.solver.intra_op import megatron_assignment
 from autoplan.strategies import default_registry
 
 S, B, H, A, T = 2048, 1, 12288, 96, 8
@@ -62,7 +62,7 @@ def graphs():
 
 def per_layer_sbh(graphs, tp: int, sequence_parallel: bool, recompute: str, attention=None) -> float:
     """Bytes one more layer adds to what a rank keeps for backward, in units of s b h."""
-    registry, info = default_registry(), model_info(BASE)
+    registry, info = default_registry(), BASE.rule_info()
     totals = []
     for layers in (2, 3):
         graph = graphs[layers]
@@ -143,7 +143,7 @@ def test_moe_keeps_its_routed_rows_per_rank(strategy, tp, etp, served):
     config = dataclasses.replace(get_model_config("tiny-moe"), num_layers=1)
     graph = capture(build_model(config, "meta", torch.bfloat16), config, 2, 64, torch.bfloat16)
     moe = next(n for n in graph.nodes if n.op_kind == "moe")
-    info = strategy_info(model_info(config), tp, etp)
+    info = strategy_info(config.rule_info(), tp, etp)
     strategies = resolve_strategies(graph, default_registry(), info, tp, {moe.name: strategy})
     kept = {t.key.split(":")[1]: t.nbytes for t in saved_tensors(graph, strategies, tp, info)
             if t.key.split(":")[0] == moe.name and ":" in t.key}
@@ -193,7 +193,7 @@ def test_the_largest_tp_buffer_is_an_activation_and_scales_with_the_microbatch(s
 
     config = get_model_config("tiny-gpt")
     graph = capture(build_model(config, "meta", torch.bfloat16), config, 1, 64, torch.bfloat16)
-    registry, info = default_registry(), model_info(config)
+    registry, info = default_registry(), config.rule_info()
     assignment = megatron_assignment(graph, registry, 2, info, sequence_parallel=sequence_parallel)
     strategies = resolve_strategies(graph, registry, info, 2, assignment)
     activation, stats = 64 * config.hidden * 2, 3 * 4 * 64

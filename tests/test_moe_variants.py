@@ -129,7 +129,7 @@ def test_moe_layer_is_its_formula():
 
 @pytest.fixture(scope="module")
 def captured():
-    from autoplan.planner import capture_model
+    from autoplan.api import capture_model
 
     return {name: capture_model(get_model_config(name), 4096) for name in PRESETS}
 
@@ -153,7 +153,7 @@ def test_capture_at_real_size_on_meta(captured):
 
 
 def test_fold_groups_the_dense_first_layer_apart(captured):
-    from autoplan.fold import fold_graph
+    from autoplan.capture.blocks import fold_graph
 
     deep = fold_graph(captured["deepseek-moe-16b"])
     layer_kind = {seg.layer: seg.kind for seg in deep.segments if seg.layer is not None}
@@ -166,7 +166,7 @@ def test_fold_groups_the_dense_first_layer_apart(captured):
 @pytest.mark.parametrize("name", TINY)
 def test_search_on_a_small_cluster_gives_a_valid_plan(name):
     from autoplan.plan import Plan
-    from autoplan.planner import capture_model, search
+    from autoplan.api import capture_model, search
 
     config = get_model_config(name)
     plan = search(config, "1x4xh100", 8, 64, max_microbatch_size=4)

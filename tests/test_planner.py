@@ -13,8 +13,8 @@ from autoplan.errors import InfeasibleError
 from autoplan.mesh import MeshShape
 from autoplan.models import get_model_config
 from autoplan.plan import Plan
-from autoplan.planner import (capture_model, estimate, megatron_assignment, model_info, plan_from_assignment,
-                              search)
+from autoplan.api import capture_model, estimate, plan_from_assignment, search
+from autoplan.solver.intra_op import megatron_assignment
 from autoplan.strategies import default_registry
 
 GPT3 = dict(model="gpt3-175b", cluster="128x8xh100", global_batch=1536, seq_len=2048)
@@ -85,7 +85,7 @@ def test_tp8_strategies_are_megatron_like():
     assert by_path["layers.5.attn.core"] == "heads"
     # the search's own pick is at least as fast as Megatron's hand assignment on the same mesh
     megatron = plan_from_assignment(graph, config, parse_cluster("128x8xh100"), MeshShape(dp=128, tp=8),
-                                    megatron_assignment(graph, default_registry(), 8, model_info(config)),
+                                    megatron_assignment(graph, default_registry(), 8, config.rule_info()),
                                     1, 12, 1, "selective")
     assert plan.predicted.step_time_s <= megatron.predicted.step_time_s * (1 + 1e-9)
 
@@ -110,7 +110,7 @@ def test_small_search_reports_progress_and_notes():
 def test_plans_from_megatron_and_random_assignments():
     config = get_model_config("tiny-gpt")
     graph = capture_model(config, 32)
-    registry, info, cluster = default_registry(), model_info(config), parse_cluster("1x4xcpu")
+    registry, info, cluster = default_registry(), config.rule_info(), parse_cluster("1x4xcpu")
     mesh = MeshShape(dp=2, tp=2)
     megatron = megatron_assignment(graph, registry, 2, info)
     assert megatron["layers_0_attn_q_proj"] == "column" and megatron["layers_0_mlp_proj"] == "row"

@@ -14,12 +14,14 @@ from autoplan.cost_model.parallel_dims import axes_group, expert_all_to_all_s, u
 from autoplan.errors import ConfigError, InfeasibleError
 from autoplan.mesh import MeshShape
 from autoplan.models.config import ModelConfig
-from autoplan.outer_search import (VARIANT_ILP, VARIANT_MEGATRON, ProgressMessage, SearchContext,
-                                   run_search)
+from autoplan.api import search_context
+from autoplan.solver.context import VARIANT_ILP, VARIANT_MEGATRON, ProgressMessage, SearchContext
+from autoplan.api import search_plans
 from autoplan.placement import Shard
 from autoplan.plan import Plan
-from autoplan.planner import estimate, search_plans
-from autoplan.search_space import Config, SearchOptions, enumerate_configs, memory_lower_bound, time_lower_bound_s
+from autoplan.api import estimate
+from autoplan.cost_model.step_config import Config
+from autoplan.solver.space import SearchOptions, enumerate_configs, memory_lower_bound, time_lower_bound_s
 
 MID = ModelConfig("mid-llama", "llama", 8, 1024, 16, 4, 2816, 32000, 8192, rope_theta=500000.0)
 MID_MOE = ModelConfig("mid-moe", "moe", 4, 1024, 16, 4, 1024, 32000, 8192, experts=8, top_k=2)
@@ -34,7 +36,7 @@ def small_gpus(nodes: int, memory_gb: float) -> ClusterSpec:
 
 @pytest.fixture(scope="module")
 def mid() -> SearchContext:
-    return SearchContext(MID, small_gpus(2, 0.6), 64, 4096)
+    return search_context(MID, small_gpus(2, 0.6), 64, 4096)
 
 
 def _price_everything(ctx: SearchContext, options: SearchOptions) -> list:
@@ -49,7 +51,7 @@ def _price_everything(ctx: SearchContext, options: SearchOptions) -> list:
 
 
 def test_branch_and_bound_equals_pricing_everything(mid):
-    result = run_search(MID, mid.cluster, 64, 4096, top=3, options=OPTIONS)
+    result = search_plans(MID, mid.cluster, 64, 4096, top=3, options=OPTIONS)
     reference = _price_everything(mid, OPTIONS)[:3]
     assert [p.config for p in result.priced] == [p.config for p in reference]
     assert [p.step_time_s for p in result.priced] == pytest.approx([p.step_time_s for p in reference], rel=1e-12)
@@ -81,7 +83,7 @@ def test_parts_add_up_to_the_intra_op_objective(mid):
 
 def test_pipeline_step_follows_the_1f1b_and_interleaved_formulas(mid):
     for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
-        cfg = Config(tp=2, cp=1, pp=4, ep=1, dp=2, microbatch_size=1, num_microbatches=32, zero_stage=1,
+        cfg = Config.of(tp=2, cp=1, pp=4, ep=1, dp=2, microbatch_size=1, num_microbatches=32, zero_stage=1,
                      recompute="selective", schedule=schedule, virtual_stages=v)
         priced = mid.price(cfg)
         t = priced.stage_time_s
@@ -103,17 +105,17 @@ def test_pipeline_plan_round_trips_with_its_stages():
 
 
 def test_pipelining_buys_memory_and_keeps_more_microbatches_on_the_first_stage(mid):
-    base = Config(tp=2, cp=1, pp=1, ep=1, dp=8, microbatch_size=1, num_microbatches=8, zero_stage=0, recompute="none")
-    piped = dataclasses.replace(base, pp=4, dp=2, num_microbatches=32)
+    base = Config.of(tp=2, cp=1, pp=1, ep=1, dp=8, microbatch_size=1, num_microbatches=8, zero_stage=0, recompute="none")
+    piped = base.replace(pp=4, dp=2, num_microbatches=32)
     flat, deep = mid.price(base), mid.price(piped)
     assert deep.memory.parameters_bytes < 0.5 * flat.memory.parameters_bytes  # the embedding weighs on stage 0
     assert deep.stage_memory_bytes[0] > deep.stage_memory_bytes[2]  # 4 microbatches in flight vs 2
 
 
 def test_context_parallel_splits_the_sequence_and_pays_all_to_alls():
-    ctx = SearchContext(MID, small_gpus(2, 80.0), 16, 8192)
-    one = Config(tp=2, cp=1, pp=1, ep=1, dp=8, microbatch_size=1, num_microbatches=2, zero_stage=1, recompute="none")
-    two = dataclasses.replace(one, cp=2, dp=4, num_microbatches=4)
+    ctx = search_context(MID, small_gpus(2, 80.0), 16, 8192)
+    one = Config.of(tp=2, cp=1, pp=1, ep=1, dp=8, microbatch_size=1, num_microbatches=2, zero_stage=1, recompute="none")
+    two = one.replace(cp=2, dp=4, num_microbatches=4)
     p1, p2 = ctx.price(one), ctx.price(two)
     assert p2.memory.activations_bytes == pytest.approx(p1.memory.activations_bytes / 2, rel=0.05)
     # Ulysses: 4 all-to-alls forward and 4 backward per layer, on q (and output) and k, v widths per tp rank
@@ -126,9 +128,9 @@ def test_context_parallel_splits_the_sequence_and_pays_all_to_alls():
 
 
 def test_expert_parallel_divides_expert_weights_and_pays_dispatch():
-    ctx = SearchContext(MID_MOE, small_gpus(1, 80.0), 16, 2048)
-    one = Config(tp=1, cp=1, pp=1, ep=1, dp=8, microbatch_size=1, num_microbatches=2, zero_stage=0, recompute="none")
-    four = dataclasses.replace(one, ep=4, dp=2)
+    ctx = search_context(MID_MOE, small_gpus(1, 80.0), 16, 2048)
+    one = Config.of(tp=1, cp=1, pp=1, ep=1, dp=8, microbatch_size=1, num_microbatches=2, zero_stage=0, recompute="none")
+    four = one.replace(ep=4, dp=2)
     p1, p4 = ctx.price(one), ctx.price(four)
     experts = 3 * MID_MOE.experts * MID_MOE.hidden * MID_MOE.ffn_hidden * MID_MOE.num_layers
     assert p1.memory.parameters_bytes - p4.memory.parameters_bytes == pytest.approx(2 * experts * 3 / 4)
@@ -143,25 +145,25 @@ def test_expert_parallel_divides_expert_weights_and_pays_dispatch():
 def test_expert_tp_is_searched_where_it_changes_something():
     cluster = small_gpus(1, 80.0)
     moe = enumerate_configs(MID_MOE, cluster, 16, 2048, OPTIONS)
-    folded = [c for c in moe if c.etp == 1]
+    folded = [c for c in moe if c.etp == 1 < c.tp]  # etp reads as tp when not set: one spelling
     assert {(c.tp, c.ep) for c in folded} == {(c.tp, c.ep) for c in moe if c.tp > 1 and 8 % (c.ep * c.tp) == 0}
     assert all(c.mesh.expert_parallel == c.ep * c.tp and c.mesh.expert_axes == ("ep", "tp") for c in folded)
-    between = [c for c in moe if c.etp not in (None, 1)]  # 1 < etp < tp: tp split into its two halves
+    between = [c for c in moe if 1 < c.etp < c.tp]  # tp split into its two halves
     assert {(c.tp, c.ep, c.etp) for c in between} == {(c.tp, c.ep, e) for c in moe for e in (2, 4)
                                                         if e < c.tp and 8 % (c.ep * c.tp // e) == 0}
     assert all(c.mesh.expert_axes == ("ep", "tp_outer") and c.mesh.expert_tp_axes == ("tp_inner",) for c in between)
-    assert not any(c.etp for c in enumerate_configs(MID, cluster, 16, 2048, OPTIONS))  # a dense model
+    assert all(c.etp == c.tp for c in enumerate_configs(MID, cluster, 16, 2048, OPTIONS))  # a dense model
     off = dataclasses.replace(OPTIONS, expert_tensor_parallel=False)
-    assert not any(c.etp for c in enumerate_configs(MID_MOE, cluster, 16, 2048, off))
+    assert all(c.etp == c.tp for c in enumerate_configs(MID_MOE, cluster, 16, 2048, off))
 
 
 def test_expert_tp_1_drops_the_experts_tp_all_reduces_and_widens_the_dispatch():
     from autoplan.cost_model.intra_op import make_context, node_comm_s
 
-    ctx = SearchContext(MID_MOE, small_gpus(1, 80.0), 16, 2048)
-    base = Config(tp=2, cp=1, pp=1, ep=2, dp=2, microbatch_size=1, num_microbatches=4, zero_stage=0, recompute="none")
-    folded = dataclasses.replace(base, etp=1)
-    assert dataclasses.replace(folded, etp=2) == base and str(folded.mesh) == "dp2 x ep2 x tp2 (etp1)"
+    ctx = search_context(MID_MOE, small_gpus(1, 80.0), 16, 2048)
+    base = Config.of(tp=2, cp=1, pp=1, ep=2, dp=2, microbatch_size=1, num_microbatches=4, zero_stage=0, recompute="none")
+    folded = base.replace(etp=1)
+    assert folded.replace(etp=2) == base and str(folded.mesh) == "dp2 x ep2 x tp2 (etp1)"
     blocks = {cfg.mesh.etp: ctx.block(2, Fraction(1), VARIANT_MEGATRON, etp=cfg.mesh.etp) for cfg in (base, folded)}
     moe = next(n for n in ctx.graph.nodes if n.op_kind == "moe")
     chosen = {etp: b.solution.strategies[moe.name] for etp, b in blocks.items()}
@@ -189,8 +191,8 @@ def test_search_picks_expert_tp_1_where_it_is_faster_and_writes_it_in_the_plan()
     options = SearchOptions(max_microbatch_size=2, zero_stages=(0, 1), recompute=("none",), virtual_stages=(),
                             pipeline=False)
     cluster = small_gpus(1, 1.2)  # tight memory: tp > 1 is needed
-    result = run_search(MID_MOE, cluster, 16, 2048, options=options, baselines=False)
-    without = run_search(MID_MOE, cluster, 16, 2048, options=dataclasses.replace(options, expert_tensor_parallel=False),
+    result = search_plans(MID_MOE, cluster, 16, 2048, options=options, baselines=False)
+    without = search_plans(MID_MOE, cluster, 16, 2048, options=dataclasses.replace(options, expert_tensor_parallel=False),
                          baselines=False)
     best = result.plans[0]
     assert best.mesh.tp > 1 and best.mesh.etp == 1 and result.stats.configurations > without.stats.configurations
@@ -202,7 +204,7 @@ def test_search_picks_expert_tp_1_where_it_is_faster_and_writes_it_in_the_plan()
 
 
 def test_baselines_follow_their_recipes_and_never_beat_the_search(mid):
-    result = run_search(MID, small_gpus(2, 80.0), 64, 4096, options=SearchOptions(max_microbatch_size=4))
+    result = search_plans(MID, small_gpus(2, 80.0), 64, 4096, options=SearchOptions(max_microbatch_size=4))
     by_name = {b.name: b for b in result.baselines}
     megatron, fsdp = by_name["megatron"].plan, by_name["fsdp"].plan
     assert megatron.mesh.tp == 4 and megatron.mesh.cp == 1  # 8 GPUs per node capped by kv_heads = 4
@@ -291,18 +293,18 @@ def slow_network(nodes: int, gpus_per_node: int, slower: float) -> ClusterSpec:
 
 
 def test_mesh_orders_skip_orders_that_change_no_link():
-    from autoplan.search_space import DEFAULT_ORDER, mesh_orders
+    from autoplan.solver.space import DEFAULT_ORDER, mesh_orders
     assert mesh_orders(1, 1, 1, 1, 16, 8) == (DEFAULT_ORDER,)  # one axis: every order is the same
     assert mesh_orders(2, 2, 1, 1, 4, 8) == (DEFAULT_ORDER, DP_INNER)  # tp x cp = 4 stays inside a node either way
     assert CP_INNER in mesh_orders(2, 4, 1, 1, 1, 4)  # tp x cp = 8 > 4: cp or tp leaves the node
 
 
 def test_an_order_keeping_the_heavy_group_inside_a_node_is_priced_faster():
-    ctx = SearchContext(MID_MOE, slow_network(2, 8, 10.0), 16, 4096)
-    cp = Config(tp=1, cp=8, pp=1, ep=1, dp=2, microbatch_size=2, num_microbatches=4, zero_stage=1, recompute="none")
-    ep = Config(tp=1, cp=1, pp=1, ep=8, dp=2, microbatch_size=1, num_microbatches=1, zero_stage=1, recompute="none")
+    ctx = search_context(MID_MOE, slow_network(2, 8, 10.0), 16, 4096)
+    cp = Config.of(tp=1, cp=8, pp=1, ep=1, dp=2, microbatch_size=2, num_microbatches=4, zero_stage=1, recompute="none")
+    ep = Config.of(tp=1, cp=1, pp=1, ep=8, dp=2, microbatch_size=1, num_microbatches=1, zero_stage=1, recompute="none")
     for cfg, axis in ((cp, "cp"), (ep, "ep")):
-        spread = dataclasses.replace(cfg, order=DP_INNER)  # dp innermost: the cp (ep) group spans both nodes
+        spread = cfg.replace(order=DP_INNER)  # dp innermost: the cp (ep) group spans both nodes
         assert axes_group(cfg.mesh, (axis,), 8) == AxisGroup(8, 1, 8)
         assert axes_group(spread.mesh, (axis,), 8) == AxisGroup(8, 2, 4)
         inside, across = ctx.price(cfg), ctx.price(spread)
@@ -320,8 +322,8 @@ def test_search_picks_a_non_default_order_when_it_is_strictly_better():
     # the test measures the order alone
     options = SearchOptions(max_microbatch_size=2, zero_stages=(0, 1), recompute=("none",), virtual_stages=(),
                             pipeline=False, expert_tensor_parallel=False)
-    chosen = run_search(MID_MOE, cluster, 2, 4096, options=options, baselines=False)
-    default = run_search(MID_MOE, cluster, 2, 4096, options=dataclasses.replace(options, orders=False),
+    chosen = search_plans(MID_MOE, cluster, 2, 4096, options=options, baselines=False)
+    default = search_plans(MID_MOE, cluster, 2, 4096, options=dataclasses.replace(options, orders=False),
                          baselines=False)
     best = chosen.plans[0]
     assert best.mesh.order == CP_INNER and best.mesh.cp > 1
@@ -329,7 +331,7 @@ def test_search_picks_a_non_default_order_when_it_is_strictly_better():
     assert chosen.priced[0].config.order == CP_INNER
     back = Plan.from_json(best.to_json())
     assert back.mesh.order == CP_INNER and back == best
-    again = run_search(MID_MOE, cluster, 2, 4096, options=options, baselines=False)
+    again = search_plans(MID_MOE, cluster, 2, 4096, options=options, baselines=False)
     assert [p.to_json()["mesh"] for p in again.plans] == [p.to_json()["mesh"] for p in chosen.plans]
     assert again.plans[0].predicted.step_time_s == best.predicted.step_time_s
     # the plan's order is the one priced: estimating the same configuration gives the same time

@@ -10,7 +10,8 @@ from autoplan.cost_model.pipeline import (in_flight_microbatches, interleaved_ch
                                           pipeline_time_s)
 from autoplan.errors import AutoplanError, ConfigError
 from autoplan.mesh import MeshShape
-from autoplan.solver.stages import (Part, StageProblem, evaluate_partition, partition_brute_force,
+from autoplan.cost_model.pipeline import Part, StageProblem
+from autoplan.solver.stages import (evaluate_partition, partition_brute_force,
                                     partition_stages)
 
 

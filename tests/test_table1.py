@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.planner import capture_model, search
+from autoplan.api import capture_model, search
 
 PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "megatron_table1.py"
 

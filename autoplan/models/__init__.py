@@ -1,45 +1,21 @@
-"""The model zoo: configs, presets and `build_model`."""
+"""The model zoo: configs and presets (`config`, torch-free), the modules (`gpt`, `llama`, `moe`, `layers`)
+and `build_model` (`build`). The modules and `build_model` load torch on first use, so the planner can
+read a config without it."""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-from torch.overrides import TorchFunctionMode
+import importlib
 
 from autoplan.models.config import ModelConfig, get_model_config, known_models, load_model_config
-from autoplan.models.gpt import GPT
-from autoplan.models.layers import LEAF_MODULE_TYPES
-from autoplan.models.llama import Llama
-from autoplan.models.moe import Mixtral
+
+_LAZY = {"build_model": "autoplan.models.build", "LEAF_MODULE_TYPES": "autoplan.models.layers"}
 
 __all__ = ["LEAF_MODULE_TYPES", "ModelConfig", "build_model", "get_model_config", "known_models",
            "load_model_config"]
 
 
-class _SkipInitOnMeta(TorchFunctionMode):
-    """Makes initialisers of meta tensors no-ops (`torch.nn.init.*` and the in-place random and fill
-    methods): a meta tensor holds no values, and `normal_` on meta goes through torch's reference
-    decompositions, whose first use imports torch._dynamo (about 2 s of every planning run)."""
-
-    INIT_METHODS = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.fill_, torch.Tensor.zero_})
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        initialiser = func in self.INIT_METHODS or getattr(func, "__module__", None) == "torch.nn.init"
-        target = args[0] if args else kwargs.get("tensor")  # nn.init passes its tensor by keyword
-        if initialiser and isinstance(target, torch.Tensor) and target.is_meta:
-            return target
-        return func(*args, **kwargs)
-
-
-def build_model(config: ModelConfig, device: str | torch.device = "meta",
-                dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Construct the module for `config` directly on `device` (meta: no memory, no initialisation),
-    cast to `dtype`."""
-    classes = {"gpt": GPT, "llama": Llama, "moe": Mixtral}
-    with torch.device(device):
-        if torch.device(device).type != "meta":
-            return classes[config.family](config).to(dtype=dtype)
-        with _SkipInitOnMeta():
-            model = classes[config.family](config)
-    return model.to(dtype=dtype)
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'autoplan.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

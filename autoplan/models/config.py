@@ -123,6 +123,10 @@ class ModelConfig:
         """d = hidden / heads."""
         return self.hidden // self.heads
 
+    def rule_info(self) -> dict:
+        """What the strategy rules (`autoplan.strategies`) read of the model besides its graph."""
+        return {"head_dim": self.head_dim, "ffn_hidden": self.ffn_hidden}
+
     def to_json(self) -> dict:
         return asdict(self)
 

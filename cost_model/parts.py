@@ -37,7 +37,7 @@ from autoplan.strategies import Strategy
 
 if TYPE_CHECKING:
     from autoplan.capture import CapturedGraph, NodeInfo
-    from autoplan.planner import TpSolution
+    from autoplan.cost_model.assignment import TpSolution
 
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down")
 

@@ -44,20 +44,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
-from fractions import Fraction
 
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.memory import model_state_bytes, state_bytes_for
 from autoplan.cost_model.parallel_dims import axes_group, cp_problem, etp_problem, nearest_multiples
 from autoplan.cost_model.pipeline import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED
+from autoplan.cost_model.step_config import ITEMSIZE, Config
 from autoplan.errors import ConfigError, InfeasibleError
-from autoplan.mesh import DEFAULT_ORDER, EP_AS, MeshShape
+from autoplan.mesh import DEFAULT_ORDER, MeshShape
 from autoplan.models.config import ModelConfig
 from autoplan.plan import RECOMPUTE_POLICIES
 
 ZERO_STAGES = (0, 1, 2, 3)
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclass(frozen=True)
@@ -81,74 +79,6 @@ class SearchOptions:
         if not set(self.zero_stages) <= set(ZERO_STAGES) or not set(self.recompute) <= set(RECOMPUTE_POLICIES):
             raise ConfigError(f"zero_stages {self.zero_stages} must be within {ZERO_STAGES} and recompute "
                               f"{self.recompute} within {RECOMPUTE_POLICIES}")
-
-
-@dataclass(frozen=True)
-class Config:
-    """One point of the search space (module docstring); `dp` is the mesh's dp axis, D / ep; `ep_as` what the ep
-    ranks are to the non-expert layers (`MeshShape.ep_as`)."""
-
-    tp: int
-    cp: int
-    pp: int
-    ep: int
-    dp: int
-    microbatch_size: int
-    num_microbatches: int
-    zero_stage: int
-    recompute: str
-    schedule: str = SCHEDULE_1F1B
-    virtual_stages: int = 1
-    order: tuple[str, ...] = DEFAULT_ORDER  # of the mesh axes over ranks, outermost first (`MeshShape.order`)
-    etp: int | None = None  # the experts' tensor-parallel degree (`MeshShape.etp`); None (and tp) mean tp
-    ep_as: str = "dp"
-
-    def __post_init__(self) -> None:
-        if self.etp == self.tp:  # one spelling of the default, so that equal configurations compare equal
-            object.__setattr__(self, "etp", None)
-        if self.ep_as not in EP_AS:
-            raise ConfigError(f"ep_as={self.ep_as!r} must be one of {EP_AS} (`MeshShape.ep_as`)")
-        if self.ep == 1:  # nothing folded: one spelling, as MeshShape does
-            object.__setattr__(self, "ep_as", "dp")
-
-    @property
-    def data_parallel(self) -> int:
-        """Ranks that split the batch (`MeshShape.batch_shards`): dp x ep, or dp under ep_as = "cp"."""
-        return self.dp if self.ep_as == "cp" else self.dp * self.ep
-
-    @property
-    def context_parallel(self) -> int:
-        """How many ways the dense layers split each sequence (`MeshShape.context_parallel`): cp, or cp x ep."""
-        return self.cp * self.ep if self.ep_as == "cp" else self.cp
-
-    @property
-    def data_ranks(self) -> int:
-        """Ranks holding the same dense shards (ZeRO shards over them, gradients reduce over them): dp x ep x cp,
-        whatever ep_as."""
-        return self.dp * self.ep * self.cp
-
-    @cached_property
-    def mesh(self) -> MeshShape:
-        return MeshShape(pp=self.pp, dp=self.dp, tp=self.tp, cp=self.cp, ep=self.ep, order=self.order, etp=self.etp,
-                         ep_as=self.ep_as)
-
-    @cached_property
-    def rank_microbatch(self) -> Fraction:
-        """Sequences' worth of tokens one rank processes per microbatch: mbs / cp (mbs / (cp ep) under
-        ep_as = "cp")."""
-        return Fraction(self.microbatch_size, self.context_parallel)
-
-    def sort_key(self) -> tuple:
-        """Deterministic order between configurations of equal step time (simpler ones first)."""
-        return (self.pp, self.tp, self.cp, self.ep, self.microbatch_size, self.zero_stage,
-                RECOMPUTE_POLICIES.index(self.recompute), self.schedule, self.virtual_stages,
-                self.order != DEFAULT_ORDER, self.order, self.etp is not None, self.ep_as != "dp")
-
-    def describe(self) -> str:
-        schedule = self.schedule if self.virtual_stages == 1 else f"{self.schedule} v={self.virtual_stages}"
-        order = "" if self.order == DEFAULT_ORDER else f" (order {' > '.join(self.order)})"
-        return (f"{self.mesh}{order}, microbatch {self.microbatch_size} x {self.num_microbatches}, ZeRO-{self.zero_stage}, "
-                f"recompute {self.recompute}, {schedule}")
 
 
 # Orders of the axes over ranks tried besides the default (tp innermost): cp or ep innermost keeps a
@@ -282,7 +212,7 @@ def _mesh_configs(model: ModelConfig, global_batch: int, options: SearchOptions,
         for schedule, v in schedules:
             for zero in runnable_zero_stages(options.zero_stages, pp, ep):
                 for recompute in options.recompute:
-                    configs.extend(Config(tp, cp, pp, ep, dp, mbs, m, zero, recompute, schedule, v, order, etp,
+                    configs.extend(Config.of(tp, cp, pp, ep, dp, mbs, m, zero, recompute, schedule, v, order, etp,
                                           ep_as) for order in orders)
     return configs
 

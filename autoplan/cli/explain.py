@@ -95,14 +95,15 @@ def op_family_costs(plan: Plan, graph, config) -> list[tuple[str, str, int, floa
     from fractions import Fraction
 
     from autoplan.cost_model.compute import Efficiency
-    from autoplan.cost_model.intra_op import CostContext, price_assignment, resolve_strategies
+    from autoplan.cost_model.intra_op import CostContext, price_assignment
+    from autoplan.cost_model.intra_op_problem import resolve_strategies
     from autoplan.mesh import MeshShape
-    from autoplan.planner import model_info
+
     from autoplan.strategies import default_registry, strategy_info
 
     tp = plan.mesh.tp
     assignment = {op.node: op.strategy for op in plan.ops}
-    info = strategy_info(model_info(config), tp, plan.mesh.etp)
+    info = strategy_info(config.rule_info(), tp, plan.mesh.etp)
     strategies = resolve_strategies(graph, default_registry(), info, tp, assignment)
     microbatch = Fraction(plan.microbatch_size, plan.mesh.context_parallel)
     ctx = CostContext(plan.cluster, MeshShape(dp=plan.cluster.world_size // tp, tp=tp), plan.dtype, Efficiency(),
@@ -120,7 +121,7 @@ def op_family_costs(plan: Plan, graph, config) -> list[tuple[str, str, int, floa
 def _model_for(plan: Plan, config=None):
     """The model config and its capture for `plan`, or (None, why not)."""
     from autoplan.models import get_model_config, known_models
-    from autoplan.planner import capture_model
+    from autoplan.api import capture_model
 
     if config is None:
         if plan.model.name not in known_models():

@@ -72,7 +72,7 @@ def breakdown_table(plan: Plan) -> Table:
 
 def strategy_table(plan: Plan) -> Table:
     """How many ops took each non-replicated strategy, by op family (layer index dropped)."""
-    from autoplan.explain import op_family
+    from autoplan.cli.explain import op_family
 
     counts: Counter[tuple[str, str]] = Counter()
     for op in plan.ops:

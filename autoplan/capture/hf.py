@@ -29,7 +29,7 @@ Op kinds from ATen targets: linear / addmm / mm / matmul / bmm / grouped_mm with
 experts); embedding -> "embedding"; layer_norm / rms_norm / the fused modules above -> "norm";
 cross_entropy_loss, and log_softmax -> (views) -> nll_loss fused into one node, -> "cross_entropy";
 pointwise ops -> "elementwise"; views, reshapes, permutes, slices, cat, contiguous -> "view"
-(`autoplan.hf_rules` has its rule; the default registry runs it replicated); everything else (MoE
+(`autoplan.capture.hf_rules` has its rule; the default registry runs it replicated); everything else (MoE
 routing: softmax, topk, sort, index, histc, cumsum; position and mask builders; matmuls of two
 activations) -> "other", named in a warning (no sharding rule: replicated).
 
@@ -77,7 +77,7 @@ from torch import nn
 
 from autoplan.capture import CapturedGraph, NodeInfo
 from autoplan.errors import AutoplanError, ConfigError
-from autoplan.hf_convert import GraphConverter, HfLayout
+from autoplan.capture.hf_convert import GraphConverter, HfLayout
 from autoplan.models.config import ModelConfig
 
 CONFIG_VOLATILE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
@@ -128,7 +128,7 @@ def _get(config, *names: str, default=None):
 
 
 def hf_model_info(config) -> dict:
-    """What the strategy rules read (`autoplan.planner.model_info`), from the HF config itself, so a
+    """What the strategy rules read (`ModelConfig.rule_info`), from the HF config itself, so a
     head_dim other than hidden / heads is right."""
     hidden, heads = _get(config, "hidden_size", "n_embd"), _get(config, "num_attention_heads", "n_head")
     head_dim = _get(config, "head_dim", default=hidden // heads)
@@ -245,7 +245,7 @@ def _capture_module(model: nn.Module, config, batch_size: int, seq_len: int, dty
 def capture_hf_for_planner(path_or_config, seq_len: int, dtype: str = "bfloat16"
                            ) -> tuple[ModelConfig, CapturedGraph, dict]:
     """What `autoplan search --hf-config FILE_OR_DIR` needs: the ModelConfig summary, the graph
-    captured at batch 1 (as `autoplan.planner.capture_model` does) and the strategy-rule info."""
+    captured at batch 1 (as `autoplan.api.capture_model` does) and the strategy-rule info."""
     config = load_hf_config(path_or_config) if isinstance(path_or_config, (str, Path)) else path_or_config
     summary = hf_model_config(config)
     return summary, capture_hf(config, 1, seq_len, getattr(torch, dtype)), hf_model_info(config)

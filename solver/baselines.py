@@ -3,7 +3,7 @@
 Megatron-style (Narayanan et al., SC'21): tp = the largest divisor of the GPUs per node that divides
 the attention heads and kv heads; the smallest pp (dividing world / tp, at most the layers) whose
 configuration fits; dp = world / (tp pp); microbatch 1; 1F1B; selective recompute; Megatron-LM's
-tensor-parallel assignment with sequence parallelism (`planner.megatron_assignment`); the distributed
+tensor-parallel assignment with sequence parallelism (`solver.intra_op.megatron_assignment`); the distributed
 optimizer (ZeRO-1), as current Megatron-LM recipes use it; stages balanced by the same stage DP.
 
 FSDP / ZeRO-3: tp = pp = 1, dp = world, ZeRO-3, the lightest recompute policy under which anything
@@ -21,10 +21,12 @@ from dataclasses import dataclass
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.compute import Efficiency
 from autoplan.models.config import ModelConfig
-from autoplan.outer_search import VARIANT_ILP, VARIANT_MEGATRON, BaselineResult, SearchContext
+from autoplan.cost_model.step import Priced
+from autoplan.errors import ConfigError
 from autoplan.plan import Plan
-from autoplan.pricing import Priced
-from autoplan.search_space import Config, SearchOptions, divisors, memory_lower_bound
+from autoplan.solver.context import VARIANT_ILP, VARIANT_MEGATRON, BaselineResult, GraphSource, SearchContext
+from autoplan.cost_model.step_config import Config
+from autoplan.solver.space import SearchOptions, divisors, memory_lower_bound
 from autoplan.strategies import StrategyRegistry
 
 BASELINE_NAMES = ("megatron", "fsdp")
@@ -61,7 +63,7 @@ def megatron_baseline(ctx: SearchContext) -> Baseline:
         if batch % dp:
             continue
         tried.append(pp)
-        priced = _fits(ctx, Config(tp, 1, pp, 1, dp, 1, batch // dp, 1, "selective"), variant)
+        priced = _fits(ctx, Config.of(tp, 1, pp, 1, dp, 1, batch // dp, 1, "selective"), variant)
         if priced is not None:
             return Baseline("megatron", priced)
     if not tried:
@@ -78,7 +80,7 @@ def fsdp_baseline(ctx: SearchContext, options: SearchOptions | None = None) -> B
     sizes = sorted((d for d in divisors(batch // world) if d <= options.max_microbatch_size), reverse=True)
     for recompute in options.recompute:
         for mbs in sizes:
-            priced = _fits(ctx, Config(1, 1, 1, 1, world, mbs, batch // (world * mbs), 3, recompute), VARIANT_ILP)
+            priced = _fits(ctx, Config.of(1, 1, 1, 1, world, mbs, batch // (world * mbs), 3, recompute), VARIANT_ILP)
             if priced is not None:
                 return Baseline("fsdp", priced)
     return Baseline("fsdp", None, f"ZeRO-3 over all {world} GPUs does not fit even at microbatch {min(sizes, default=1)} "
@@ -89,20 +91,16 @@ def all_baselines(ctx: SearchContext, options: SearchOptions | None = None) -> t
     return megatron_baseline(ctx), fsdp_baseline(ctx, options)
 
 
-def baseline_plans(model: ModelConfig | str, cluster: ClusterSpec | str, global_batch: int, seq_len: int, *,
-                   names: tuple[str, ...] = BASELINE_NAMES, dtype: str = "bfloat16",
-                   efficiency: Efficiency | None = None, registry: StrategyRegistry | None = None,
-                   options: SearchOptions | None = None) -> tuple[BaselineResult, ...]:
-    """The baselines as Plans (or why each has none), without a search."""
-    from autoplan.planner import resolve_inputs
-
-    config, cluster = resolve_inputs(model, cluster, global_batch, seq_len, dtype)
+def baselines_of(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, graph: GraphSource, *,
+                 names: tuple[str, ...] = BASELINE_NAMES, dtype: str = "bfloat16",
+                 efficiency: Efficiency | None = None, registry: StrategyRegistry | None = None,
+                 options: SearchOptions | None = None) -> tuple[BaselineResult, ...]:
+    """The baselines `names` as Plans (or why each has none), without a search."""
     unknown = set(names) - set(BASELINE_NAMES)
     if unknown:
-        from autoplan.errors import ConfigError
-
         raise ConfigError(f"unknown baselines {sorted(unknown)}; known: {', '.join(BASELINE_NAMES)}")
-    ctx = SearchContext(config, cluster, global_batch, seq_len, dtype=dtype, efficiency=efficiency, registry=registry)
+    ctx = SearchContext(config, cluster, global_batch, seq_len, dtype=dtype, efficiency=efficiency, registry=registry,
+                        graph=graph)
     found = []
     for name in names:
         b = megatron_baseline(ctx) if name == "megatron" else fsdp_baseline(ctx, options)

@@ -1,4 +1,4 @@
-"""Strategy rules for the graphs of `autoplan.capture_hf`: views, broadcasting pointwise ops, and
+"""Strategy rules for the graphs of `autoplan.capture.hf`: views, broadcasting pointwise ops, and
 linears whose weights are not nn.Linear's.
 
 `hf_registry()` is `default_registry()` plus:

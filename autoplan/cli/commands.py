@@ -33,7 +33,7 @@ def _search_parser(sub) -> None:
     p.add_argument("--no-fold", action="store_true", help="solve the unfolded graph (slower; for comparison)")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit per solve, seconds")
     _profile_option(p)
-    from autoplan.explain import add_search_options
+    from autoplan.cli.explain import add_search_options
 
     add_search_options(p)
 
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true", help="print the validated plan JSON")
     sub.add_parser("models", help="list the known model names and their shapes")
     _estimate_parser(sub)
-    from autoplan.explain import add_compare_parser, add_explain_parser
+    from autoplan.cli.explain import add_compare_parser, add_explain_parser
     from autoplan.profiler.cli import add_profile_parser
 
     add_explain_parser(sub)
@@ -113,8 +113,8 @@ def _load_model_config(args):
 
 def cmd_search(args) -> int:
     from autoplan.cluster import parse_cluster
-    from autoplan.explain import save_top, search_progress, search_report
-    from autoplan.planner import search_plans
+    from autoplan.cli.explain import save_top, search_progress, search_report
+    from autoplan.api import search_plans
 
     cluster = parse_cluster(args.cluster)
     if args.global_batch < 1 or args.seq < 1 or args.top < 1:
@@ -133,7 +133,7 @@ def cmd_search(args) -> int:
     if args.json:
         print(plan.dumps())
         return 0
-    from autoplan.report import render_plan
+    from autoplan.cli.report import render_plan
 
     render_plan(plan)
     if args.top > 1 or args.baseline:
@@ -145,8 +145,8 @@ def cmd_search(args) -> int:
 
 def _hf_capture(args) -> dict:
     """The Hugging Face model of --hf-config, captured on meta: its config summary, graph, rule info and registry."""
-    from autoplan.capture_hf import capture_hf_for_planner
-    from autoplan.hf_rules import hf_registry
+    from autoplan.capture.hf import capture_hf_for_planner
+    from autoplan.capture.hf_rules import hf_registry
 
     config, graph, info = capture_hf_for_planner(args.hf_config, args.seq, args.dtype)
     return {"config": config, "graph": graph, "info": info, "registry": hf_registry()}
@@ -157,7 +157,7 @@ def cmd_estimate(args) -> int:
 
     from autoplan.cluster import parse_cluster
     from autoplan.mesh import MeshShape
-    from autoplan.planner import estimate
+    from autoplan.api import estimate
 
     config = _load_model_config(args)
     cluster = parse_cluster(args.cluster)
@@ -175,7 +175,7 @@ def cmd_estimate(args) -> int:
     if args.json:
         print(json.dumps(plan.to_json()["predicted"], indent=1))
         return 0
-    from autoplan.report import render_plan
+    from autoplan.cli.report import render_plan
 
     render_plan(plan)
     return 0
@@ -188,7 +188,7 @@ def cmd_show(args) -> int:
     if args.json:
         print(plan.dumps())
     else:
-        from autoplan.report import render_plan
+        from autoplan.cli.report import render_plan
 
         render_plan(plan)
     return 0
@@ -198,7 +198,7 @@ def cmd_models(args) -> int:
     from rich.table import Table
 
     from autoplan.models import known_models
-    from autoplan.report import make_console
+    from autoplan.cli.report import make_console
 
     table = Table(title="known models")
     for col in ("name", "family", "layers", "hidden", "heads", "kv heads", "ffn", "vocab", "experts", "parameters"):
@@ -213,7 +213,7 @@ def cmd_models(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from autoplan.explain import cmd_compare, cmd_explain
+    from autoplan.cli.explain import cmd_compare, cmd_explain
     from autoplan.profiler.cli import cmd_profile
 
     handlers = {"search": cmd_search, "estimate": cmd_estimate, "show": cmd_show, "models": cmd_models,

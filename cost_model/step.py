@@ -1,5 +1,5 @@
 """The step model: what one full configuration (pp x dp x ep x cp x tp, microbatches, ZeRO, recompute,
-schedule) costs per optimizer step, from one tensor-parallel solution split into parts (`autoplan.parts`).
+schedule) costs per optimizer step, from one tensor-parallel solution split into parts (`autoplan.cost_model.parts`).
 
 Per microbatch and rank, with mbs / C sequences of full length standing for the rank's share (C = cp, or
 cp x ep under ep_as = "cp": `Config.context_parallel`; the expert all-to-alls then carry the same tokens per
@@ -55,6 +55,7 @@ is priced as if alone); compute slowed by overlapped communication; expert load 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -64,13 +65,24 @@ from autoplan.cost_model.compute import Efficiency, op_time_s
 from autoplan.cost_model.memory import model_state_bytes, state_bytes_for, temporary_bytes
 from autoplan.cost_model.parallel_dims import (axes_group, expert_all_to_all_s, expert_tp_exchange_s,
                                                ulysses_all_to_all_s)
-from autoplan.cost_model.pipeline import (SCHEDULE_INTERLEAVED, in_flight_microbatches, interleaved_chunks,
-                                          p2p_per_microbatch_s, pipeline_time_s)
+from autoplan.cost_model.pipeline import (SCHEDULE_INTERLEAVED, Part, StageProblem, in_flight_microbatches,
+                                          interleaved_chunks, p2p_per_microbatch_s, pipeline_time_s)
 from autoplan.models.config import ModelConfig
-from autoplan.parts import BlockCosts, PartCost
+from autoplan.cost_model.parts import BlockCosts, PartCost
 from autoplan.plan import MemoryBreakdown, TimeBreakdown
-from autoplan.search_space import ITEMSIZE, Config
-from autoplan.solver.stages import Part, StageProblem, partition_stages
+from autoplan.cost_model.step_config import ITEMSIZE, Config
+
+
+class StagePartitionLike(Protocol):
+    """What the step model reads of a partition (`solver.stages.StagePartition`)."""
+
+    bounds: tuple[int, ...]
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]: ...
+
+
+Partition = Callable[[StageProblem], "StagePartitionLike | None"]
 
 
 @dataclass(frozen=True)
@@ -142,8 +154,10 @@ class _States:
 class StepModel:
     """Prices configurations of one model on one cluster (module docstring); caches what configurations share."""
 
-    def __init__(self, env: StepEnv) -> None:
-        self.env = env
+    def __init__(self, env: StepEnv, partition: Partition) -> None:
+        """`partition`: the stage DP (`autoplan.solver.stages.partition_stages`), which the solver passes in:
+        the step model prices a partition, the solver finds it."""
+        self.env, self.partition = env, partition
         self.state = state_bytes_for(env.dtype)
         self._groups: dict[tuple, AxisGroup] = {}
         self._partitions: dict[tuple, tuple[int, ...]] = {}
@@ -244,14 +258,14 @@ class StepModel:
             return [[(a, b) for st, _, a, b in chunks if st == s] for s in range(cfg.pp)]
         key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg), cfg.pp)
         if key not in self._partitions:
-            fastest = partition_stages(StageProblem(problem.layer_time_s, problem.layer_static_bytes,
+            fastest = self.partition(StageProblem(problem.layer_time_s, problem.layer_static_bytes,
                                                     problem.layer_activation_bytes, problem.layer_transient_bytes,
                                                     problem.in_flight, np.inf, problem.first, problem.last))
             self._partitions[key] = fastest.bounds
         bounds = self._partitions[key]
         pairs = list(zip(bounds[:-1], bounds[1:]))
         if cfg.pp > 1 and max(problem.stage_memory_bytes(s, a, b) for s, (a, b) in enumerate(pairs)) > problem.memory_limit_bytes:
-            fitting = partition_stages(problem)
+            fitting = self.partition(problem)
             pairs = list(fitting.ranges) if fitting is not None else pairs
         return [[pair] for pair in pairs]
 

@@ -24,228 +24,27 @@ much is pruned. Same inputs, same plans.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Callable, Mapping
 
-import autoplan
-from autoplan.capture import CapturedGraph
 from autoplan.cluster import ClusterSpec
-from autoplan.cost_model.comm import COLLECTIVE_KINDS, AxisGroup, group_collective_time_s
 from autoplan.cost_model.compute import Efficiency
-from autoplan.cost_model.intra_op import CostContext, attention_head_dim
-from autoplan.cost_model.memory import is_batched, param_placements, selective_recompute_nodes
-from autoplan.cost_model.parallel_dims import batch_problem, check, cp_problem, ep_problem, etp_problem, tp_problem
 from autoplan.cost_model.pipeline import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED
+from autoplan.cost_model.parallel_dims import batch_problem, check, cp_problem, ep_problem, etp_problem, tp_problem
+from autoplan.cost_model.step import Priced
 from autoplan.errors import ConfigError
 from autoplan.mesh import MeshShape
 from autoplan.models.config import ModelConfig
-from autoplan.placement import Replicate, Shard
-from autoplan.plan import (RECOMPUTE_POLICIES, ModelRef, OpPlacement, ParamPlacement, Plan, Predicted, Provenance,
-                           StageSpec)
-from autoplan.planner import (capture_model, fold_for_search, fold_note, megatron_assignment, model_info,
-                              TpSolution, solve_tp, tp_solution)
-from autoplan.parts import EXPERT_PARAMS, BlockCosts, SolutionParts, block_costs, solution_parts
-from autoplan.pricing import Priced, StepEnv, StepModel
-from autoplan.search_space import (Config, FlopsPerSequence, SearchOptions, enumerate_configs, infeasible,
+from autoplan.plan import RECOMPUTE_POLICIES, Plan
+from autoplan.solver.baselines import all_baselines
+from autoplan.solver.context import (VARIANT_ILP, VARIANT_MEGATRON, BaselineResult, GraphSource, Progress, ProgressMessage,
+                                     SearchContext)
+from autoplan.solver.intra_op import fold_note
+from autoplan.cost_model.step_config import Config
+from autoplan.solver.space import (FlopsPerSequence, SearchOptions, enumerate_configs, infeasible,
                                    memory_lower_bound, parameter_split, time_lower_bound_s)
-from autoplan.strategies import Strategy, StrategyRegistry, default_registry, strategy_info
-
-VARIANT_ILP = "ilp"
-VARIANT_MEGATRON = "megatron-sp"
-
-
-class ProgressMessage(str):
-    """A progress line that also says how far the search is: `done` of `total` intra-op keys."""
-
-    done: int
-    total: int
-
-    def __new__(cls, text: str, done: int = 0, total: int = 0) -> "ProgressMessage":
-        message = super().__new__(cls, text)
-        message.done, message.total = done, total
-        return message
-
-
-Progress = Callable[[str], None]
-
-
-class SearchContext:
-    """One model, cluster, global batch and sequence: the captured graph and what was solved so far."""
-
-    def __init__(self, config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, *,
-                 dtype: str = "bfloat16", efficiency: Efficiency | None = None, registry: StrategyRegistry | None = None,
-                 fold: bool = True, time_limit_s: float = 60.0, graph: CapturedGraph | None = None,
-                 info: Mapping | None = None) -> None:
-        self.config, self.cluster, self.global_batch, self.seq_len, self.dtype = config, cluster, global_batch, seq_len, dtype
-        self.efficiency = (efficiency or Efficiency()).resolved(cluster.device)  # one GEMM curve for the search
-        self.registry = registry or default_registry()
-        # a pre-captured graph (e.g. a Hugging Face export) brings its own strategy-rule info
-        self.info = dict(info) if info is not None else model_info(config)
-        self.fold, self.time_limit_s = fold, time_limit_s
-        if graph is None or graph.seq_len != seq_len:
-            graph = capture_model(config, seq_len, dtype)
-        self.graph = graph
-        self.head_dim = attention_head_dim(graph)
-        self.fold_map = fold_for_search(graph, fold)
-        self.steps = StepModel(StepEnv(config, cluster, seq_len, dtype, self.efficiency))
-        self._blocks: dict[tuple, BlockCosts] = {}
-        self._solutions: dict[tuple, SolutionParts] = {}
-        self._assignments: dict[tuple, dict[str, str]] = {}
-        self._spread: dict[tuple, AxisGroup | None] = {}
-        self._no_less: dict[AxisGroup, bool] = {}
-        self.ilp_solves = 0
-
-    def flops_per_sequence(self) -> FlopsPerSequence:
-        g, batch = self.graph, self.graph.batch_size
-        selective = set(selective_recompute_nodes(g))
-        return FlopsPerSequence(g.total_fwd_flops() / batch, g.total_bwd_flops() / batch,
-                                sum(n.fwd_flops for n in g.nodes if n.name in selective) / batch,
-                                sum(n.fwd_flops for n in g.nodes if n.layer is not None) / batch)
-
-    def assignment(self, variant: str, tp: int, etp: int | None = None) -> dict[str, str]:
-        if variant != VARIANT_MEGATRON:
-            raise ConfigError(f"unknown strategy variant {variant!r}; expected {VARIANT_ILP!r} or {VARIANT_MEGATRON!r}")
-        etp = tp if etp is None else etp
-        if (variant, tp, etp) not in self._assignments:
-            self._assignments[(variant, tp, etp)] = megatron_assignment(
-                self.graph, self.registry, tp, strategy_info(self.info, tp, etp), sequence_parallel=True)
-        return self._assignments[(variant, tp, etp)]
-
-    def solution(self, tp: int, microbatch: int, variant: str = VARIANT_ILP,
-                 assignment: Mapping[str, str] | None = None, etp: int | None = None) -> SolutionParts:
-        """The tp strategies at a whole `microbatch` (cached): the intra-op solver's, or an assignment's;
-        `etp` (None: tp) decides the MoE layers' strategies."""
-        etp = tp if etp is None else etp
-        key = (tp, microbatch, variant, tuple(sorted(assignment.items())) if assignment is not None else None, etp)
-        if key not in self._solutions:
-            # tp innermost: the solver sees its own group
-            mesh = MeshShape(dp=self.cluster.world_size // tp, tp=tp, etp=etp)
-            if variant == VARIANT_ILP and 1 < etp < tp:
-                sol = self._folded_ilp_solution(tp, microbatch, mesh)
-            elif variant == VARIANT_ILP:
-                sol = solve_tp(self.graph, self.registry, self.info, self.cluster, mesh, microbatch, self.dtype,
-                               self.efficiency, self.fold, self.time_limit_s, self.fold_map)
-                self.ilp_solves += 1
-            else:
-                chosen = dict(assignment) if assignment is not None else self.assignment(variant, tp, etp)
-                sol = tp_solution(self.graph, self.registry, self.info, self.cluster, mesh, microbatch, chosen,
-                                  self.dtype, self.efficiency, variant)
-            self._solutions[key] = solution_parts(self.graph, sol)
-        return self._solutions[key]
-
-    def _folded_ilp_solution(self, tp: int, microbatch: int, mesh: MeshShape) -> TpSolution:
-        """The intra-op optimum under 1 < etp < tp without another ILP: every etp < tp gives each MoE its one
-        strategy "expert" with the same placements, so the problems differ by a constant (the MoE's expert GEMM
-        width) and share their argmin; the etp = 1 solve's choice, priced at this etp."""
-        whole = self.solution(tp, microbatch, VARIANT_ILP, etp=1).solution
-        return tp_solution(self.graph, self.registry, self.info, self.cluster, mesh, microbatch, whole.assignment,
-                           self.dtype, self.efficiency, whole.solver, whole.status)
-
-    def block(self, tp: int, microbatch: Fraction, variant: str = VARIANT_ILP,
-              assignment: Mapping[str, str] | None = None, mesh: MeshShape | None = None,
-              etp: int | None = None) -> BlockCosts:
-        """The tp solution for `microbatch` sequences per rank (mbs / cp, maybe below 1), priced part by part
-        at exactly that microbatch (cached). The strategies are those solved at ceil(microbatch) sequences:
-        the solver works on whole microbatches, and its choice barely moves between neighbouring sizes.
-        `mesh`: the configuration's, whose order may spread its tp groups over nodes (cp or ep innermost): the
-        tp communication of the same strategies (solved with tp inside a node) is then priced over those links.
-        `etp`: the experts' tensor-parallel degree (None: tp)."""
-        spread = self.tp_spread(mesh) if mesh is not None else None
-        etp = tp if etp is None else etp
-        key = (tp, microbatch, variant, tuple(sorted(assignment.items())) if assignment is not None else None, spread,
-               etp)
-        if key not in self._blocks:
-            parts = self.solution(tp, math.ceil(microbatch), variant, assignment, etp)
-            mesh = mesh if spread is not None else MeshShape(dp=self.cluster.world_size // tp, tp=tp)
-            ctx = CostContext(self.cluster, mesh, self.dtype, self.efficiency, self.graph.batch_size,
-                              float(microbatch) / self.graph.batch_size, head_dim=self.head_dim)
-            self._blocks[key] = block_costs(self.graph, parts, ctx, variant, microbatch)
-        return self._blocks[key]
-
-    def tp_spread(self, mesh: MeshShape) -> AxisGroup | None:
-        """The tp group of `mesh` when it leaves one node (its order), else None (cached)."""
-        key = (mesh.pp, mesh.dp, mesh.ep, mesh.cp, mesh.tp, mesh.order)
-        if key not in self._spread:
-            group = AxisGroup.of(mesh, "tp", self.cluster.gpus_per_node)
-            self._spread[key] = group if group.nodes > 1 else None
-        return self._spread[key]
-
-    def costs_no_less(self, group: AxisGroup) -> bool:
-        """Whether every collective over `group` takes at least as long as over a group of its size inside
-        one node, at every size (the times are affine in the bytes: compare intercept and slope)."""
-        inside, measured = AxisGroup(group.size, 1, group.size), self.efficiency.collectives
-        if group not in self._no_less:
-            at = [[group_collective_time_s(kind, b, self.cluster, g, measured) for b in (0.0, 1e9)]
-                  for kind in COLLECTIVE_KINDS for g in (group, inside)]
-            self._no_less[group] = all(s0 >= i0 and s1 - s0 >= i1 - i0 for (s0, s1), (i0, i1) in zip(at[::2], at[1::2]))
-        return self._no_less[group]
-
-    def price(self, cfg: Config, variant: str = VARIANT_ILP, assignment: Mapping[str, str] | None = None) -> Priced:
-        return self.steps.price(self.block(cfg.tp, cfg.rank_microbatch, variant, assignment, cfg.mesh, cfg.etp), cfg)
-
-    def plan(self, priced: Priced, search_time_s: float = 0.0, notes: tuple[str, ...] = (),
-             assignment: Mapping[str, str] | None = None, solver: str | None = None) -> Plan:
-        """The Plan of a priced configuration (placements from its tp solution)."""
-        cfg = priced.config
-        sol = self.block(cfg.tp, cfg.rank_microbatch, priced.variant, assignment, cfg.mesh, cfg.etp).solution
-        params, ops = _placements(self.graph, sol.strategies, cfg)
-        fits = () if priced.fits else (f"does not fit: {priced.peak_memory_bytes / 1e9:.1f} GB per GPU > "
-                                        f"{self.cluster.device.memory_bytes / 1e9:.1f} GB",)
-        c = self.config
-        return Plan(
-            model=ModelRef(c.name, c.fingerprint(), c.num_layers, c.num_parameters()), cluster=self.cluster,
-            mesh=cfg.mesh, microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches,
-            global_batch=self.global_batch, seq_len=self.seq_len, zero_stage=cfg.zero_stage, recompute=cfg.recompute,
-            schedule=cfg.schedule, stages=tuple(StageSpec(s, a, b, chunk) for s, chunk, a, b in priced.stages),
-            params=params, ops=ops, predicted=self.predicted(priced),
-            provenance=Provenance(autoplan.__version__, search_time_s, sol.solver if solver is None else solver,
-                                  notes + _uncovered_note(self.graph, self.registry) + fits
-                                  + (self.efficiency.kernels.note(self.efficiency.memory),)),
-            dtype=self.dtype, kernels=self.efficiency.kernels.option)
-
-    def predicted(self, priced: Priced) -> Predicted:
-        step = priced.step_time_s
-        model_flops = 3 * self.graph.total_fwd_flops() / self.graph.batch_size * self.global_batch
-        peak = self.cluster.device.peak_flops_for(self.dtype) * self.cluster.world_size
-        return Predicted(step_time_s=step, mfu=model_flops / (step * peak),
-                         tokens_per_s=self.global_batch * self.seq_len / step,
-                         peak_memory_bytes=priced.peak_memory_bytes, memory=priced.memory, time=priced.time)
-
-
-def _placements(graph: CapturedGraph, strategies: Mapping[str, Strategy], cfg: Config
-                ) -> tuple[tuple[ParamPlacement, ...], tuple[OpPlacement, ...]]:
-    """Per parameter: tp placement, dp (ZeRO-3 shards), ep (experts split); per op: its output's."""
-    dp_param = Shard(0) if cfg.zero_stage == 3 else Replicate()
-    params: dict[str, ParamPlacement] = {}
-    ops = []
-    for node in graph.nodes:
-        strategy = strategies[node.name]
-        for name, _, placement in param_placements(node, strategy):
-            where = (("tp", placement), ("dp", dp_param))
-            if cfg.ep > 1 and node.op_kind == "moe" and name.rsplit(".", 1)[-1] in EXPERT_PARAMS:
-                where += (("ep", Shard(0)),)
-            params.setdefault(name, ParamPlacement(name, where))
-        output = ()
-        if node.output is not None:
-            output = (("tp", strategy.output),)
-            if is_batched(node.output, graph.batch_size):
-                # the sequence dim over the context axes: cp, and ep where its ranks are context-parallel ones
-                output += (("dp", Shard(0)),) + tuple((axis, Shard(1)) for axis in cfg.mesh.context_axes
-                                                      if cfg.mesh.degree(axis) > 1)
-        ops.append(OpPlacement(node.name, strategy.name, output))
-    return tuple(params.values()), tuple(ops)
-
-
-def _uncovered_note(graph: CapturedGraph, registry: StrategyRegistry) -> tuple[str, ...]:
-    kinds = sorted({n.op_kind for n in graph.nodes if not registry.has_rule(n.op_kind)})
-    if not kinds:
-        return ()
-    count = sum(1 for n in graph.nodes if n.op_kind in kinds)
-    return (f"{count} ops of kinds {kinds} have no sharding rule and run replicated",)
-
+from autoplan.strategies import StrategyRegistry
 
 # ---------------------------------------------------------------------------------- the search
 
@@ -259,15 +58,6 @@ class SearchStats:
     returned: int  # plans returned (at most top)
     ilp_solves: int
     search_time_s: float
-
-
-@dataclass(frozen=True)
-class BaselineResult:
-    """A baseline's plan, or why there is none."""
-
-    name: str
-    plan: Plan | None
-    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -372,16 +162,14 @@ def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq
                options: SearchOptions | None = None, baselines: bool = True, dtype: str = "bfloat16",
                fold: bool = True, time_limit_s: float = 60.0, efficiency: Efficiency | None = None,
                registry: StrategyRegistry | None = None, progress: Progress | None = None,
-               graph: CapturedGraph | None = None, info: Mapping | None = None) -> SearchResult:
+               graph: GraphSource, info: Mapping | None = None) -> SearchResult:
     """The K best plans (module docstring); InfeasibleError, with the numbers, when none fits. `graph` and
     `info`: a graph captured elsewhere (at batch 1 and this seq_len) and its strategy-rule info."""
-    from autoplan.baselines import all_baselines  # baselines use this module's SearchContext
-
     start, report = time.perf_counter(), progress or (lambda message: None)
     if top < 1:
         raise ConfigError(f"top={top} must be >= 1")
     options = options or SearchOptions()
-    if graph is not None and not any(n.op_kind == "moe" for n in graph.nodes):
+    if not callable(graph) and not any(n.op_kind == "moe" for n in graph.nodes):
         options = dataclasses.replace(options, expert_tensor_parallel=False)  # no MoE layer for etp to change
     configs = enumerate_configs(config, cluster, global_batch, seq_len, options)
     sizes = parameter_split(config)
@@ -420,7 +208,7 @@ def _notes(ctx: SearchContext, priced: Priced, rank: int, found_baselines, stats
              f"{'/'.join(map(str, options.zero_stages))}, recompute {'/'.join(options.recompute)}, 1F1B and "
              f"interleaved schedules): {stats.pruned_by_memory} pruned by the memory bound, {stats.pruned_by_time} "
              f"by the time bound, {stats.priced} priced after {stats.ilp_solves} intra-op solves",
-             f"intra-op {fold_note(ctx.fold, ctx.fold_map, ctx.graph)}", f"rank {rank} of the {stats.returned} returned"]
+             f"intra-op {fold_note(ctx.fold, ctx.fold_map)}", f"rank {rank} of the {stats.returned} returned"]
     if priced.variant == VARIANT_MEGATRON:
         notes.append("tp strategies: Megatron-LM's assignment with sequence parallelism (it keeps less activation "
                      "memory than the intra-op optimum, which was slower for this configuration)")
@@ -474,13 +262,12 @@ def check_config(config: ModelConfig, cluster: ClusterSpec, global_batch: int, s
                               f"pp x v = {mesh.pp * virtual_stages} and the {m} microbatches divisible by pp={mesh.pp}")
     elif schedule != SCHEDULE_1F1B or virtual_stages != 1:
         raise ConfigError(f"schedule {schedule!r} with v={virtual_stages}: use '1f1b' (v=1) or 'interleaved-1f1b' (v >= 2)")
-    return Config(mesh.tp, mesh.cp, mesh.pp, mesh.ep, mesh.dp, microbatch_size, m, zero_stage, recompute, schedule,
-                  virtual_stages, tuple(mesh.order), mesh.etp, mesh.ep_as)
+    return Config(mesh, microbatch_size, m, zero_stage, recompute, schedule, virtual_stages)
 
 
 def price_given(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, cfg: Config, *,
                 assignment: Mapping[str, str] | None, dtype: str, efficiency: Efficiency | None,
-                registry: StrategyRegistry | None, fold: bool, time_limit_s: float, graph: CapturedGraph | None,
+                registry: StrategyRegistry | None, fold: bool, time_limit_s: float, graph: GraphSource,
                 notes: tuple[str, ...], search_time_s: float | None = None, solver: str | None = None) -> Plan:
     """The Plan of one configuration: the intra-op solver's strategies, or `assignment` when given."""
     start = time.perf_counter()
@@ -490,5 +277,3 @@ def price_given(config: ModelConfig, cluster: ClusterSpec, global_batch: int, se
     priced = ctx.price(cfg, variant, assignment)
     elapsed = time.perf_counter() - start if search_time_s is None else search_time_s
     return ctx.plan(priced, elapsed, notes, assignment, solver)
-
-

@@ -1,0 +1,79 @@
+"""One tensor-parallel assignment priced: the strategies chosen at one (tp, microbatch) and what the step
+model needs of them (`TpSolution`). `tp_solution` resolves an assignment (node name -> strategy name)
+against the strategy rules and prices it; the intra-op solve that chooses the assignment is
+`autoplan.solver.intra_op`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
+
+from autoplan.cluster import ClusterSpec
+from autoplan.cost_model.comm import AxisGroup
+from autoplan.cost_model.compute import Efficiency
+from autoplan.cost_model.intra_op import AssignmentCost, CostContext, make_context, price_assignment
+from autoplan.cost_model.intra_op_problem import resolve_strategies
+from autoplan.cost_model.memory import (SavedTensor, comm_buffer_lines, largest_comm_buffer_bytes,
+                                        parameter_count_by_layer, saved_tensors)
+from autoplan.mesh import MeshShape
+from autoplan.strategies import Strategy, StrategyRegistry, strategy_info
+
+if TYPE_CHECKING:
+    from autoplan.capture.graph import CapturedGraph
+
+
+@dataclass(frozen=True)
+class TpSolution:
+    """One (tp, microbatch) point: the strategies chosen and what the step model needs of them. The
+    whole-graph figures (`cost`, the parameter counts, the buffer at `microbatch_size`) are computed on
+    first use: the search prices parts instead (`autoplan.cost_model.parts`), and each is a pass over every node."""
+
+    tp: int
+    microbatch_size: int
+    assignment: dict[str, str]
+    strategies: dict[str, Strategy]
+    saved: tuple[SavedTensor, ...]  # activations at the capture batch
+    dp_group: AxisGroup
+    solver: str = ""
+    status: str = "optimal"
+    comm_lines: tuple[tuple[float, float], ...] = ()  # `memory.comm_buffer_lines`: the buffer at any microbatch
+    graph: CapturedGraph | None = field(default=None, compare=False, repr=False)
+    ctx: CostContext | None = field(default=None, compare=False, repr=False)
+
+    @functools.cached_property
+    def cost(self) -> AssignmentCost:
+        """Seconds per microbatch of the whole graph (`intra_op.price_assignment`)."""
+        return price_assignment(self.graph, self.strategies, self.ctx)
+
+    @functools.cached_property
+    def _params_by_layer(self) -> dict:
+        return parameter_count_by_layer(self.graph, self.strategies, self.tp)
+
+    @property
+    def local_params(self) -> float:
+        """Parameters per rank after tp."""
+        return float(sum(self._params_by_layer.values()))
+
+    @property
+    def largest_layer_params(self) -> float:
+        return max(self._params_by_layer.values(), default=0.0)
+
+    @property
+    def comm_buffer_bytes(self) -> float:
+        """The largest tp collective buffer at `microbatch_size`."""
+        return largest_comm_buffer_bytes(self.graph, self.strategies, self.tp, self.microbatch_size, self.comm_lines)
+
+
+def tp_solution(graph: CapturedGraph, registry: StrategyRegistry, info: Mapping, cluster: ClusterSpec,
+                mesh: MeshShape, microbatch_size: int, assignment: Mapping[str, str], dtype: str,
+                efficiency: Efficiency, solver: str = "", status: str = "optimal") -> TpSolution:
+    """Everything the step model needs about `assignment` at this (tp, microbatch) and the mesh's etp."""
+    tp, info = mesh.tp, strategy_info(info, mesh.tp, mesh.etp)
+    strategies = resolve_strategies(graph, registry, info, tp, assignment)
+    ctx = make_context(graph, cluster, mesh, microbatch_size, dtype, efficiency)
+    return TpSolution(tp, microbatch_size, {n.name: strategies[n.name].name for n in graph.nodes}, strategies,
+                      saved_tensors(graph, strategies, tp, info, ctx.efficiency.attention),
+                      AxisGroup.of(mesh, "dp", cluster.gpus_per_node), solver, status,
+                      comm_buffer_lines(graph, strategies, tp), graph, ctx)

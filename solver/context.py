@@ -1,0 +1,237 @@
+"""The search context: one model, cluster, global batch and sequence, with the captured graph and every
+intra-op solution and priced block found so far, shared by the outer search (`solver.search`) and the
+baselines (`solver.baselines`); and the Plan of a priced configuration.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable, Mapping
+
+from autoplan import __version__
+from autoplan.capture.blocks import fold_graph
+from autoplan.capture.graph import CapturedGraph
+from autoplan.cluster import ClusterSpec
+from autoplan.cost_model.assignment import TpSolution, tp_solution
+from autoplan.cost_model.comm import COLLECTIVE_KINDS, AxisGroup, group_collective_time_s
+from autoplan.cost_model.compute import Efficiency
+from autoplan.cost_model.intra_op import CostContext, attention_head_dim
+from autoplan.cost_model.memory import is_batched, param_placements, selective_recompute_nodes
+from autoplan.cost_model.parts import EXPERT_PARAMS, BlockCosts, SolutionParts, block_costs, solution_parts
+from autoplan.cost_model.step import Priced, StepEnv, StepModel
+from autoplan.errors import ConfigError
+from autoplan.mesh import MeshShape
+from autoplan.models.config import ModelConfig
+from autoplan.placement import Replicate, Shard
+from autoplan.plan import ModelRef, OpPlacement, ParamPlacement, Plan, Predicted, Provenance, StageSpec
+from autoplan.solver.intra_op import megatron_assignment, solve_tp
+from autoplan.cost_model.step_config import Config
+from autoplan.solver.space import FlopsPerSequence
+from autoplan.solver.stages import partition_stages
+from autoplan.strategies import Strategy, StrategyRegistry, default_registry, strategy_info
+
+GraphSource = CapturedGraph | Callable[[], CapturedGraph]  # a graph, or what captures it on first need
+
+VARIANT_ILP = "ilp"
+VARIANT_MEGATRON = "megatron-sp"
+
+
+class ProgressMessage(str):
+    """A progress line that also says how far the search is: `done` of `total` intra-op keys."""
+
+    done: int
+    total: int
+
+    def __new__(cls, text: str, done: int = 0, total: int = 0) -> "ProgressMessage":
+        message = super().__new__(cls, text)
+        message.done, message.total = done, total
+        return message
+
+
+Progress = Callable[[str], None]
+
+
+class SearchContext:
+    """One model, cluster, global batch and sequence: the captured graph and what was solved so far."""
+
+    def __init__(self, config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, *,
+                 dtype: str = "bfloat16", efficiency: Efficiency | None = None, registry: StrategyRegistry | None = None,
+                 fold: bool = True, time_limit_s: float = 60.0, graph: GraphSource, info: Mapping | None = None
+                 ) -> None:
+        self.config, self.cluster, self.global_batch, self.seq_len, self.dtype = config, cluster, global_batch, seq_len, dtype
+        self.efficiency = (efficiency or Efficiency()).resolved(cluster.device)  # one GEMM curve for the search
+        self.registry = registry or default_registry()
+        # a pre-captured graph (e.g. a Hugging Face export) brings its own strategy-rule info
+        self.info = dict(info) if info is not None else config.rule_info()
+        self.fold, self.time_limit_s = fold, time_limit_s
+        self.graph = graph() if callable(graph) else graph
+        self.head_dim = attention_head_dim(self.graph)
+        self.fold_map = fold_graph(self.graph) if fold else None
+        self.steps = StepModel(StepEnv(config, cluster, seq_len, dtype, self.efficiency), partition_stages)
+        self._blocks: dict[tuple, BlockCosts] = {}
+        self._solutions: dict[tuple, SolutionParts] = {}
+        self._assignments: dict[tuple, dict[str, str]] = {}
+        self._spread: dict[tuple, AxisGroup | None] = {}
+        self._no_less: dict[AxisGroup, bool] = {}
+        self.ilp_solves = 0
+
+    def flops_per_sequence(self) -> FlopsPerSequence:
+        g, batch = self.graph, self.graph.batch_size
+        selective = set(selective_recompute_nodes(g))
+        return FlopsPerSequence(g.total_fwd_flops() / batch, g.total_bwd_flops() / batch,
+                                sum(n.fwd_flops for n in g.nodes if n.name in selective) / batch,
+                                sum(n.fwd_flops for n in g.nodes if n.layer is not None) / batch)
+
+    def assignment(self, variant: str, tp: int, etp: int | None = None) -> dict[str, str]:
+        if variant != VARIANT_MEGATRON:
+            raise ConfigError(f"unknown strategy variant {variant!r}; expected {VARIANT_ILP!r} or {VARIANT_MEGATRON!r}")
+        etp = tp if etp is None else etp
+        if (variant, tp, etp) not in self._assignments:
+            self._assignments[(variant, tp, etp)] = megatron_assignment(
+                self.graph, self.registry, tp, strategy_info(self.info, tp, etp), sequence_parallel=True)
+        return self._assignments[(variant, tp, etp)]
+
+    def solution(self, tp: int, microbatch: int, variant: str = VARIANT_ILP,
+                 assignment: Mapping[str, str] | None = None, etp: int | None = None) -> SolutionParts:
+        """The tp strategies at a whole `microbatch` (cached): the intra-op solver's, or an assignment's;
+        `etp` (None: tp) decides the MoE layers' strategies."""
+        etp = tp if etp is None else etp
+        key = (tp, microbatch, variant, tuple(sorted(assignment.items())) if assignment is not None else None, etp)
+        if key not in self._solutions:
+            # tp innermost: the solver sees its own group
+            mesh = MeshShape(dp=self.cluster.world_size // tp, tp=tp, etp=etp)
+            if variant == VARIANT_ILP and 1 < etp < tp:
+                sol = self._folded_ilp_solution(tp, microbatch, mesh)
+            elif variant == VARIANT_ILP:
+                sol = solve_tp(self.graph, self.registry, self.info, self.cluster, mesh, microbatch, self.dtype,
+                               self.efficiency, self.fold, self.time_limit_s, self.fold_map)
+                self.ilp_solves += 1
+            else:
+                chosen = dict(assignment) if assignment is not None else self.assignment(variant, tp, etp)
+                sol = tp_solution(self.graph, self.registry, self.info, self.cluster, mesh, microbatch, chosen,
+                                  self.dtype, self.efficiency, variant)
+            self._solutions[key] = solution_parts(self.graph, sol)
+        return self._solutions[key]
+
+    def _folded_ilp_solution(self, tp: int, microbatch: int, mesh: MeshShape) -> TpSolution:
+        """The intra-op optimum under 1 < etp < tp without another ILP: every etp < tp gives each MoE its one
+        strategy "expert" with the same placements, so the problems differ by a constant (the MoE's expert GEMM
+        width) and share their argmin; the etp = 1 solve's choice, priced at this etp."""
+        whole = self.solution(tp, microbatch, VARIANT_ILP, etp=1).solution
+        return tp_solution(self.graph, self.registry, self.info, self.cluster, mesh, microbatch, whole.assignment,
+                           self.dtype, self.efficiency, whole.solver, whole.status)
+
+    def block(self, tp: int, microbatch: Fraction, variant: str = VARIANT_ILP,
+              assignment: Mapping[str, str] | None = None, mesh: MeshShape | None = None,
+              etp: int | None = None) -> BlockCosts:
+        """The tp solution for `microbatch` sequences per rank (mbs / cp, maybe below 1), priced part by part
+        at exactly that microbatch (cached). The strategies are those solved at ceil(microbatch) sequences:
+        the solver works on whole microbatches, and its choice barely moves between neighbouring sizes.
+        `mesh`: the configuration's, whose order may spread its tp groups over nodes (cp or ep innermost): the
+        tp communication of the same strategies (solved with tp inside a node) is then priced over those links.
+        `etp`: the experts' tensor-parallel degree (None: tp)."""
+        spread = self.tp_spread(mesh) if mesh is not None else None
+        etp = tp if etp is None else etp
+        key = (tp, microbatch, variant, tuple(sorted(assignment.items())) if assignment is not None else None, spread,
+               etp)
+        if key not in self._blocks:
+            parts = self.solution(tp, math.ceil(microbatch), variant, assignment, etp)
+            mesh = mesh if spread is not None else MeshShape(dp=self.cluster.world_size // tp, tp=tp)
+            ctx = CostContext(self.cluster, mesh, self.dtype, self.efficiency, self.graph.batch_size,
+                              float(microbatch) / self.graph.batch_size, head_dim=self.head_dim)
+            self._blocks[key] = block_costs(self.graph, parts, ctx, variant, microbatch)
+        return self._blocks[key]
+
+    def tp_spread(self, mesh: MeshShape) -> AxisGroup | None:
+        """The tp group of `mesh` when it leaves one node (its order), else None (cached)."""
+        key = (mesh.pp, mesh.dp, mesh.ep, mesh.cp, mesh.tp, mesh.order)
+        if key not in self._spread:
+            group = AxisGroup.of(mesh, "tp", self.cluster.gpus_per_node)
+            self._spread[key] = group if group.nodes > 1 else None
+        return self._spread[key]
+
+    def costs_no_less(self, group: AxisGroup) -> bool:
+        """Whether every collective over `group` takes at least as long as over a group of its size inside
+        one node, at every size (the times are affine in the bytes: compare intercept and slope)."""
+        inside, measured = AxisGroup(group.size, 1, group.size), self.efficiency.collectives
+        if group not in self._no_less:
+            at = [[group_collective_time_s(kind, b, self.cluster, g, measured) for b in (0.0, 1e9)]
+                  for kind in COLLECTIVE_KINDS for g in (group, inside)]
+            self._no_less[group] = all(s0 >= i0 and s1 - s0 >= i1 - i0 for (s0, s1), (i0, i1) in zip(at[::2], at[1::2]))
+        return self._no_less[group]
+
+    def price(self, cfg: Config, variant: str = VARIANT_ILP, assignment: Mapping[str, str] | None = None) -> Priced:
+        return self.steps.price(self.block(cfg.tp, cfg.rank_microbatch, variant, assignment, cfg.mesh, cfg.etp), cfg)
+
+    def plan(self, priced: Priced, search_time_s: float = 0.0, notes: tuple[str, ...] = (),
+             assignment: Mapping[str, str] | None = None, solver: str | None = None) -> Plan:
+        """The Plan of a priced configuration (placements from its tp solution)."""
+        cfg = priced.config
+        sol = self.block(cfg.tp, cfg.rank_microbatch, priced.variant, assignment, cfg.mesh, cfg.etp).solution
+        params, ops = _placements(self.graph, sol.strategies, cfg)
+        fits = () if priced.fits else (f"does not fit: {priced.peak_memory_bytes / 1e9:.1f} GB per GPU > "
+                                        f"{self.cluster.device.memory_bytes / 1e9:.1f} GB",)
+        c = self.config
+        return Plan(
+            model=ModelRef(c.name, c.fingerprint(), c.num_layers, c.num_parameters()), cluster=self.cluster,
+            mesh=cfg.mesh, microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches,
+            global_batch=self.global_batch, seq_len=self.seq_len, zero_stage=cfg.zero_stage, recompute=cfg.recompute,
+            schedule=cfg.schedule, stages=tuple(StageSpec(s, a, b, chunk) for s, chunk, a, b in priced.stages),
+            params=params, ops=ops, predicted=self.predicted(priced),
+            provenance=Provenance(__version__, search_time_s, sol.solver if solver is None else solver,
+                                  notes + _uncovered_note(self.graph, self.registry) + fits
+                                  + (self.efficiency.kernels.note(self.efficiency.memory),)),
+            dtype=self.dtype, kernels=self.efficiency.kernels.option,
+            recompute_nodes=selective_recompute_nodes(self.graph) if cfg.recompute == "selective" else ())
+
+    def predicted(self, priced: Priced) -> Predicted:
+        step = priced.step_time_s
+        model_flops = 3 * self.graph.total_fwd_flops() / self.graph.batch_size * self.global_batch
+        peak = self.cluster.device.peak_flops_for(self.dtype) * self.cluster.world_size
+        return Predicted(step_time_s=step, mfu=model_flops / (step * peak),
+                         tokens_per_s=self.global_batch * self.seq_len / step,
+                         peak_memory_bytes=priced.peak_memory_bytes, memory=priced.memory, time=priced.time)
+
+
+def _placements(graph: CapturedGraph, strategies: Mapping[str, Strategy], cfg: Config
+                ) -> tuple[tuple[ParamPlacement, ...], tuple[OpPlacement, ...]]:
+    """Per parameter: tp placement, dp (ZeRO-3 shards), ep (experts split); per op: its output's."""
+    dp_param = Shard(0) if cfg.zero_stage == 3 else Replicate()
+    params: dict[str, ParamPlacement] = {}
+    ops = []
+    for node in graph.nodes:
+        strategy = strategies[node.name]
+        for name, _, placement in param_placements(node, strategy):
+            where = (("tp", placement), ("dp", dp_param))
+            if cfg.ep > 1 and node.op_kind == "moe" and name.rsplit(".", 1)[-1] in EXPERT_PARAMS:
+                where += (("ep", Shard(0)),)
+            params.setdefault(name, ParamPlacement(name, where))
+        output = ()
+        if node.output is not None:
+            output = (("tp", strategy.output),)
+            if is_batched(node.output, graph.batch_size):
+                # the sequence dim over the context axes: cp, and ep where its ranks are context-parallel ones
+                output += (("dp", Shard(0)),) + tuple((axis, Shard(1)) for axis in cfg.mesh.context_axes
+                                                      if cfg.mesh.degree(axis) > 1)
+        ops.append(OpPlacement(node.name, strategy.name, output, node.module_path, strategy))
+    return tuple(params.values()), tuple(ops)
+
+
+def _uncovered_note(graph: CapturedGraph, registry: StrategyRegistry) -> tuple[str, ...]:
+    kinds = sorted({n.op_kind for n in graph.nodes if not registry.has_rule(n.op_kind)})
+    if not kinds:
+        return ()
+    count = sum(1 for n in graph.nodes if n.op_kind in kinds)
+    return (f"{count} ops of kinds {kinds} have no sharding rule and run replicated",)
+
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    """A baseline's plan, or why there is none."""
+
+    name: str
+    plan: Plan | None
+    reason: str = ""

@@ -1,0 +1,85 @@
+"""The intra-op solve of one (tp, microbatch): the strategy of every op, chosen by an ILP over the
+graph (Alpa), folded (TAPAS: `autoplan.solver.folded`) or not; and Megatron-LM's hand-written
+assignment, priced the same way, for the baselines.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Mapping
+
+from autoplan.capture.blocks import FoldedGraph, fold_graph
+from autoplan.cluster import ClusterSpec
+from autoplan.cost_model.assignment import TpSolution, tp_solution
+from autoplan.cost_model.compute import Efficiency
+from autoplan.cost_model.intra_op_problem import assignment_from_choice, build_intra_op_problem
+from autoplan.mesh import MeshShape
+from autoplan.solver.folded import solve_folded
+from autoplan.solver.ilp import solve_ilp
+from autoplan.strategies import FEAT, SEQ, StrategyRegistry, strategy_info
+
+if TYPE_CHECKING:
+    from autoplan.capture.graph import CapturedGraph
+
+
+def solve_tp(graph: CapturedGraph, registry: StrategyRegistry, info: Mapping, cluster: ClusterSpec, mesh: MeshShape,
+             microbatch_size: int, dtype: str, efficiency: Efficiency, fold: bool, time_limit_s: float,
+             fold_map: FoldedGraph | None = None) -> TpSolution:
+    """The intra-op optimum for one (tp, microbatch): with `fold`, each kind of block solved once per pair
+    of boundary placements and the tables chained (`autoplan.capture.blocks`, `autoplan.solver.folded`; `fold_map` passes a `fold_graph(graph)`
+    made before); without, one ILP over the unfolded graph. Both reach the same objective. The mesh's etp
+    decides the MoE layers' strategies (`strategies.moe_strategies`)."""
+    info = strategy_info(info, mesh.tp, mesh.etp)
+    if fold:
+        folded = fold_map if fold_map is not None else fold_graph(graph)
+        solution = solve_folded(folded, registry, info, cluster, mesh, microbatch_size, dtype, efficiency=efficiency,
+                                time_limit_s=time_limit_s)
+        assignment, solver, status = solution.assignment, solution.solver, solution.status
+    else:
+        built = build_intra_op_problem(graph, registry, info, mesh.tp, cluster, mesh, microbatch_size, dtype, False,
+                                       efficiency=efficiency)
+        ilp = solve_ilp(built.problem, time_limit_s=time_limit_s)
+        assignment, solver, status = assignment_from_choice(built, ilp.choice), ilp.solver, ilp.status
+    return tp_solution(graph, registry, info, cluster, mesh, microbatch_size, assignment, dtype, efficiency,
+                       solver, status)
+
+
+def megatron_assignment(graph: CapturedGraph, registry: StrategyRegistry, tp: int, info: Mapping,
+                        sequence_parallel: bool = False) -> dict[str, str]:
+    """Megatron-LM's tensor parallelism as an assignment: column for q/k/v/fc/gate/up projections and
+    the lm_head, row for o_proj/proj/down_proj, vocab for embeddings and cross-entropy, heads for
+    attention, ffn for MoE (expert under etp < tp, its only strategy), features for pointwise ops between
+    column and row, replicate elsewhere (and wherever the wanted strategy is not valid at this tp).
+
+    With `sequence_parallel` (Korthikanti et al. 2022): row projections and embeddings reduce-scatter
+    along the sequence (row_sp, vocab_sp), norms and the pointwise ops of the residual stream run on
+    sequence shards, and column projections all-gather their input."""
+    column = ("q_proj", "k_proj", "v_proj", "fc", "gate_proj", "up_proj", "lm_head")
+    row = ("o_proj", "proj", "down_proj")
+    wanted_by_kind = {"embedding": "vocab", "cross_entropy": "vocab", "attention": "heads", "moe": "ffn"}
+    if sequence_parallel:
+        wanted_by_kind |= {"embedding": "vocab_sp", "norm": "sequence"}
+    assignment: dict[str, str] = {}
+    output: dict[str, object] = {}
+    for node in graph.nodes:
+        leaf = node.module_path.rsplit(".", 1)[-1]
+        wanted = wanted_by_kind.get(node.op_kind, "replicate")
+        if node.op_kind == "linear":
+            wanted = "column" if leaf in column else ("row_sp" if sequence_parallel else "row") if leaf in row else "replicate"
+        placements = [output[u] for u in node.inputs]
+        if node.op_kind == "elementwise" and placements and all(p == FEAT for p in placements):
+            wanted = "features"
+        elif node.op_kind == "elementwise" and sequence_parallel and SEQ in placements and FEAT not in placements:
+            wanted = "sequence"
+        valid = {s.name: s for s in registry.strategies(node, tp, info)}
+        fallback = valid.get("replicate") or next(iter(valid.values()))  # a MoE under etp < tp has one strategy
+        chosen = valid.get(wanted, valid.get("row", fallback) if wanted == "row_sp" else fallback)
+        assignment[node.name] = chosen.name
+        output[node.name] = chosen.output
+    return assignment
+
+
+def fold_note(fold: bool, fold_map: FoldedGraph | None) -> str:
+    """How the intra-op problem was solved, for the plan's notes."""
+    if not fold or fold_map is None:
+        return "unfolded (fold=False): one ILP over the whole graph"
+    return f"folded: {fold_map.describe()}, each kind solved once per pair of boundary placements, then chained"
