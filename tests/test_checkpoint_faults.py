@@ -7,6 +7,10 @@
     a shard with flipped bytes / truncated / gone   refused before DCP reads it, the file named
     a checkpoint of format 1 (before checksums)     loads, with a warning; a shard gone: a
                                                     CheckpointError from DCP's failure
+    --save-every 1 --keep 2 over 4 steps            step-000003 and step-000004 kept, the user's
+                                                    folder beside them too
+    --resume of that folder                         continues from step 4, loss for loss
+    its newest damaged                              the one before is loaded, with a warning
 """
 
 from __future__ import annotations
@@ -176,6 +180,37 @@ def _format1(rank: int, program, good: Path, root: Path) -> dict:
             "gone": _error(lambda: program.load_checkpoint(old))}
 
 
+def _numbered(rank: int, plan_file: str, parent: Path) -> dict:
+    from autoplan.train import build_parser, train
+
+    def run(*extra: str) -> list[float]:
+        base = ["--model", "tiny-gpt", "--plan", plan_file, "--lr", "1e-3", "--seed", "3"]
+        return train(build_parser().parse_args(base + list(extra)))
+
+    _on_rank0(rank, lambda: (parent / "notes").mkdir(parents=True))
+    whole = run("--steps", "5")
+    first = run("--steps", "4", "--save", str(parent), "--save-every", "1", "--keep", "2")
+    kept = sorted(p.name for p in parent.iterdir())
+    rest = run("--steps", "5", "--resume", str(parent))
+    return {"whole": whole, "first": first, "rest": rest, "kept": kept}
+
+
+def _newest_damaged(rank: int, plan, parent: Path) -> dict:
+    def damage():
+        shard = sorted((parent / "step-000004").glob("*.distcp"))[0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 3] ^= 0x01
+        shard.write_bytes(bytes(data))
+
+    _on_rank0(rank, damage)
+    program = _program(plan)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = program.load_checkpoint(parent)["step"]
+    return {"step": step, "warnings": [str(w.message) for w in caught
+                                       if "do not verify" in str(w.message)]}
+
+
 def _run_all(rank: int, world: int, plan, plan_file: str, root: str) -> dict:
     root = Path(root)
     tokens, targets = batches(BATCH, SEQ, 1)
@@ -190,6 +225,8 @@ def _run_all(rank: int, world: int, plan, plan_file: str, root: str) -> dict:
     for how in ("flipped", "truncated", "missing"):
         out[how] = _damaged(rank, program, good, root, how)
     out["format1"] = _format1(rank, program, good, root)
+    out["numbered"] = _numbered(rank, plan_file, root / "numbered")
+    out["newest_damaged"] = _newest_damaged(rank, plan, root / "numbered")
     return out
 
 
@@ -255,3 +292,22 @@ def test_a_checkpoint_saved_before_checksums_loads_with_a_warning(results):
         assert len(unverified) == (1 if rank == 0 else 0), format1["warnings"]
         assert "reading checkpoint" in format1["gone"] and "__1_0.distcp" in format1["gone"], \
             format1["gone"]
+
+
+def test_keep_keeps_the_newest_numbered_checkpoints_and_the_users_folder(results):
+    for out in results:
+        assert out["numbered"]["kept"] == ["notes", "step-000003", "step-000004"]
+
+
+def test_resume_of_the_folder_continues_from_the_newest(results):
+    for out in results:
+        numbered = out["numbered"]
+        assert len(numbered["rest"]) == 1
+        assert numbered["first"] + numbered["rest"] == numbered["whole"]
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before_with_a_warning(results):
+    assert results[0]["newest_damaged"]["step"] == 3
+    assert results[1]["newest_damaged"]["step"] == 3
+    assert len(results[0]["newest_damaged"]["warnings"]) == 1  # rank 0 warns
+    assert "step-000004" in results[0]["newest_damaged"]["warnings"][0]

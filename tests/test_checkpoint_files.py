@@ -220,3 +220,13 @@ def test_a_directory_without_checkpoints_says_why(tmp_path):
                                               "numbered checkpoints"):
         candidates(tmp_path)
 
+
+def test_keep_without_numbered_checkpoints_is_refused_before_training():
+    from autoplan.errors import AutoplanError
+    from autoplan.train import build_parser, train
+
+    for extra in (["--keep", "2"], ["--keep", "2", "--save", "ck"],
+                  ["--keep", "-1", "--save", "ck", "--save-every", "5"]):
+        args = build_parser().parse_args(["--model", "tiny-gpt"] + extra)
+        with pytest.raises(AutoplanError, match="--keep.*with --save DIR --save-every N"):
+            train(args)  # refused before any process group is needed
