@@ -5,10 +5,14 @@
 
 Without --plan, the plan is searched for the launched world (a `1xNxcpu` cluster on CPU, or
 `--cluster`). `--save DIR` writes a checkpoint (model and optimizer state under full names and
-shapes, through torch.distributed.checkpoint) at the end and every `--save-every` steps;
-`--resume DIR` continues from one, saved under this plan or any other plan of the same model:
-steps count on from the checkpoint's, so `--steps` is the total. Data is a text file (`--data`, bytes mapped into the vocabulary) or synthetic tokens:
-a seeded random sequence repeated with a fixed period, so the loss can fall. Rank 0 shows progress,
+shapes, through torch.distributed.checkpoint) at the end into DIR, which must be new, empty or an
+earlier checkpoint of this model. With `--save-every N` it saves every N steps and at the end into
+numbered folders DIR/step-NNNNNN instead, and `--keep K` keeps only the K newest of them (only
+folders with autoplan's manifest are ever deleted). `--resume DIR` continues from a checkpoint,
+saved under this plan or any other plan of the same model (given a folder of numbered ones, the
+newest whose files verify); steps count on from the checkpoint's, so `--steps` is the total.
+Data is a text file (`--data`, bytes mapped into the vocabulary) or synthetic tokens: a seeded
+random sequence repeated with a fixed period, so the loss can fall. Rank 0 shows progress,
 logs the loss and can draw the loss curve (`--loss-png`, needs matplotlib).
 """
 
@@ -39,8 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", help="a text file; default: synthetic tokens")
     p.add_argument("--save", help="save a checkpoint here at the end (and every --save-every steps)")
-    p.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
-    p.add_argument("--resume", help="continue from this checkpoint (saved under any plan of the model)")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="also save every N steps, all into DIR/step-NNNNNN (0: only at the end, into DIR)")
+    p.add_argument("--keep", type=int, default=0,
+                   help="with --save-every: keep only the newest K numbered checkpoints (0: all)")
+    p.add_argument("--resume", help="continue from this checkpoint (saved under any plan of the model), "
+                                    "or from the newest complete one in a folder of numbered checkpoints")
     p.add_argument("--log-json", help="rank 0 writes the per-step losses here")
     p.add_argument("--loss-png", help="rank 0 draws the loss curve here")
     return p
@@ -80,10 +88,28 @@ def resolve_plan(args, config):
     return search(config, cluster, args.global_batch, args.seq)
 
 
+def check_checkpoint_args(args) -> None:
+    """Refuse --keep without numbered checkpoints before training, not at the first save."""
+    if args.keep < 0 or (args.keep and not (args.save and args.save_every)):
+        raise AutoplanError(f"--keep {args.keep}: expected a count >= 1 of numbered checkpoints "
+                            f"to keep, with --save DIR --save-every N (or 0 to keep all)")
+
+
+def save_checkpoint(program, args, step: int) -> None:
+    """--save: into DIR, or with --save-every into DIR/step-NNNNNN keeping the newest --keep."""
+    if not args.save_every:
+        program.save_checkpoint(args.save, step=step)
+        return
+    from autoplan.runtime.checkpoint import save_in_series
+
+    save_in_series(program, args.save, program.optimizer, step, keep=args.keep)
+
+
 def train(args) -> list[float]:
     from autoplan.api import parallelize
     from autoplan.models import build_model, get_model_config
 
+    check_checkpoint_args(args)
     config = get_model_config(args.model)
     plan = resolve_plan(args, config)
     program = parallelize(build_model(config, device="meta"), plan.cluster, plan=plan, seed=args.seed)
@@ -98,10 +124,10 @@ def train(args) -> list[float]:
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step:5d}  loss {losses[-1]:.4f}", flush=True)
         if args.save and args.save_every and (step + 1) % args.save_every == 0:
-            program.save_checkpoint(args.save, step=step + 1)
+            save_checkpoint(program, args, step + 1)
             saved_at = step + 1
     if args.save and saved_at != max(args.steps, start):
-        program.save_checkpoint(args.save, step=max(args.steps, start))
+        save_checkpoint(program, args, max(args.steps, start))
     return losses
 
 

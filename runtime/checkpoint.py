@@ -19,49 +19,60 @@ each distinct piece once and, on load, reads whatever slice the new layout asks 
 sharded over dp by ZeRO 2/3 (FSDP2) are gathered over dp first (their tp-local piece); under ZeRO 1
 each rank saves and loads the states of the parameters whose optimizer states it owns.
 
-Beside DCP's files, `autoplan.json` (plain JSON) records the format, the model's name and
-fingerprint, the training step, the mesh, the optimizer's class and the parameter shapes. The
-optimizer's hyperparameters (lr, betas, ...) are not saved: the resuming run's optimizer has its
-own. Loading refuses a checkpoint of another model, naming both fingerprints, before reading
-anything else, and optimizer states of another optimizer class.
+Beside DCP's files, `autoplan.json` (plain JSON, the manifest) records the format, the model's name
+and fingerprint, the training step, the mesh, the optimizer's class, the parameter shapes, and the
+size and SHA-256 of every other file (runtime.checkpoint_files). The optimizer's hyperparameters
+(lr, betas, ...) are not saved: the resuming run's optimizer has its own.
 
-Atomic saves: every rank writes into `<dir>.tmp-<token>`; once all have finished, rank 0 writes
-autoplan.json there, then moves a previous `<dir>` aside to `<dir>.old-<token>`, renames the new one
-into place and deletes the old one. A crash at any point leaves either the previous checkpoint or the
-new one complete (after a crash between the two renames, `<dir>.old-<token>` is the previous one,
-and `load_checkpoint(<dir>)` finds it). A crashed save leaves only a `<dir>.tmp-*` directory, which
-the next successful save removes.
+Loading checks, before DCP reads anything: the model (another model's checkpoint is refused,
+naming both fingerprints), the optimizer class, then every recorded file's size and SHA-256 (a
+missing, truncated or changed file is refused by name); then it reads DCP's `.metadata` with a
+restricted unpickler that can call nothing outside DCP's metadata types
+(runtime.checkpoint_reader), so a crafted checkpoint runs no code, and only tensors in recorded
+files are read. Checkpoints of format 1 (saved before checksums) still load, unverified, with a
+warning; saving them again adds the checksums. Hashing is split over the ranks and the digests
+gathered (runtime.rank_agreement): every rank must see the same directory, as DCP itself requires
+(one node, or a filesystem shared by all ranks). Every refusal is a CheckpointError on every rank.
+
+Atomic saves: rank 0 creates `<dir>.tmp-<token>` and marks it as autoplan's (`.autoplan-save`
+naming the token); every rank writes into it; rank 0 hashes the files (with the others) and writes
+the manifest, then moves a previous checkpoint at `<dir>` aside to `<dir>.old-<token>` (marked
+first), renames the new one into place and deletes the old one. A crash at any point leaves either
+the previous checkpoint or the new one complete (after a crash between the two renames,
+`<dir>.old-<token>` is the previous one, and `load(<dir>)` finds it). A crashed save leaves a
+marked `<dir>.tmp-*`, which the next successful save removes. Nothing autoplan did not write is
+renamed or deleted: a save onto a non-empty directory without autoplan's manifest is refused, and
+`<dir>.tmp-*` / `<dir>.old-*` directories without autoplan's marker are left alone.
+
+Numbered checkpoints (`save_in_series`, for `--save-every`): `<parent>/step-NNNNNN`, the newest
+`keep` kept; `load(<parent>)` takes the newest that verifies (warning about any newer one skipped).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 
-from autoplan.errors import AutoplanError
 from autoplan.placement import Shard
+from autoplan.runtime import checkpoint_files as files
+from autoplan.runtime.checkpoint_files import FORMAT, KIND, MANIFEST, CheckpointError
+from autoplan.runtime.checkpoint_reader import (DCP_METADATA, SafeReader, read_dcp_metadata,
+                                                storage_files)
+from autoplan.runtime.rank_agreement import first_error, gather_texts, rank_world, shared_token
 from autoplan.runtime.zero import full_tensor
 
 if TYPE_CHECKING:
     from autoplan.runtime.program import RankProgram
 
-FORMAT = 1
-METADATA = "autoplan.json"
-
-
-class CheckpointError(AutoplanError):
-    """A checkpoint that is missing, incomplete, or of another model."""
+__all__ = ["CheckpointError", "load", "read_metadata", "resolve", "save", "save_in_series"]
 
 
 # ------------------------------------------------------------------ layout
@@ -189,119 +200,242 @@ def _copy_back(copies: list) -> None:
             dest.copy_(loaded)
 
 
-# ------------------------------------------------------------------ save / load
+def _raise_first(message: str | None, device: torch.device) -> None:
+    """Raise the first error of any rank (in rank order) on every rank: all stop together, and
+    none is left waiting for the others in a later collective."""
+    found = first_error(message, device)
+    if found:
+        raise CheckpointError(found)
 
 
-def _metadata(program: "RankProgram", step: int,
-              optimizer: torch.optim.Optimizer | None) -> dict:
+def _dcp_failure(exc: BaseException) -> str:
+    """One line per rank of DCP's CheckpointException (its str carries whole tracebacks)."""
+    failures = getattr(exc, "failures", {}) or {}
+    return "; ".join(f"rank {rank}: {type(pair[0]).__name__}: {pair[0]}"
+                     for rank, pair in sorted(failures.items())) or str(exc)
+
+
+# ------------------------------------------------------------------ save
+
+
+def _metadata(program: "RankProgram", step: int, optimizer: torch.optim.Optimizer | None,
+              digests: dict[str, dict]) -> dict:
     plan = program.plan
     kind = None if optimizer is None else type(_inner(optimizer)).__name__
-    return {"format": FORMAT, "model": {"name": plan.model.name,
-                                        "fingerprint": plan.model.fingerprint},
+    return {"kind": KIND, "format": FORMAT,
+            "model": {"name": plan.model.name, "fingerprint": plan.model.fingerprint},
             "step": step, "mesh": plan.mesh.to_json(), "optimizer": kind,
-            "parameters": {n: list(layout.shape) for n, layout in sorted(program.all_layouts.items())}}
+            "parameters": {n: list(layout.shape)
+                           for n, layout in sorted(program.all_layouts.items())},
+            "files": digests}
 
 
-def read_metadata(directory: str | Path) -> dict:
-    """autoplan.json of a checkpoint (the one `load_checkpoint` would read)."""
-    path = resolve(directory)
-    try:
-        return json.loads((path / METADATA).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{str(path)!r} is not a complete autoplan checkpoint: cannot read "
-                              f"{METADATA} ({exc})") from None
-
-
-def resolve(directory: str | Path) -> Path:
-    """`directory`, or the previous checkpoint an interrupted save left at `<dir>.old-*`."""
-    path = Path(directory)
-    if (path / METADATA).is_file():
-        return path
-    old = sorted(path.parent.glob(path.name + ".old-*"), key=os.path.getmtime)
-    if not path.exists() and old:
-        return old[-1]
-    if not path.exists():
-        raise CheckpointError(f"no checkpoint at {str(path)!r}: the directory does not exist")
-    return path
-
-
-def _check_model(program: "RankProgram", meta: dict, where: str, action: str) -> None:
+def _model_error(program: "RankProgram", meta: dict, where: str, action: str) -> str | None:
     want, plan = meta.get("model", {}), program.plan
-    if want.get("fingerprint") != plan.model.fingerprint:
-        raise CheckpointError(
-            f"checkpoint {where!r} holds model {want.get('name')!r} with fingerprint "
+    if want.get("fingerprint") == plan.model.fingerprint:
+        return None
+    return (f"checkpoint {where!r} holds model {want.get('name')!r} with fingerprint "
             f"{want.get('fingerprint')}, but this program runs model {plan.model.name!r} with "
             f"fingerprint {plan.model.fingerprint}: {action}")
 
 
-def _token() -> str:
-    """One random hex token, the same on every rank."""
-    value = torch.tensor([secrets.randbits(62) if dist.get_rank() == 0 else 0], dtype=torch.int64)
-    dist.broadcast(value, src=0)
-    return f"{int(value):016x}"
+def _target_error(program: "RankProgram", path: Path) -> str | None:
+    """Why `save` may not replace `path` (checkpoint_files.target_error, or another model's)."""
+    error = files.target_error(path)
+    if error is None and files.is_checkpoint(path):
+        error = _model_error(program, files.read_manifest(path), str(path),
+                             "refusing to overwrite it; save to another directory")
+    return error
+
+
+def _digests(tmp: Path, device: torch.device) -> dict[str, dict]:
+    """{name: {bytes, sha256}} of every file DCP wrote: each rank hashes every world-th file and
+    all gather the parts (`_commit` checks that the ranks saw the same files)."""
+    rank, world = rank_world()
+    names = files.list_files(tmp)
+    mine = {name: files.digest(tmp / name) for name in names[rank::world]}
+    merged = {}
+    for part in gather_texts(json.dumps(mine), device):
+        merged.update(json.loads(part))
+    return merged
+
+
+def _commit(path: Path, tmp: Path, token: str, manifest: dict) -> None:
+    """Rank 0, once every rank has written and hashed: manifest, swap into place, leftovers."""
+    if sorted(manifest["files"]) != files.list_files(tmp):
+        raise CheckpointError(f"the ranks saw different files in {str(tmp)!r}: a checkpoint "
+                              f"directory must be the same directory for every rank (one node, "
+                              f"or a shared filesystem)")
+    files.write_json(tmp / MANIFEST, manifest)
+    files.swap_into_place(tmp, path, token)
+    files.remove_leftovers(path.parent, lambda stem: stem == path.name)
 
 
 def save(program: "RankProgram", directory: str | Path, optimizer: torch.optim.Optimizer | None,
          step: int = 0) -> Path:
     """Save model and optimizer state to `directory` atomically (module docstring); every rank
-    calls it. Refuses to replace a checkpoint of another model."""
-    path = Path(directory)
-    if (path / METADATA).is_file():
-        _check_model(program, read_metadata(path), str(path),
-                     "refusing to overwrite it; save to another directory")
+    calls it. Refuses to replace anything but an empty directory or a checkpoint of this model."""
+    path, device, (rank, _) = Path(directory), program.device, rank_world()
+    _raise_first(_target_error(program, path) if rank == 0 else None, device)
     state, _ = _state_dict(program, optimizer, for_load=False)
-    token = _token()
-    tmp = path.parent / f"{path.name}.tmp-{token}"
+    token = shared_token(device)
+    tmp, error = files.sibling(path, "tmp", token), None
+    if rank == 0:
+        try:
+            files.begin(tmp, token)
+        except OSError as exc:
+            error = f"cannot create {str(tmp)!r} to save a checkpoint into: {exc}"
+    _raise_first(error, device)
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    dcp.save(state, checkpoint_id=str(tmp))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        _write_json(tmp / METADATA, _metadata(program, step, optimizer))
-        old = path.parent / f"{path.name}.old-{token}"
-        if path.exists():
-            os.rename(path, old)
-        os.rename(tmp, path)
-        _fsync_dir(path.parent)
-        shutil.rmtree(old, ignore_errors=True)
-        for stale in path.parent.glob(f"{path.name}.tmp-*"):  # left by saves that crashed
-            shutil.rmtree(stale, ignore_errors=True)
-    dist.barrier()
+    try:
+        dcp.save(state, checkpoint_id=str(tmp))
+    except CheckpointException as exc:  # a BaseException
+        raise CheckpointError(f"writing checkpoint {str(path)!r} failed ({_dcp_failure(exc)}); "
+                              f"a previous checkpoint there is unchanged") from None
+    # dcp.save returns on every rank after rank 0 wrote .metadata (its last step broadcasts the
+    # result of `finish`), so every rank lists the same finished files
+    manifest = _metadata(program, step, optimizer, _digests(tmp, device))
+    if rank == 0:
+        try:
+            _commit(path, tmp, token, manifest)
+        except (OSError, CheckpointError) as exc:
+            error = f"cannot finish checkpoint {str(path)!r}: {exc}"
+    _raise_first(error, device)
     return path
+
+
+def save_in_series(program: "RankProgram", parent: str | Path,
+                   optimizer: torch.optim.Optimizer | None, step: int, keep: int = 0) -> Path:
+    """Save into `parent`/step-NNNNNN (the step, 6 digits or more); with `keep` > 0, then delete
+    all but `keep` numbered checkpoints there: this one and the others of the largest steps.
+    `load(parent)` loads the newest that verifies."""
+    parent, device, (rank, _) = Path(parent), program.device, rank_world()
+    error = None
+    if rank == 0 and files.is_checkpoint(parent):
+        error = (f"{str(parent)!r} is itself a checkpoint; numbered checkpoints (--save-every) "
+                 f"go into a directory of their own: choose another")
+    _raise_first(error, device)
+    path = save(program, parent / files.series_name(step), optimizer, step)
+    if keep > 0:
+        if rank == 0:
+            try:
+                files.prune_series(parent, keep, path)
+            except OSError as exc:
+                error = f"saved {str(path)!r}, but could not delete older checkpoints: {exc}"
+        _raise_first(error, device)
+    return path
+
+
+# ------------------------------------------------------------------ load
+
+
+def resolve(directory: str | Path) -> Path:
+    """The checkpoint `load(directory)` tries first (checkpoint_files.candidates)."""
+    return files.candidates(directory)[0]
+
+
+def read_metadata(directory: str | Path) -> dict:
+    """autoplan.json of the checkpoint `load(directory)` tries first."""
+    return files.read_manifest(resolve(directory))
+
+
+def _optimizer_error(meta: dict, optimizer: torch.optim.Optimizer | None, where: str) -> str | None:
+    if optimizer is None or meta.get("optimizer") == type(_inner(optimizer)).__name__:
+        return None
+    return (f"checkpoint {where!r} holds optimizer states of {meta.get('optimizer')}, but the "
+            f"optimizer to load into is a {type(_inner(optimizer)).__name__}: pass "
+            f"optimizer=None to load the parameters only, or make the same optimizer")
+
+
+def _verify_share(path: Path, meta: dict) -> str | None:
+    """This rank's share (every world-th recorded file) of checking the files against the
+    manifest; None for a format-1 checkpoint, which records no checksums."""
+    recorded = meta.get("files")
+    if recorded is None and meta.get("format") == 1:
+        return None
+    if not isinstance(recorded, dict) or DCP_METADATA not in recorded:
+        return (f"checkpoint {str(path)!r}: its {MANIFEST} records no {DCP_METADATA} among its "
+                f"files: it is damaged; resume from another checkpoint")
+    rank, world = rank_world()
+    for name in sorted(recorded)[rank::world]:
+        error = files.verify_file(path, name, recorded[name])
+        if error:
+            return error
+    return None
+
+
+def _choose(program: "RankProgram", directory: str | Path,
+            optimizer: torch.optim.Optimizer | None) -> tuple[Path, dict]:
+    """The checkpoint to load and its manifest: the first candidate whose files verify. Another
+    model's checkpoint or another optimizer's states are refused outright."""
+    found, skipped = files.candidates(directory), []
+    for path in found:
+        meta = files.read_manifest(path)
+        for error in (_model_error(program, meta, str(directory),
+                                   "load a checkpoint of this model"),
+                      _optimizer_error(meta, optimizer, str(directory))):
+            if error:
+                raise CheckpointError(error)
+        try:
+            _raise_first(_verify_share(path, meta), program.device)
+        except CheckpointError as exc:
+            if len(found) == 1:
+                raise
+            skipped.append(str(exc))
+            continue
+        _warn(path, meta, skipped)
+        return path, meta
+    raise CheckpointError(f"no complete checkpoint in {str(directory)!r}: " + "; ".join(skipped))
+
+
+def _warn(path: Path, meta: dict, skipped: list[str]) -> None:
+    if rank_world()[0] != 0:
+        return
+    if skipped:
+        warnings.warn(f"loading {str(path)!r}: newer checkpoints do not verify and were skipped: "
+                      + "; ".join(skipped), stacklevel=3)
+    if meta.get("files") is None:
+        warnings.warn(f"checkpoint {str(path)!r} was saved without checksums (format 1): its "
+                      f"files are not verified; save it again to add them", stacklevel=3)
+
+
+def _dcp_metadata(path: Path, meta: dict, device: torch.device):
+    """DCP's metadata of `path`, through the restricted unpickler; its tensors must lie in files
+    inside the checkpoint that the manifest recorded (and `_verify_share` checked)."""
+    metadata, error = None, None
+    try:
+        metadata = read_dcp_metadata(path)
+        recorded = meta.get("files")
+        bad = sorted(n for n in storage_files(metadata)
+                     if not files.inside(n) or (recorded is not None and n not in recorded))
+        if bad:
+            error = (f"checkpoint {str(path)!r}: DCP's metadata points at files that are not "
+                     f"recorded in its {MANIFEST} ({bad[:3]}); refusing to read them")
+    except CheckpointError as exc:
+        error = str(exc)
+    _raise_first(error, device)
+    return metadata
 
 
 def load(program: "RankProgram", directory: str | Path,
          optimizer: torch.optim.Optimizer | None) -> dict:
     """Load model (and optimizer) state saved under any plan of this model; returns the
-    checkpoint's autoplan.json. Every rank calls it."""
-    path = resolve(directory)
-    meta = read_metadata(path)
-    _check_model(program, meta, str(directory), "load a checkpoint of this model")
-    if optimizer is not None and meta.get("optimizer") != type(_inner(optimizer)).__name__:
-        raise CheckpointError(f"checkpoint {str(directory)!r} holds optimizer states of "
-                              f"{meta.get('optimizer')}, but the optimizer to load into is a "
-                              f"{type(_inner(optimizer)).__name__}: pass optimizer=None to load "
-                              f"the parameters only, or make the same optimizer")
+    checkpoint's manifest. `directory`: a checkpoint, or a folder of numbered ones (the newest
+    that verifies is loaded). Every rank calls it; every refusal is a CheckpointError."""
+    path, meta = _choose(program, directory, optimizer)
+    metadata = _dcp_metadata(path, meta, program.device)
     if optimizer is not None:
         init_optimizer_state(optimizer, [p for _, p in program.named_local_parameters()])
     state, copies = _state_dict(program, optimizer, for_load=True)
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, storage_reader=SafeReader(path, metadata))
+    except CheckpointException as exc:  # a BaseException
+        raise CheckpointError(f"reading checkpoint {str(path)!r} failed: "
+                              f"{_dcp_failure(exc)}") from None
     _copy_back(copies)
     return meta
-
-
-def _write_json(path: Path, data: dict) -> None:
-    with open(path, "w") as handle:
-        handle.write(json.dumps(data, indent=1) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -281,7 +281,9 @@ def test_an_interrupted_swap_is_found_at_the_old_name(tmp_path):
     from autoplan.runtime.checkpoint import CheckpointError, resolve
 
     (tmp_path / "ck.old-1234").mkdir()
-    (tmp_path / "ck.old-1234" / "autoplan.json").write_text("{}")
+    (tmp_path / "ck.old-1234" / "autoplan.json").write_text('{"kind": "autoplan-checkpoint"}')
+    (tmp_path / "ck.old-9999").mkdir()  # newer, but no manifest: not a checkpoint
+    (tmp_path / "ck.old-9999" / "notes.txt").write_text("a user's")
     assert resolve(tmp_path / "ck") == tmp_path / "ck.old-1234"
     with pytest.raises(CheckpointError, match="does not exist"):
         resolve(tmp_path / "other")
