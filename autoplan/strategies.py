@@ -34,6 +34,8 @@ R = Replicate()
 SEQ = Shard(1)
 FEAT = Shard(2)
 
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # a MoE layer's expert weights: dim 0 is the expert
+
 # Collective kinds a strategy may issue, as named in cost_model.comm and runtime.collectives.
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 

@@ -92,7 +92,7 @@ def grid(cluster, global_batch: int) -> list[tuple[MeshShape, int]]:
 
 
 def unfolded_solve(graph, registry, info, cluster, mesh, microbatch, time_limit_s, relaxation_first=True):
-    built = build_intra_op_problem(graph, registry, info, mesh.tp, cluster, mesh, microbatch, fold=False)
+    built = build_intra_op_problem(graph, registry, info, mesh.tp, cluster, mesh, microbatch)
     return solve_ilp(built.problem, time_limit_s=time_limit_s, relaxation_first=relaxation_first)
 
 

@@ -33,12 +33,6 @@ problem and `boundary_variant` fixes its boundary, as the math in `autoplan.solv
 entering the block from a producer whose output placement is p becomes the cost row C[p, :] on its
 consumer (`entry_costs`), and a node whose output leaves the block keeps only the strategies that
 place it as asked.
-
-Layer-uniform folding (`fold_mapping`, `build_intra_op_problem(fold=True)`): when every layer holds the
-same sequence of nodes, the problem keeps the nodes outside the layers plus layer 0 only, weighted by
-the nodes and edges they stand for. It forces every layer to the same strategies, so its optimum is
-an upper bound of the unfolded one (equal for every layer-uniform choice, up to ~0.2% above the
-true optimum); the planner uses the exact segment solve instead.
 """
 
 from __future__ import annotations

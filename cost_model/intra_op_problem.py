@@ -25,41 +25,6 @@ if TYPE_CHECKING:
 from autoplan.cost_model.intra_op import (CostContext, edge_cost_matrix, make_context, node_comm_s,
                                           node_compute_s, node_state_bytes, reshard_s)
 
-# ---------------------------------------------------------------------------------- folding
-
-
-def _node_signature(node: "NodeInfo", index: dict[str, int], prefix: str) -> tuple | None:
-    if not node.module_path.startswith(prefix) or any(not name.startswith(prefix) for name, _ in node.params):
-        return None
-    cut = len(prefix)
-    return (node.op_kind, node.target, node.module_path[cut:],
-            tuple(("in", index[u]) if u in index else ("out",) for u in node.inputs),
-            node.input_metas, node.output, tuple((name[cut:], meta) for name, meta in node.params),
-            node.fwd_flops, node.bwd_flops, node.fwd_bytes, node.bwd_bytes)
-
-
-def fold_mapping(graph: "CapturedGraph") -> dict[str, str] | None:
-    """Each node's representative (itself outside the layers, its layer-0 twin inside), or None
-    when the layers differ (then the problem is built unfolded)."""
-    layers = graph.layers()
-    if len(layers) < 2:
-        return None
-    groups = {i: graph.nodes_of_layer(i) for i in layers}
-    signatures = {}
-    for i, nodes in groups.items():
-        index = {n.name: k for k, n in enumerate(nodes)}
-        signatures[i] = tuple(_node_signature(n, index, f"layers.{i}") for n in nodes)
-        if None in signatures[i]:
-            return None
-    first = layers[0]
-    if any(signatures[i] != signatures[first] for i in layers):
-        return None
-    mapping = {n.name: n.name for n in graph.nodes if n.layer is None}
-    for i, nodes in groups.items():
-        mapping.update({n.name: rep.name for n, rep in zip(nodes, groups[first])})
-    return mapping
-
-
 # ---------------------------------------------------------------------------------- the problem
 
 
@@ -71,50 +36,33 @@ class BuiltProblem(NamedTuple):
 
 def build_intra_op_problem(graph: "CapturedGraph", registry: StrategyRegistry, info: Mapping, tp: int,
                            cluster: ClusterSpec, mesh: MeshShape, microbatch_size: int, dtype: str = "bfloat16",
-                           fold: bool = True, *, efficiency: Efficiency | None = None,
-                           memory_budget_bytes: float | None = None,
-                           fold_map: Mapping[str, str] | None = None) -> BuiltProblem:
-    """The intra-op problem of `graph` on a tp axis of degree `tp` (module docstring); `fold_map`
-    passes a `fold_mapping(graph)` computed before, when building many problems of one graph."""
+                           *, efficiency: Efficiency | None = None,
+                           memory_budget_bytes: float | None = None) -> BuiltProblem:
+    """The intra-op problem of the whole `graph` on a tp axis of degree `tp` (`cost_model.intra_op`'s
+    docstring), one problem node per graph node; the folded solve builds per-segment problems instead
+    (`segment_arrays`)."""
     if mesh.tp != tp:
         raise AutoplanError(f"tp={tp} disagrees with the mesh {mesh} (tp={mesh.tp})")
     ctx = make_context(graph, cluster, mesh, microbatch_size, dtype, efficiency)
-    rep_of = ((fold_map if fold_map is not None else fold_mapping(graph)) if fold else None) or {
-        n.name: n.name for n in graph.nodes}
-    reps = [n for n in graph.nodes if rep_of[n.name] == n.name]
-    position = {n.name: k for k, n in enumerate(reps)}
-    mapping = {n.name: position[rep_of[n.name]] for n in graph.nodes}
-    by_name = graph_strategies(graph, registry, info, tp, reps)
-    strategies = [by_name[n.name] for n in reps]
-    weights = np.bincount(list(mapping.values()), minlength=len(reps)).astype(float)
+    nodes = graph.nodes
+    mapping = {n.name: k for k, n in enumerate(nodes)}
+    by_name = graph_strategies(graph, registry, info, tp)
+    strategies = [by_name[n.name] for n in nodes]
     state = state_bytes_for(dtype)
     costs = [np.array([sum(node_compute_s(n, s, ctx)) + sum(node_comm_s(n, s, ctx)) for s in ss])
-             for n, ss in zip(reps, strategies)]
-    memory = [np.array([node_state_bytes(n, s, tp, state) for s in ss]) for n, ss in zip(reps, strategies)]
-    edges, matrices, edge_weights = [], [], []
-    for (u, v, k), count in _edge_counts(graph, mapping).items():
-        matrix = edge_cost_matrix(reps[v].input_metas[k], strategies[u], strategies[v], k, ctx)
-        if not matrix.any():
-            continue
-        if u == v:  # a layer feeding its own twin: both ends pick the same strategy
-            costs[v] = costs[v] + count * np.diag(matrix) / weights[v]
-            continue
-        edges.append((u, v))
-        matrices.append(matrix)
-        edge_weights.append(float(count))
-    problem = IntraOpProblem(tuple(n.name for n in reps), tuple(costs), tuple(memory), tuple(weights),
-                             tuple(edges), tuple(matrices), tuple(edge_weights), memory_budget_bytes)
-    return BuiltProblem(problem, strategies, mapping)
-
-
-def _edge_counts(graph: "CapturedGraph", mapping: Mapping[str, int]) -> dict[tuple[int, int, int], int]:
-    """(problem producer, problem consumer, input index) -> how many graph edges map onto it."""
-    counts: dict[tuple[int, int, int], int] = {}
-    for node in graph.nodes:
+             for n, ss in zip(nodes, strategies)]
+    memory = [np.array([node_state_bytes(n, s, tp, state) for s in ss]) for n, ss in zip(nodes, strategies)]
+    edges, matrices = [], []
+    for v, node in enumerate(nodes):
         for k, producer in enumerate(node.inputs):
-            key = (mapping[producer], mapping[node.name], k)
-            counts[key] = counts.get(key, 0) + 1
-    return counts
+            u = mapping[producer]
+            matrix = edge_cost_matrix(node.input_metas[k], strategies[u], strategies[v], k, ctx)
+            if matrix.any():
+                edges.append((u, v))
+                matrices.append(matrix)
+    problem = IntraOpProblem(tuple(n.name for n in nodes), tuple(costs), tuple(memory), (1.0,) * len(nodes),
+                             tuple(edges), tuple(matrices), (1.0,) * len(edges), memory_budget_bytes)
+    return BuiltProblem(problem, strategies, mapping)
 
 
 def assignment_from_choice(built: BuiltProblem, choice) -> dict[str, str]:

@@ -32,11 +32,11 @@ from autoplan.capture import NodeInfo
 from autoplan.errors import PlanError
 from autoplan.placement import Shard
 from autoplan.runtime.collectives import all_to_all_dims
-from autoplan.runtime.groups import AxisGroup
+from autoplan.runtime.groups import RankGroup
 from autoplan.strategies import Strategy
 
 
-def cp_heads(x: torch.Tensor, head_dim: int, repeat: int, cp: AxisGroup) -> torch.Tensor:
+def cp_heads(x: torch.Tensor, head_dim: int, repeat: int, cp: RankGroup) -> torch.Tensor:
     """(B, T/cp, h d) sequence shard -> (B, T, h repeat / cp * d) head shard."""
     if repeat > 1:
         B, T, width = x.shape
@@ -45,12 +45,12 @@ def cp_heads(x: torch.Tensor, head_dim: int, repeat: int, cp: AxisGroup) -> torc
     return all_to_all_dims(x, 1, 2, cp.group)
 
 
-def cp_sequence(y: torch.Tensor, cp: AxisGroup) -> torch.Tensor:
+def cp_sequence(y: torch.Tensor, cp: RankGroup) -> torch.Tensor:
     """(B, T, h/cp * d) head shard -> (B, T/cp, h d) sequence shard."""
     return all_to_all_dims(y, 2, 1, cp.group)
 
 
-def cp_positions(positions: torch.Tensor, cp: AxisGroup) -> torch.Tensor:
+def cp_positions(positions: torch.Tensor, cp: RankGroup) -> torch.Tensor:
     """Local position indices 0..T/cp-1 -> this rank's global ones."""
     return positions + cp.index * positions.shape[-1]
 
@@ -65,7 +65,7 @@ def kv_repeat(q_heads: int, kv_heads: int, cp: int) -> int:
 
 
 def apply_context_parallel(gm: fx.GraphModule, infos: dict[str, NodeInfo],
-                           strategies: dict[str, Strategy], cp: AxisGroup, tp_size: int,
+                           strategies: dict[str, Strategy], cp: RankGroup, tp_size: int,
                            head_dim: int) -> None:
     """Insert the Ulysses all-to-alls around every attention core and offset the positions."""
     graph = gm.graph

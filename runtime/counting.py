@@ -57,7 +57,7 @@ from autoplan.placement import Replicate
 from autoplan.plan import Plan
 from autoplan.runtime.groups import GROUP_AXES, kind_axes
 from autoplan.runtime.rewrite import resolve_strategies
-from autoplan.strategies import Strategy
+from autoplan.strategies import EXPERT_WEIGHTS, Strategy
 
 NAME_ORDER = ("data", "expert_data", "expert", "expert_tp", "pp", "dp", "ep", "cp", "tp")  # later = narrower
 
@@ -179,7 +179,7 @@ def expected_collectives(plan: Plan, config: ModelConfig, pp_index: int = 0,
     data, expert_data = mesh.dp * mesh.ep * mesh.cp, mesh.dp * mesh.cp
     local_params = {p for n in graph.nodes if stages[n.name] in mine for p, _ in n.params}
     experts = {p for p in local_params
-               if mesh.expert_parallel > 1 and p.rsplit(".", 1)[-1] in ("w_gate", "w_up", "w_down")}
+               if mesh.expert_parallel > 1 and p.rsplit(".", 1)[-1] in EXPERT_WEIGHTS}
     if plan.zero_stage < 2 or data == 1:
         if data > 1 and local_params - experts:
             total[("all_reduce", names["data"])] += 1

@@ -49,7 +49,7 @@ def kind_axes(mesh: MeshShape, kind: str) -> tuple[str, ...]:
     return mesh.expert_axes if kind == "expert" else GROUP_AXES[kind]
 
 
-class AxisGroup(nn.Module):
+class RankGroup(nn.Module):
     """One process group along a mesh axis (or several). An `nn.Module` (without parameters) so that
     the rewritten GraphModule can fetch it as `self.tp` and pass it to the collectives, keeping the
     code readable.
@@ -87,17 +87,17 @@ def groups_of(mesh: MeshShape, axes: tuple[str, ...]) -> tuple[tuple[int, ...], 
 
 
 def build_axis_groups(mesh: MeshShape, mesh_rank: int, global_rank_of=lambda r: r
-                      ) -> dict[str, AxisGroup]:
+                      ) -> dict[str, RankGroup]:
     """Create the groups of every kind in GROUP_AXES on every process; return this rank's.
 
     `global_rank_of` maps a mesh rank to a rank of the default process group."""
     made: dict[tuple[int, ...], dist.ProcessGroup] = {}
-    groups: dict[str, AxisGroup] = {}
+    groups: dict[str, RankGroup] = {}
     for kind in GROUP_AXES:
         axes = kind_axes(mesh, kind)
         mine = group_of(mesh, mesh_rank, axes)
         if len(mine) == 1:
-            groups[kind] = AxisGroup(kind, mine, 0, None)
+            groups[kind] = RankGroup(kind, mine, 0, None)
             continue
         for ranks in groups_of(mesh, axes):
             if ranks not in made:
@@ -106,5 +106,5 @@ def build_axis_groups(mesh: MeshShape, mesh_rank: int, global_rank_of=lambda r: 
         if dist.get_rank(pg) != index:  # collectives assume group order = ascending mesh rank
             raise RuntimeError(f"{kind} group {mine}: process group rank {dist.get_rank(pg)} != "
                                f"position {index} of mesh rank {mesh_rank}")
-        groups[kind] = AxisGroup(kind, mine, index, pg)
+        groups[kind] = RankGroup(kind, mine, index, pg)
     return groups

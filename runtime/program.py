@@ -44,7 +44,7 @@ from autoplan.placement import Shard
 from autoplan.plan import Plan
 from autoplan.runtime import collectives as C
 from autoplan.mesh import MeshShape
-from autoplan.runtime.groups import AxisGroup, group_of
+from autoplan.runtime.groups import RankGroup, group_of
 from autoplan.runtime.init import InitRule, init_local, nested_bounds
 from autoplan.runtime.rewrite import ParamLayout, Rewritten
 from autoplan.runtime.zero import full_tensor, shard_over_dp
@@ -53,7 +53,7 @@ from autoplan.runtime.zero import full_tensor, shard_over_dp
 class RankProgram(nn.Module):
     """The per-rank program: `forward(tokens, targets)` on this rank's data share -> mean loss."""
 
-    def __init__(self, rewritten: Rewritten, plan: Plan, groups: dict[str, AxisGroup],
+    def __init__(self, rewritten: Rewritten, plan: Plan, groups: dict[str, RankGroup],
                  rules: dict[str, InitRule], seed: int, device: torch.device,
                  mesh_rank: int = 0, global_rank_of=lambda r: r) -> None:
         super().__init__()
@@ -78,15 +78,15 @@ class RankProgram(nn.Module):
 
     # ------------------------------------------------------------ groups
     @property
-    def tp(self) -> AxisGroup:
+    def tp(self) -> RankGroup:
         return self.groups["tp"]
 
     @property
-    def dp(self) -> AxisGroup:
+    def dp(self) -> RankGroup:
         return self.groups["dp"]
 
     @property
-    def data(self) -> AxisGroup:
+    def data(self) -> RankGroup:
         """dp x ep x cp: the ranks that hold the same dense shards and see different tokens."""
         return self.groups["data"]
 
@@ -95,7 +95,7 @@ class RankProgram(nn.Module):
         """How many ranks hold distinct tokens of one batch (of one pipeline and tp coordinate)."""
         return self.data.size
 
-    def _replicas(self, name: str) -> AxisGroup:
+    def _replicas(self, name: str) -> RankGroup:
         """The ranks holding the same piece of parameter `name`."""
         return self.groups["expert_data" if self.layouts[name].expert else "data"]
 

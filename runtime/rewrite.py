@@ -55,13 +55,13 @@ from autoplan.placement import Partial, Placement, Replicate, Shard
 from autoplan.plan import Plan
 from autoplan.runtime import collectives as C
 from autoplan.runtime.context import apply_context_parallel
-from autoplan.runtime.groups import AxisGroup
+from autoplan.runtime.groups import RankGroup
 from autoplan.runtime.kernel_ops import apply_kernels, kernel_module
 from autoplan.runtime.modules import (GradSummed, ParallelMoE, RowParallelLinear,
                                       SequenceParallelLoss, VocabParallelEmbedding,
                                       VocabParallelLoss)
 from autoplan.runtime.recompute import apply_recompute
-from autoplan.strategies import Strategy, replicate_only
+from autoplan.strategies import EXPERT_WEIGHTS, Strategy, replicate_only
 
 R = Replicate()
 DEFAULT_REPLICATED_KINDS = ("placeholder", "output")  # may be left out of a plan
@@ -70,23 +70,23 @@ DEFAULT_REPLICATED_KINDS = ("placeholder", "output")  # may be left out of a pla
 # ---------------------------------------------------------------- conversions (graph functions)
 
 
-def tp_split(x: torch.Tensor, dim: int, tp: AxisGroup) -> torch.Tensor:
+def tp_split(x: torch.Tensor, dim: int, tp: RankGroup) -> torch.Tensor:
     return C.split_along(x, dim, tp.group)
 
 
-def tp_gather(x: torch.Tensor, dim: int, tp: AxisGroup) -> torch.Tensor:
+def tp_gather(x: torch.Tensor, dim: int, tp: RankGroup) -> torch.Tensor:
     return C.gather_along(x, dim, tp.group)
 
 
-def tp_all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, tp: AxisGroup) -> torch.Tensor:
+def tp_all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, tp: RankGroup) -> torch.Tensor:
     return C.all_to_all_dims(x, src_dim, dst_dim, tp.group)
 
 
-def tp_copy(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
+def tp_copy(x: torch.Tensor, tp: RankGroup) -> torch.Tensor:
     return C.copy_to_region(x, tp.group)
 
 
-def tp_gather_rs(x: torch.Tensor, dim: int, tp: AxisGroup) -> torch.Tensor:
+def tp_gather_rs(x: torch.Tensor, dim: int, tp: RankGroup) -> torch.Tensor:
     return C.gather_fwd_reduce_scatter_bwd(x, dim, tp.group)
 
 
@@ -125,7 +125,7 @@ class ParamLayout:
     folded: bool = False  # an expert weight whose expert group spans tp too (etp < tp): no tp split
     ffn_split: Placement | None = None  # folded, 1 < etp < tp: its FFN dim, split over expert_tp
 
-    def pieces(self, groups: dict[str, AxisGroup]) -> list[tuple[Placement, int, int]]:
+    def pieces(self, groups: dict[str, RankGroup]) -> list[tuple[Placement, int, int]]:
         """(placement, index, degree) per splitting axis, outer first: the argument of
         `init.nested_bounds`. Experts take their block by their position in the expert group, then
         (1 < etp < tp) their FFN slice by their position in the expert_tp group."""
@@ -157,9 +157,9 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 
 def rewrite(model: nn.Module, config: ModelConfig, plan: Plan,
-            groups: dict[str, AxisGroup] | AxisGroup) -> Rewritten:
+            groups: dict[str, RankGroup] | RankGroup) -> Rewritten:
     """The per-rank program of `plan` for this rank's coordinates in `groups` (runtime.groups; a
-    single AxisGroup means tp, every other axis of degree 1). Parameters stay on meta."""
+    single RankGroup means tp, every other axis of degree 1). Parameters stay on meta."""
     groups = _complete(groups)
     tp, experts = groups["tp"], groups["expert"]
     folded = plan.mesh.etp < plan.mesh.tp
@@ -197,11 +197,11 @@ def rewrite(model: nn.Module, config: ModelConfig, plan: Plan,
     return Rewritten(gm, params, strategies, infos, tuple(targets), regions)
 
 
-def _complete(groups: dict[str, AxisGroup] | AxisGroup) -> dict[str, AxisGroup]:
+def _complete(groups: dict[str, RankGroup] | RankGroup) -> dict[str, RankGroup]:
     """Every axis kind of runtime.groups, one-rank groups where `groups` does not say."""
-    if isinstance(groups, AxisGroup):
+    if isinstance(groups, RankGroup):
         groups = {"tp": groups}
-    full = {k: AxisGroup(k, (0,), 0, None) for k in ("tp", "cp", "ep", "dp", "pp", "data",
+    full = {k: RankGroup(k, (0,), 0, None) for k in ("tp", "cp", "ep", "dp", "pp", "data",
                                                       "expert_data")}
     full["expert"] = groups.get("ep", full["ep"])  # experts over ep alone unless told
     full["expert_tp"] = groups.get("tp", full["tp"])  # and their FFN over tp
@@ -236,7 +236,6 @@ def resolve_strategies(plan: Plan, nodes: tuple[NodeInfo, ...]) -> dict[str, Str
     return found
 
 
-EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # MoE weights whose dim 0 is the expert
 EXPERT_FFN_DIMS = {"w_gate": Shard(2), "w_up": Shard(2), "w_down": Shard(1)}  # split over etp
 
 
@@ -304,9 +303,9 @@ def _insert_conversions(graph: fx.Graph, infos: dict[str, NodeInfo],
 # ---------------------------------------------------------------- parallel modules
 
 
-def _parallel_module(module: nn.Module, info: NodeInfo, strategy: Strategy, tp: AxisGroup,
-                     ep: AxisGroup | None = None, kernels: str = "auto",
-                     etp: AxisGroup | None = None) -> nn.Module:
+def _parallel_module(module: nn.Module, info: NodeInfo, strategy: Strategy, tp: RankGroup,
+                     ep: RankGroup | None = None, kernels: str = "auto",
+                     etp: RankGroup | None = None) -> nn.Module:
     """The module that runs `strategy` for node `info` on this rank (meta parameters); `ep` for a
     MoE layer whose experts are split over the ranks of an expert group (ep, or ep x tp / etp),
     `etp` the expert_tp group splitting each expert's FFN under 1 < etp < tp."""

@@ -208,7 +208,7 @@ def _solve_unfolded(folded: FoldedGraph, registry: StrategyRegistry, info: Mappi
                     mesh: MeshShape, microbatch_size: int, dtype: str, efficiency: Efficiency | None,
                     time_limit_s: float, solver: str | None, why: str, start: float) -> FoldedSolution:
     built = build_intra_op_problem(folded.graph, registry, info, mesh.tp, cluster, mesh, microbatch_size, dtype,
-                                   fold=False, efficiency=efficiency)
+                                   efficiency=efficiency)
     sol = solve_ilp(built.problem, time_limit_s=time_limit_s, solver=solver)
     return FoldedSolution(assignment_from_choice(built, sol.choice), sol.objective, sol.status, sol.solver,
                           f"unfolded: {why}", 1, time.perf_counter() - start)

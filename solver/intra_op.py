@@ -35,7 +35,7 @@ def solve_tp(graph: CapturedGraph, registry: StrategyRegistry, info: Mapping, cl
                                 time_limit_s=time_limit_s)
         assignment, solver, status = solution.assignment, solution.solver, solution.status
     else:
-        built = build_intra_op_problem(graph, registry, info, mesh.tp, cluster, mesh, microbatch_size, dtype, False,
+        built = build_intra_op_problem(graph, registry, info, mesh.tp, cluster, mesh, microbatch_size, dtype,
                                        efficiency=efficiency)
         ilp = solve_ilp(built.problem, time_limit_s=time_limit_s)
         assignment, solver, status = assignment_from_choice(built, ilp.choice), ilp.solver, ilp.status
