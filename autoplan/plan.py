@@ -25,12 +25,11 @@ from autoplan.mesh import MeshShape
 from autoplan.placement import Placement, check_axis, parse_placement
 from autoplan.plan_json import strategies_from_json, strategies_to_json
 from autoplan.strategies import Strategy
+from autoplan.validity import RECOMPUTE_POLICIES, SCHEDULES
 
 PLAN_VERSION = 2  # 2: each op carries its resolved strategy and module path; the recompute set
 # version 1 plans still load (show, explain, compare); the runtime asks for a re-made plan to run one
 READABLE_VERSIONS = (1, 2)
-RECOMPUTE_POLICIES = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
 DTYPES = ("bfloat16", "float16", "float32")
 KERNELS = ("auto", "triton", "torch")  # runtime.kernels backends: "auto" is Triton on CUDA only
 

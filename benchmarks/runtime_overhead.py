@@ -202,32 +202,17 @@ class MegatronLlama(nn.Module):
 
 
 def runtime_plan(config):
-    """tp=4 with the planner's Megatron assignment, built from autoplan.plan types."""
+    """tp=4 with the planner's Megatron assignment, priced by the planner (`plan_from_assignment`)."""
+    from autoplan.api import capture_model, plan_from_assignment
     from autoplan.cluster import parse_cluster
     from autoplan.mesh import MeshShape
-    from autoplan.plan import (MemoryBreakdown, ModelRef, OpPlacement, ParamPlacement, Plan,
-                               Predicted, Provenance, StageSpec, TimeBreakdown)
-    from autoplan.api import capture_model
     from autoplan.solver.intra_op import megatron_assignment
     from autoplan.strategies import default_registry
 
-    graph, registry, info = capture_model(config, SEQ, "float32"), default_registry(), config.rule_info()
-    chosen = megatron_assignment(graph, registry, WORLD, info)
-    ops, params = [], []
-    for node in graph.nodes:
-        strategy = registry.strategy(node, WORLD, chosen[node.name], info)
-        ops.append(OpPlacement(node.name, strategy.name,
-                               (("tp", strategy.output),) if node.output is not None else (), node.module_path,
-                               strategy))
-        prefix = node.module_path + "."
-        params += [ParamPlacement(n, (("tp", strategy.param_placement(n[len(prefix):])),))
-                   for n, _ in node.params]
-    zero = Predicted(0.0, 0.0, 0.0, 0.0, MemoryBreakdown(0, 0, 0, 0), TimeBreakdown(0, 0, 0, 0))
-    return Plan(ModelRef(config.name, config.fingerprint(), config.num_layers,
-                         config.num_parameters()), parse_cluster(f"{WORLD}xcpu"),
-                MeshShape(tp=WORLD), BATCH, 1, BATCH, SEQ, 0, "none", "1f1b",
-                (StageSpec(0, 0, config.num_layers),), tuple(params), tuple(ops), zero,
-                Provenance("0.1.0", 0.0, "benchmarks/runtime_overhead.py"), dtype="float32")
+    graph, registry = capture_model(config, SEQ, "float32"), default_registry()
+    chosen = megatron_assignment(graph, registry, WORLD, config.rule_info())
+    return plan_from_assignment(graph, config, parse_cluster(f"{WORLD}xcpu"), MeshShape(tp=WORLD), chosen, BATCH, 1,
+                                0, "none", registry=registry, dtype="float32")
 
 
 # ------------------------------------------------------------------ one rank

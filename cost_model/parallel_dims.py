@@ -12,7 +12,8 @@ Per rank, compute and activations then equal those of a microbatch of mbs / cp s
 length (linear layers see T / cp tokens; attention sees T tokens for 1 / cp of the heads), which is how
 the search prices them. Rules: heads divisible by tp * cp (kv heads are repeated when fewer than tp *
 cp, as Ulysses does for grouped-query attention; their all-to-all then carries the repeated heads);
-T divisible by tp * cp (sequence parallelism inside tp); at least MIN_TOKENS_PER_CP_RANK tokens per rank.
+T divisible by tp * cp (sequence parallelism inside tp): `autoplan.validity.cp_problem`. The search also skips
+fewer than `solver.space.MIN_TOKENS_PER_CP_RANK` tokens per rank, which runs but never pays.
 
 Expert parallelism with Megatron Core's MoE parallel folding (Liu et al. 2025): the experts of each
 MoE layer are split over ep ranks taken from the data-parallel ranks, so expert weights (and their
@@ -57,10 +58,8 @@ import numpy as np
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.calibration import CollectiveCalibration
 from autoplan.cost_model.comm import AxisGroup, group_collective_time_s
-from autoplan.errors import ConfigError
 from autoplan.mesh import MeshShape
 
-MIN_TOKENS_PER_CP_RANK = 1024  # below this the all-to-all latencies and flash-attention tiles of 128 rows underfill
 
 
 def axes_group(mesh: MeshShape, axes: tuple[str, ...], gpus_per_node: int) -> AxisGroup:
@@ -104,103 +103,3 @@ def expert_tp_exchange_s(tokens_per_rank: float, hidden: int, top_k: int, itemsi
     gather = group_collective_time_s("all_gather", nbytes, cluster, group, measured)
     scatter = group_collective_time_s("reduce_scatter", nbytes, cluster, group, measured)
     return 2 * (gather + scatter)
-
-
-# ---------------------------------------------------------------------------------- rules
-
-
-def nearest_multiples(value: int, step: int) -> tuple[int, ...]:
-    """The multiples of `step` just below and just above `value` (positive ones only)."""
-    below, above = (value // step) * step, -(-value // step) * step
-    return tuple(sorted({v for v in (below, above) if v > 0} or {step}))
-
-
-def _nearest_divisors(value: int, of: int, limit: int | None = None) -> list[int]:
-    options = [d for d in range(1, of + 1) if of % d == 0 and (limit is None or d <= limit)]
-    return sorted(options, key=lambda d: (abs(d - value), d))[:2]
-
-
-def tp_problem(heads: int, kv_heads: int, tp: int) -> str | None:
-    """Why `tp` cannot split the attention heads, or None."""
-    if heads % tp == 0 and kv_heads % tp == 0:
-        return None
-    valid = [d for d in range(1, heads + 1) if heads % d == 0 and kv_heads % d == 0]
-    near = sorted(valid, key=lambda d: (abs(d - tp), d))[:2]
-    return (f"tp={tp} does not divide the attention heads (heads={heads}, kv_heads={kv_heads}); "
-            f"nearest tp that work: {', '.join(map(str, sorted(near)))}")
-
-
-def cp_problem(heads: int, tp: int, cp: int, seq_len: int, name: str = "cp") -> str | None:
-    """Why context parallelism of degree `cp` (with `tp`) cannot run this sequence, or None. `name`: what
-    the message calls the degree (e.g. "cp x ep" when the ep ranks split the sequence too)."""
-    if cp == 1:
-        return None
-    if heads % (tp * cp):
-        near = _nearest_divisors(cp, heads // tp if heads % tp == 0 else 1)
-        return (f"{name}={cp} with tp={tp}: heads={heads} is not divisible by tp x {name} = {tp * cp}; "
-                f"nearest {name} that work: {', '.join(map(str, sorted(near)))}")
-    if seq_len % (tp * cp) or seq_len // cp < MIN_TOKENS_PER_CP_RANK:
-        largest = max((c for c in range(1, cp + 1) if seq_len % (tp * c) == 0 and seq_len // c >= MIN_TOKENS_PER_CP_RANK
-                       and heads % (tp * c) == 0), default=1)
-        need = max(cp * MIN_TOKENS_PER_CP_RANK, tp * cp)
-        return (f"sequence {seq_len} is too short for {name}={cp}: each context-parallel rank needs >= "
-                f"{MIN_TOKENS_PER_CP_RANK} tokens and the sequence must divide by tp x {name} = {tp * cp}; use "
-                f"{name} <= {largest} or a sequence of at least {-(-need // (tp * cp)) * tp * cp}")
-    return None
-
-
-def ep_problem(experts: int, ep: int, data_parallel: int) -> str | None:
-    """Why `ep` cannot split the experts over the data-parallel ranks, or None."""
-    if ep == 1:
-        return None
-    if experts == 0:
-        return f"ep={ep} needs a mixture-of-experts model; this model has no experts (use ep=1)"
-    if experts % ep or data_parallel % ep:
-        valid = [d for d in range(1, experts + 1) if experts % d == 0 and data_parallel % d == 0]
-        near = sorted(valid, key=lambda d: (abs(d - ep), d))[:2]
-        return (f"ep={ep} must divide the experts ({experts}) and the data-parallel degree dp x ep ({data_parallel}); "
-                f"nearest ep that work: {', '.join(map(str, sorted(near)))}")
-    return None
-
-
-def etp_problem(experts: int, ep: int, tp: int, etp: int, seq_len: int, cp: int = 1,
-                ffn: int | None = None) -> str | None:
-    """Why expert tensor-parallel degree `etp` cannot run with this model and mesh, or None. `ffn`: the
-    experts' FFN width (None: not checked)."""
-    if etp == tp:
-        return None
-    if experts == 0:
-        return (f"etp={etp} with tp={tp} needs a mixture-of-experts model (etp is the tensor-parallel degree of "
-                f"the experts); this model has none: leave etp unset (= tp)")
-    if tp % etp:
-        divisors = [d for d in range(1, tp + 1) if tp % d == 0]
-        return f"etp={etp} must divide tp={tp} (the tp ranks an expert's FFN is split over); use one of {divisors}"
-    if experts % (ep * tp // etp):
-        return (f"etp={etp} spreads the {experts} experts over ep x tp / etp = {ep} x {tp // etp} ranks, which "
-                f"does not divide them; use etp={tp}, or an ep whose ep x {tp // etp} divides {experts}")
-    if seq_len % (tp * cp):
-        return (f"etp={etp} splits each sequence's tokens over tp x cp = {tp * cp} ranks, which does not divide "
-                f"seq_len {seq_len}; use etp={tp} or a sequence divisible by {tp * cp}")
-    if ffn is not None and ffn % etp:
-        return (f"etp={etp} splits each expert's FFN width {ffn} over {etp} ranks, which does not divide it; use "
-                f"an etp dividing {ffn} (etp=1 keeps the experts whole)")
-    return None
-
-
-def batch_problem(global_batch: int, data_parallel: int, microbatch_size: int, name: str = "dp") -> str | None:
-    """Why the global batch cannot be split into microbatches over the data-parallel ranks, or None. `name`:
-    what the message calls their count."""
-    step = data_parallel * microbatch_size
-    if global_batch % step == 0:
-        return None
-    near = ", ".join(map(str, nearest_multiples(global_batch, step)))
-    if microbatch_size == 1:
-        return f"global batch {global_batch} is not divisible by {name}={data_parallel}; nearest that work: {near}"
-    return (f"global batch {global_batch} is not divisible by {name}={data_parallel} x microbatch {microbatch_size} = "
-            f"{step}; nearest that work: {near}")
-
-
-def check(problem: str | None) -> None:
-    """Raise ConfigError with the message of a rule that failed."""
-    if problem:
-        raise ConfigError(problem)

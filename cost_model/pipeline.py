@@ -45,8 +45,6 @@ from autoplan.cost_model.comm import link_for_axis, p2p_time_s
 from autoplan.errors import AutoplanError, ConfigError
 from autoplan.mesh import MeshShape
 
-SCHEDULE_1F1B = "1f1b"
-SCHEDULE_INTERLEAVED = "interleaved-1f1b"
 
 MEMORY_RTOL = 1e-9  # prefix-sum and direct sums of the same bytes differ in the last bits
 

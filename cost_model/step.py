@@ -65,8 +65,8 @@ from autoplan.cost_model.compute import Efficiency, op_time_s
 from autoplan.cost_model.memory import model_state_bytes, state_bytes_for, temporary_bytes
 from autoplan.cost_model.parallel_dims import (axes_group, expert_all_to_all_s, expert_tp_exchange_s,
                                                ulysses_all_to_all_s)
-from autoplan.cost_model.pipeline import (SCHEDULE_INTERLEAVED, Part, StageProblem, in_flight_microbatches,
-                                          interleaved_chunks, p2p_per_microbatch_s, pipeline_time_s)
+from autoplan.validity import SCHEDULE_INTERLEAVED
+from autoplan.cost_model.pipeline import (Part, StageProblem, in_flight_microbatches, interleaved_chunks, p2p_per_microbatch_s, pipeline_time_s)
 from autoplan.models.config import ModelConfig
 from autoplan.cost_model.parts import BlockCosts, PartCost
 from autoplan.plan import MemoryBreakdown, TimeBreakdown

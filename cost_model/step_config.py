@@ -10,9 +10,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import cached_property
 
-from autoplan.cost_model.pipeline import SCHEDULE_1F1B
 from autoplan.mesh import DEFAULT_ORDER, MeshShape
-from autoplan.plan import RECOMPUTE_POLICIES
+from autoplan.validity import RECOMPUTE_POLICIES, SCHEDULE_1F1B
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 MESH_FIELDS = frozenset(f.name for f in dataclasses.fields(MeshShape))

@@ -29,6 +29,7 @@ from autoplan.runtime.init import init_rules
 from autoplan.runtime.kernels import use_triton
 from autoplan.runtime.program import RankProgram
 from autoplan.runtime.rewrite import rewrite
+from autoplan.validity import SCHEDULE_INTERLEAVED, check, configuration_problems
 
 GIB = float(1 << 30)
 
@@ -68,7 +69,8 @@ def parallelize(model: nn.Module, cluster: ClusterSpec | str | None, plan: Plan,
 
 
 def check_plan(plan: Plan, config: ModelConfig, cluster: ClusterSpec | str | None = None) -> None:
-    """Every check that needs no communication; raises PlanError naming both values."""
+    """Every check that needs no communication; raises PlanError naming both values. The configuration
+    rules are `autoplan.validity`'s, the ones `autoplan estimate` applies, in the same words."""
     if config.fingerprint() != plan.model.fingerprint:
         raise PlanError(f"model fingerprint {config.fingerprint()} ({config.name}) != plan model "
                         f"fingerprint {plan.model.fingerprint} ({plan.model.name}); this plan was "
@@ -78,79 +80,14 @@ def check_plan(plan: Plan, config: ModelConfig, cluster: ClusterSpec | str | Non
         if spec.world_size != plan.mesh.world_size:
             raise PlanError(f"cluster {spec.describe()} has {spec.world_size} devices but the plan "
                             f"mesh {plan.mesh} has {plan.mesh.world_size} ranks")
-    mesh = plan.mesh
-    if mesh.ep > 1 and (not config.experts or config.experts % mesh.ep):
-        raise PlanError(f"ep={mesh.ep} does not divide the {config.experts} experts of "
-                        f"{config.name} (expert parallelism needs a mixture-of-experts model whose "
-                        f"expert count ep divides)")
-    _check_expert_tp(plan, config)
-    shards = mesh.batch_shards
-    if plan.global_batch % shards or (plan.global_batch // shards) % plan.num_microbatches:
-        named = f"dp = {mesh.dp}" if mesh.ep_as == "cp" else f"dp x ep = {mesh.dp} x {mesh.ep}"
-        raise PlanError(f"global batch {plan.global_batch} does not split into {named} data "
-                        f"shards of {plan.num_microbatches} equal microbatches")
-    _check_context(plan, config)
-    if plan.zero_stage >= 2 and (mesh.ep > 1 or mesh.pp > 1):
-        raise PlanError(f"zero_stage {plan.zero_stage} (FSDP2) with ep={mesh.ep}, pp={mesh.pp}: "
-                        f"this runtime shards parameters over dp only without expert or pipeline "
-                        f"parallelism; plan zero_stage <= 1")
-    _check_pipeline(plan)
-
-
-def _check_context(plan: Plan, config: ModelConfig) -> None:
-    """The sequence, and the attention heads (Ulysses: runtime.context), split over the context
-    group: cp ranks, or ep x cp under ep_as = "cp"."""
-    mesh = plan.mesh
-    context = mesh.context_parallel
-    name = f"cp x ep = {mesh.cp} x {mesh.ep} (ep_as='cp')" if mesh.ep_as == "cp" else "cp"
-    if plan.seq_len % context:
-        raise PlanError(f"seq_len {plan.seq_len} is not divisible by {name}={context}"
-                        + (f"; plan ep_as='dp' or a sequence divisible by {context}"
-                           if mesh.ep_as == "cp" else ""))
-    if mesh.ep_as == "cp" and config.heads % context:
-        raise PlanError(f"{name}={context} context-parallel ranks: Ulysses splits the "
-                        f"{config.heads} attention heads of {config.name} over them, which they do "
-                        f"not divide; plan ep_as='dp' or a cp x ep dividing {config.heads}")
-
-
-def _check_expert_tp(plan: Plan, config: ModelConfig) -> None:
-    """etp < tp (runtime.rewrite step 5) needs experts for ep x tp / etp ranks, tokens for tp x cp
-    and, for etp > 1, an expert FFN width that etp divides."""
-    mesh = plan.mesh
-    if mesh.etp == mesh.tp:
-        return
-    spread = "ep x tp" + (" / etp" if mesh.etp > 1 else "")
-    if not config.experts or config.experts % mesh.expert_parallel:
-        raise PlanError(f"etp={mesh.etp} < tp={mesh.tp} spreads the experts over {spread} = "
-                        f"{mesh.expert_parallel} ranks, which do not divide the {config.experts} "
-                        f"experts of {config.name}; plan etp={mesh.tp} (the default) or a mesh "
-                        f"whose {spread} divides the experts")
-    if config.ffn_hidden % mesh.etp:
-        raise PlanError(f"etp={mesh.etp} splits each expert's FFN width {config.ffn_hidden} of "
-                        f"{config.name} over {mesh.etp} ranks, which do not divide it; plan an etp "
-                        f"dividing {config.ffn_hidden}")
-    split = mesh.tp * mesh.context_parallel  # tp x cp, x ep when the ep ranks split the sequence
-    if plan.seq_len % split:
-        raise PlanError(f"etp={mesh.etp} < tp={mesh.tp} splits each sequence's tokens over tp x cp "
-                        f"{'x ep ' if mesh.ep_as == 'cp' else ''}= {split} ranks, which do not "
-                        f"divide seq_len {plan.seq_len}; plan etp={mesh.tp} or a sequence "
-                        f"divisible by {split}")
-
-
-def _check_pipeline(plan: Plan) -> None:
-    pp = plan.mesh.pp
-    if pp == 1:
-        return
-    chunks = len(plan.stages) // pp
-    if plan.schedule == "interleaved-1f1b" and chunks < 2:
-        raise PlanError(f"schedule 'interleaved-1f1b' needs virtual stages (2+ chunks per "
-                        f"pipeline rank); the plan has {len(plan.stages)} stages for pp={pp}")
-    if plan.schedule != "interleaved-1f1b" and chunks != 1:
-        raise PlanError(f"the plan has {len(plan.stages)} stages for pp={pp} (virtual stages) "
-                        f"but schedule {plan.schedule!r}: use 'interleaved-1f1b'")
-    if plan.schedule == "1f1b" and plan.num_microbatches < pp:
-        raise PlanError(f"schedule '1f1b' needs num_microbatches >= pp: got "
-                        f"{plan.num_microbatches} < {pp}")
+    stages_per_rank = max(1, len(plan.stages) // plan.mesh.pp)
+    problems = configuration_problems(config, plan.mesh, plan.global_batch, plan.seq_len, plan.microbatch_size,
+                                      plan.zero_stage, plan.recompute, plan.schedule, stages_per_rank,
+                                      heads_rule=False)  # the plan's strategies decide how heads split
+    check(problems, PlanError)
+    if plan.schedule != SCHEDULE_INTERLEAVED and len(plan.stages) > plan.mesh.pp:
+        raise PlanError(f"the plan has {len(plan.stages)} stages for pp={plan.mesh.pp} (virtual stages) but "
+                        f"schedule {plan.schedule!r}: use '{SCHEDULE_INTERLEAVED}'")
 
 
 def device_memory_bytes(device: torch.device) -> tuple[float, str]:

@@ -26,14 +26,15 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from autoplan.validity import SCHEDULE_1F1B, SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED
 from autoplan.capture import NodeInfo
 from autoplan.errors import PlanError
 from autoplan.plan import Plan
-from autoplan.runtime.groups import AxisGroup
+from autoplan.runtime.groups import RankGroup
 from autoplan.runtime.recompute import node_layer
 
-SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe",
-             "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+SCHEDULES = {SCHEDULE_1F1B: "Schedule1F1B", SCHEDULE_GPIPE: "ScheduleGPipe",
+             SCHEDULE_INTERLEAVED: "ScheduleInterleaved1F1B"}
 
 
 def to_float32(x: torch.Tensor) -> torch.Tensor:
@@ -173,7 +174,7 @@ class PipelineRunner:
     """This rank's stages under the plan's schedule; `step` runs one batch through them."""
 
     def __init__(self, programs: list[StageProgram], loss_module: fx.GraphModule, plan: Plan,
-                 pp: AxisGroup, shapes: dict[str, torch.Size], microbatch: tuple[int, int],
+                 pp: RankGroup, shapes: dict[str, torch.Size], microbatch: tuple[int, int],
                  device: torch.device) -> None:
         from torch.distributed import pipelining
 
@@ -192,7 +193,7 @@ class PipelineRunner:
                 output_args=outputs[0] if len(outputs) == 1 else outputs, group=pp.group))
         schedule = getattr(pipelining, SCHEDULES[plan.schedule])
         n = plan.num_microbatches
-        if plan.schedule == "interleaved-1f1b":
+        if plan.schedule == SCHEDULE_INTERLEAVED:
             self.schedule = schedule(self.stages, n, loss_fn=self._loss)
         else:
             if len(self.stages) != 1:

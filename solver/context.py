@@ -19,7 +19,7 @@ from autoplan.cost_model.comm import COLLECTIVE_KINDS, AxisGroup, group_collecti
 from autoplan.cost_model.compute import Efficiency
 from autoplan.cost_model.intra_op import CostContext, attention_head_dim
 from autoplan.cost_model.memory import is_batched, param_placements, selective_recompute_nodes
-from autoplan.cost_model.parts import EXPERT_PARAMS, BlockCosts, SolutionParts, block_costs, solution_parts
+from autoplan.cost_model.parts import BlockCosts, SolutionParts, block_costs, solution_parts
 from autoplan.cost_model.step import Priced, StepEnv, StepModel
 from autoplan.errors import ConfigError
 from autoplan.mesh import MeshShape
@@ -30,7 +30,7 @@ from autoplan.solver.intra_op import megatron_assignment, solve_tp
 from autoplan.cost_model.step_config import Config
 from autoplan.solver.space import FlopsPerSequence
 from autoplan.solver.stages import partition_stages
-from autoplan.strategies import Strategy, StrategyRegistry, default_registry, strategy_info
+from autoplan.strategies import EXPERT_WEIGHTS, Strategy, StrategyRegistry, default_registry, strategy_info
 
 GraphSource = CapturedGraph | Callable[[], CapturedGraph]  # a graph, or what captures it on first need
 
@@ -205,7 +205,7 @@ def _placements(graph: CapturedGraph, strategies: Mapping[str, Strategy], cfg: C
         strategy = strategies[node.name]
         for name, _, placement in param_placements(node, strategy):
             where = (("tp", placement), ("dp", dp_param))
-            if cfg.ep > 1 and node.op_kind == "moe" and name.rsplit(".", 1)[-1] in EXPERT_PARAMS:
+            if cfg.ep > 1 and node.op_kind == "moe" and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS:
                 where += (("ep", Shard(0)),)
             params.setdefault(name, ParamPlacement(name, where))
         output = ()

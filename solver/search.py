@@ -26,17 +26,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Mapping
 
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.compute import Efficiency
-from autoplan.cost_model.pipeline import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED
-from autoplan.cost_model.parallel_dims import batch_problem, check, cp_problem, ep_problem, etp_problem, tp_problem
 from autoplan.cost_model.step import Priced
 from autoplan.errors import ConfigError
 from autoplan.mesh import MeshShape
 from autoplan.models.config import ModelConfig
-from autoplan.plan import RECOMPUTE_POLICIES, Plan
+from autoplan.plan import Plan
 from autoplan.solver.baselines import all_baselines
 from autoplan.solver.context import (VARIANT_ILP, VARIANT_MEGATRON, BaselineResult, GraphSource, Progress, ProgressMessage,
                                      SearchContext)
@@ -45,6 +43,7 @@ from autoplan.cost_model.step_config import Config
 from autoplan.solver.space import (FlopsPerSequence, SearchOptions, enumerate_configs, infeasible,
                                    memory_lower_bound, parameter_split, time_lower_bound_s)
 from autoplan.strategies import StrategyRegistry
+from autoplan.validity import check, configuration_problems
 
 # ---------------------------------------------------------------------------------- the search
 
@@ -99,23 +98,7 @@ def _keys(configs: list[Config], flops: FlopsPerSequence, peak: float) -> list[t
     return sorted(found, key=lambda entry: (entry[0], entry[1]))
 
 
-class _Ranking:
-    """The K best fitting configurations overall, and the K best a Plan can express. Pruning by the latter's
-    K-th time (never below the former's) is sound for both: the overall best is never pruned."""
-
-    def __init__(self, k: int, expressible: Callable[[Config], bool]) -> None:
-        self.all, self.plans, self.expressible = _Best(k), _Best(k), expressible
-
-    def add(self, priced: Priced) -> None:
-        self.all.add(priced)
-        if self.expressible(priced.config):
-            self.plans.add(priced)
-
-    def threshold_s(self) -> float:
-        return self.plans.threshold_s()
-
-
-def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Ranking, report: Progress) -> tuple[int, int, Priced | None]:
+def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Best, report: Progress) -> tuple[int, int, Priced | None]:
     """Steps 3-4 of the module docstring; (configurations pruned by time, priced, smallest that did not fit)."""
     pruned = priced_count = 0
     smallest: Priced | None = None
@@ -181,7 +164,7 @@ def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq
     report(ProgressMessage(f"capturing {config.name} at seq {seq_len}"))
     ctx = SearchContext(config, cluster, global_batch, seq_len, dtype=dtype, efficiency=efficiency,
                         registry=registry, fold=fold, time_limit_s=time_limit_s, graph=graph, info=info)
-    ranking = _Ranking(top, lambda c: True)
+    ranking = _Best(top)
     found_baselines = all_baselines(ctx, options) if baselines else ()
     for b in found_baselines:
         if b.priced is not None:
@@ -189,15 +172,15 @@ def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq
     keys = _keys(fitting, ctx.flops_per_sequence(),
                  cluster.device.peak_flops_for(dtype) * ctx.efficiency.max_matmul(cluster.device, dtype))
     pruned, priced_count, smallest = _branch_and_bound(ctx, keys, ranking, report)
-    if not ranking.plans.items:
+    if not ranking.items:
         raise infeasible(config, cluster, seq_len, dtype, smallest.peak_memory_bytes, smallest.config, bound=False)
-    stats = SearchStats(len(configs), len(configs) - len(fitting), pruned, priced_count, len(ranking.plans.items),
+    stats = SearchStats(len(configs), len(configs) - len(fitting), pruned, priced_count, len(ranking.items),
                         ctx.ilp_solves, time.perf_counter() - start)
     plans = _plans(ctx, ranking, found_baselines, stats, options)
     report(ProgressMessage(f"best: {plans[0].mesh}, {plans[0].predicted.step_time_s:.3f} s per step", len(keys), len(keys)))
     baseline_plans = tuple(BaselineResult(b.name, ctx.plan(b.priced, 0.0, (f"baseline: {b.name}",)) if b.priced else None,
                                           b.reason) for b in found_baselines)
-    return SearchResult(plans, baseline_plans, stats, tuple(ranking.all.items))
+    return SearchResult(plans, baseline_plans, stats, tuple(ranking.items))
 
 
 def _notes(ctx: SearchContext, priced: Priced, rank: int, found_baselines, stats: SearchStats,
@@ -219,17 +202,11 @@ def _notes(ctx: SearchContext, priced: Priced, rank: int, found_baselines, stats
     return notes
 
 
-def _plans(ctx: SearchContext, ranking: _Ranking, found_baselines, stats: SearchStats,
+def _plans(ctx: SearchContext, ranking: _Best, found_baselines, stats: SearchStats,
            options: SearchOptions) -> tuple[Plan, ...]:
-    """Plans of the ranked configurations the Plan type can express; the best says so when a faster one was not."""
-    unexpressed = [p for p in ranking.all.items if not ranking.expressible(p.config)
-                   and p.step_time_s < ranking.plans.items[0].step_time_s]
-    extra = [f"a faster configuration was priced that this Plan version cannot express (ep ranks split the batch "
-             f"but the Plan counts only dp as data-parallel): {p.config.describe()}, {p.step_time_s:.4g} s per step"
-             for p in unexpressed[:1]]
-    return tuple(ctx.plan(priced, stats.search_time_s,
-                          tuple(_notes(ctx, priced, rank, found_baselines, stats, options) + (extra if rank == 1 else [])))
-                 for rank, priced in enumerate(ranking.plans.items, 1))
+    """Plans of the ranked configurations, best first."""
+    return tuple(ctx.plan(priced, stats.search_time_s, tuple(_notes(ctx, priced, rank, found_baselines, stats, options)))
+                 for rank, priced in enumerate(ranking.items, 1))
 
 
 # ---------------------------------------------------------------------------------- one configuration
@@ -238,30 +215,15 @@ def _plans(ctx: SearchContext, ranking: _Ranking, found_baselines, stats: Search
 def check_config(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, mesh: MeshShape,
                  microbatch_size: int, zero_stage: int, recompute: str, schedule: str, virtual_stages: int,
                  heads_rule: bool = True) -> Config:
-    """A Config for a user-given configuration; ConfigError naming the rule and values that would work.
+    """A Config for a user-given configuration; ConfigError naming the first rule it breaks
+    (`autoplan.validity`: the rules the runtime applies too) and values that would work.
     `heads_rule`: tp must split the attention heads (off when an assignment decides the strategies)."""
     if mesh.world_size != cluster.world_size:
         raise ConfigError(f"mesh {mesh} has pp x dp x ep x cp x tp = {mesh.world_size} ranks but the cluster "
                           f"{cluster.describe()} has {cluster.world_size}")
-    if mesh.tp > 1 and heads_rule:
-        check(tp_problem(config.heads, config.kv_heads, mesh.tp))
-    folded = mesh.ep_as == "cp"  # the ep ranks split the sequence with cp: the rules see cp x ep
-    check(cp_problem(config.heads, mesh.tp, mesh.context_parallel, seq_len, "cp x ep" if folded else "cp"))
-    check(ep_problem(config.experts, mesh.ep, mesh.dp * mesh.ep))
-    check(etp_problem(config.experts, mesh.ep, mesh.tp, mesh.etp, seq_len, mesh.context_parallel,
-                      config.ffn_hidden))
-    check(batch_problem(global_batch, mesh.batch_shards, microbatch_size, "dp (ep as cp)" if folded else "dp"))
-    if mesh.pp > config.num_layers:
-        raise ConfigError(f"pp={mesh.pp} exceeds the {config.num_layers} layers of {config.name}; use pp <= {config.num_layers}")
-    if zero_stage not in (0, 1, 2, 3) or recompute not in RECOMPUTE_POLICIES:
-        raise ConfigError(f"zero_stage={zero_stage!r} must be 0-3 and recompute={recompute!r} one of {RECOMPUTE_POLICIES}")
+    check(configuration_problems(config, mesh, global_batch, seq_len, microbatch_size, zero_stage, recompute,
+                                 schedule, virtual_stages, heads_rule))
     m = global_batch // (mesh.batch_shards * microbatch_size)
-    if schedule == SCHEDULE_INTERLEAVED:
-        if mesh.pp == 1 or virtual_stages < 2 or config.num_layers % (mesh.pp * virtual_stages) or m % mesh.pp:
-            raise ConfigError(f"interleaved 1F1B needs pp > 1, v >= 2, the {config.num_layers} layers divisible by "
-                              f"pp x v = {mesh.pp * virtual_stages} and the {m} microbatches divisible by pp={mesh.pp}")
-    elif schedule != SCHEDULE_1F1B or virtual_stages != 1:
-        raise ConfigError(f"schedule {schedule!r} with v={virtual_stages}: use '1f1b' (v=1) or 'interleaved-1f1b' (v >= 2)")
     return Config(mesh, microbatch_size, m, zero_stage, recompute, schedule, virtual_stages)
 
 

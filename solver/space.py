@@ -47,15 +47,16 @@ from dataclasses import dataclass
 
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.memory import model_state_bytes, state_bytes_for
-from autoplan.cost_model.parallel_dims import axes_group, cp_problem, etp_problem, nearest_multiples
-from autoplan.cost_model.pipeline import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED
+from autoplan.cost_model.parallel_dims import axes_group
+from autoplan.validity import (SCHEDULE_1F1B, SCHEDULE_INTERLEAVED, cp_problem, etp_problem, nearest_multiples,
+                               pipeline_problem, zero_problem)
 from autoplan.cost_model.step_config import ITEMSIZE, Config
 from autoplan.errors import ConfigError, InfeasibleError
 from autoplan.mesh import DEFAULT_ORDER, MeshShape
 from autoplan.models.config import ModelConfig
-from autoplan.plan import RECOMPUTE_POLICIES
+from autoplan.validity import RECOMPUTE_POLICIES, ZERO_STAGES
 
-ZERO_STAGES = (0, 1, 2, 3)
+MIN_TOKENS_PER_CP_RANK = 1024  # a search heuristic, not a rule: `_worth_cp`
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,16 @@ def divisors(n: int) -> list[int]:
 def _cp_degrees(model: ModelConfig, tp: int, seq_len: int, room: int, options: SearchOptions) -> list[int]:
     found, cp = [1], 2
     while options.context_parallel and cp <= room:
-        if room % cp == 0 and cp_problem(model.heads, tp, cp, seq_len) is None:
+        if room % cp == 0 and _worth_cp(model, tp, cp, seq_len):
             found.append(cp)
         cp *= 2
     return found
+
+
+def _worth_cp(model: ModelConfig, tp: int, cp: int, seq_len: int) -> bool:
+    """Whether a context group of `cp` ranks can run (`validity.cp_problem`) and pays: with fewer than
+    MIN_TOKENS_PER_CP_RANK tokens per rank the all-to-all latencies and flash-attention tiles underfill."""
+    return cp_problem(model.heads, tp, cp, seq_len) is None and seq_len // cp >= MIN_TOKENS_PER_CP_RANK
 
 
 def enumerate_meshes(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int,
@@ -148,7 +155,7 @@ def _ep_roles(model: ModelConfig, global_batch: int, seq_len: int, degrees: tupl
     tp, cp, ep, data = degrees
     roles = ("dp",) if global_batch % data == 0 else ()
     if (ep > 1 and options.ep_over_cp and global_batch % (data // ep) == 0
-            and cp_problem(model.heads, tp, cp * ep, seq_len) is None):
+            and _worth_cp(model, tp, cp * ep, seq_len)):
         roles += ("cp",)
     return roles
 
@@ -182,7 +189,7 @@ def runnable_zero_stages(stages: tuple[int, ...], pp: int, ep: int) -> tuple[int
     that traffic repeats for every microbatch of every stage, which is why DeepSpeed refuses ZeRO-2/3
     with pipeline parallelism, and this runtime shards with FSDP2 over dp only without pp or ep
     (`autoplan.runtime.launch` refuses it). `autoplan estimate` still prices such a configuration."""
-    return stages if pp == 1 and ep == 1 else tuple(z for z in stages if z <= 1)
+    return tuple(z for z in stages if zero_problem(z, pp, ep) is None)
 
 
 def enumerate_configs(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int,
@@ -207,8 +214,8 @@ def _mesh_configs(model: ModelConfig, global_batch: int, options: SearchOptions,
     for mbs in (d for d in divisors(per_rank) if d <= options.max_microbatch_size
                 and not _dominated_by_ep_as_dp(global_batch, dp, ep, d, ep_as)):
         m = per_rank // mbs
-        schedules = [(SCHEDULE_1F1B, 1)] + [(SCHEDULE_INTERLEAVED, v) for v in options.virtual_stages
-                                            if pp > 1 and model.num_layers % (pp * v) == 0 and m % pp == 0]
+        schedules = [(s, v) for s, v in [(SCHEDULE_1F1B, 1)] + [(SCHEDULE_INTERLEAVED, v) for v in options.virtual_stages]
+                     if pipeline_problem(model.num_layers, pp, s, v, m) is None]
         for schedule, v in schedules:
             for zero in runnable_zero_stages(options.zero_stages, pp, ep):
                 for recompute in options.recompute:

@@ -166,7 +166,7 @@ def assert_matches(got: dict, ref: dict, what: str, loss_rtol: float = 1e-5,
 
 def make_plan(model_name, dp: int, tp: int, assignment="replicate", *, seq_len: int = 16,
               microbatch_size: int = 1, num_microbatches: int = 1, zero_stage: int = 0,
-              dtype: str = "float32", recompute: str = "none", direct: bool = False,
+              dtype: str = "float32", recompute: str = "none",
               cp: int = 1, ep: int = 1, pp: int = 1, virtual_stages: int = 1,
               schedule: str | None = None, etp: int | None = None,
               order: tuple[str, ...] | None = None, ep_as: str = "dp"):
@@ -175,11 +175,9 @@ def make_plan(model_name, dp: int, tp: int, assignment="replicate", *, seq_len: 
 
     `assignment`: "replicate", "megatron" / "megatron-sp" (the planner's `megatron_assignment`,
     without / with sequence parallelism), "random:<seed>" (a seeded random valid strategy per
-    node), or a dict node -> strategy name. `direct=True` builds the Plan from autoplan.plan types
-    with zero predictions instead, for meshes the planner refuses but the runtime runs (tp=4 with
-    2 kv heads: attention stays replicated; and every plan with cp, ep or pp > 1, whose tiny
-    sequences and layer counts the planner's rules refuse). Pipeline stages split the layers
-    evenly over pp * virtual_stages stages, stage g = chunk * pp + stage holding the g-th slice.
+    node), or a dict node -> strategy name. The planner's own rules (`autoplan.validity`, shared with
+    the runtime) decide what is valid; stages come from its stage DP (1F1B) or its uniform chunks
+    (interleaved).
     `etp`: the experts' tensor-parallel degree (None: tp; 1: MoE layers take the "expert" strategy);
     `order`: the mesh's order of axes over ranks (None: the default); `ep_as`: what the ep ranks are
     to the non-expert layers ("dp": the batch split over dp x ep; "cp": the sequence over ep x cp)."""
@@ -209,73 +207,23 @@ def make_plan(model_name, dp: int, tp: int, assignment="replicate", *, seq_len: 
         raise ValueError(f"unknown assignment {assignment!r}")
     cluster = parse_cluster(f"{mesh.world_size}xcpu")
     schedule = schedule or ("interleaved-1f1b" if virtual_stages > 1 else "1f1b")
-    if direct or max(cp, ep, pp) > 1:
-        return _direct_plan(graph, config, cluster, mesh, chosen, registry, info, microbatch_size,
-                            num_microbatches, zero_stage, recompute, dtype, virtual_stages,
-                            schedule)
     return plan_from_assignment(graph, config, cluster, mesh, chosen, microbatch_size,
                                 num_microbatches, zero_stage, recompute, registry=registry,
-                                dtype=dtype)
+                                dtype=dtype, schedule=schedule, virtual_stages=virtual_stages)
 
-
-def _direct_plan(graph, config, cluster, mesh, chosen, registry, info, microbatch_size,
-                 num_microbatches, zero_stage, recompute, dtype, virtual_stages=1,
-                 schedule="1f1b"):
-    from autoplan.errors import PlanError
-    from autoplan.placement import Shard
-    from autoplan.plan import (MemoryBreakdown, ModelRef, OpPlacement, ParamPlacement, Plan,
-                               Predicted, Provenance, StageSpec, TimeBreakdown)
-
-    ops, params = [], []
-    for node in graph.nodes:
-        first = registry.strategies(node, mesh.tp, info)[0].name  # replicate, or a MoE's "expert"
-        strategy = registry.strategy(node, mesh.tp, chosen.get(node.name, first), info)
-        output = (("tp", strategy.output),) if node.output is not None else ()
-        ops.append(OpPlacement(node.name, strategy.name, output, node.module_path, strategy))
-        prefix = node.module_path + "."
-        for n, _ in node.params:
-            where = (("tp", strategy.param_placement(n[len(prefix):])),)
-            if mesh.ep > 1 and node.op_kind == "moe" and n.rsplit(".", 1)[-1] != "weight":
-                where += (("ep", Shard(0)),)
-            params.append(ParamPlacement(n, where))
-    count = mesh.pp * virtual_stages
-    per = config.num_layers // count
-    if per * count != config.num_layers:
-        raise ValueError(f"{config.num_layers} layers do not split into {count} stages")
-    stages = tuple(StageSpec(g % mesh.pp, g * per, (g + 1) * per, g // mesh.pp)
-                   for g in range(count))
-    zero = Predicted(0.0, 0.0, 0.0, 0.0, MemoryBreakdown(0, 0, 0, 0), TimeBreakdown(0, 0, 0, 0))
-
-    from autoplan.cost_model.memory import selective_recompute_nodes
-
-    recompute_nodes = selective_recompute_nodes(graph) if recompute == "selective" else ()
-
-    def plan(batch):
-        return Plan(ModelRef(config.name, config.fingerprint(), config.num_layers,
-                             config.num_parameters()),
-                    cluster, mesh, microbatch_size, num_microbatches, batch, graph.seq_len,
-                    zero_stage, recompute, schedule, stages, tuple(params), tuple(ops), zero,
-                    Provenance("0.1.0", 0.0, "tests/_dist.py"), dtype=dtype,
-                    recompute_nodes=recompute_nodes)
-
-    batch = microbatch_size * num_microbatches * mesh.dp
-    try:  # a Plan version that counts ep ranks as data-parallel wants them in the batch
-        return plan(batch * mesh.ep)
-    except PlanError:
-        return plan(batch)
 
 
 def rewritten_one_rank(model_name: str, kernels: str, seq_len: int, recompute: str = "none"):
     """The 1-rank rewritten graph module of `model_name` under `kernels`, with seeded CPU parameters,
     a batch of tokens and their next-token targets."""
     from autoplan.models import build_model, get_model_config
-    from autoplan.runtime.groups import AxisGroup
+    from autoplan.runtime.groups import RankGroup
     from autoplan.runtime.rewrite import rewrite
 
     config = get_model_config(model_name)
     plan = dataclasses.replace(make_plan(model_name, 1, 1, seq_len=seq_len, recompute=recompute), kernels=kernels)
     gm = rewrite(build_model(config, device="meta"), config, plan,
-                 AxisGroup("tp", (0,), 0, None)).graph_module.to_empty(device="cpu")
+                 RankGroup("tp", (0,), 0, None)).graph_module.to_empty(device="cpu")
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in gm.parameters():

@@ -124,6 +124,6 @@ def test_estimate_takes_what_the_ep_ranks_are(tmp_path, capsys):
     assert "ep_as=cp" in capsys.readouterr().out
     plan = Plan.load(out)
     assert (plan.mesh.dp, plan.mesh.ep, plan.mesh.ep_as, plan.mesh.context_parallel) == (2, 4, "cp", 4)
-    argv[argv.index("--seq") + 1] = "2048"  # 512 tokens per rank of the 4 context-parallel ranks
+    argv[argv.index("--seq") + 1] = "8194"  # not divisible over the 4 context-parallel ranks
     assert main(argv) == 2
-    assert "sequence 2048 is too short for cp x ep=4" in capsys.readouterr().err
+    assert "sequence 8194 is not divisible by tp x cp x ep = 4" in capsys.readouterr().err

@@ -99,8 +99,8 @@ def test_estimate_names_the_effective_context_degree_when_the_sequence_does_not_
 
     kwargs = dict(microbatch_size=1, zero_stage=1, recompute="full")
     mesh = MeshShape(ep=4, cp=2, ep_as="cp")
-    with pytest.raises(ConfigError, match=r"too short for cp x ep=8: .* use cp x ep <= 4"):
-        estimate("mixtral-8x7b", "1x8xh100", 8, 4096, mesh=mesh, **kwargs)
+    with pytest.raises(ConfigError, match=r"sequence 4100 is not divisible by tp x cp x ep = 8.* use cp x ep <= 4"):
+        estimate("mixtral-8x7b", "1x8xh100", 8, 4100, mesh=mesh, **kwargs)
     with pytest.raises(ConfigError, match=r"not divisible by dp \(ep as cp\)=2"):
         estimate("mixtral-8x7b", "1x8xh100", 3, 16384, mesh=MeshShape(dp=2, ep=4, ep_as="cp"), **kwargs)
 
@@ -214,9 +214,13 @@ def test_runtime_refuses_a_sequence_the_context_group_does_not_divide():
     config = get_model_config("tiny-moe")
     plan = make_plan(config, 1, 1, ep=2, cp=2, ep_as="cp", microbatch_size=2)
     check_plan(plan, config)
-    with pytest.raises(PlanError, match=r"seq_len 18 is not divisible by cp x ep = 2 x 2 \(ep_as='cp'\)=4; "
-                                        r"plan ep_as='dp' or a sequence divisible by 4"):
+    with pytest.raises(PlanError, match=r"sequence 18 is not divisible by tp x cp x ep = 4: .*use cp x ep <= 2"):
         check_plan(dataclasses.replace(plan, seq_len=18), config)
-    wide = make_plan(config, 1, 1, ep=4, cp=2, ep_as="cp", microbatch_size=2)  # 8 ranks over 4 heads
-    with pytest.raises(PlanError, match=r"Ulysses splits the 4 attention heads of tiny-moe over them"):
-        check_plan(wide, config)
+    wide = r"heads=4 is not divisible by tp x cp x ep = 8"  # 8 context ranks over 4 heads
+    with pytest.raises(ConfigError, match=wide):  # the planner refuses it with the runtime's words
+        make_plan(config, 1, 1, ep=4, cp=2, ep_as="cp", microbatch_size=2)
+    from autoplan.cluster import parse_cluster
+
+    edited = dataclasses.replace(plan, mesh=MeshShape(ep=4, cp=2, ep_as="cp"), cluster=parse_cluster("8xcpu"))
+    with pytest.raises(PlanError, match=wide):
+        check_plan(edited, config)

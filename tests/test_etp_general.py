@@ -63,7 +63,7 @@ def test_runtime_groups_of_the_two_halves():
 def test_plan_file_keeps_an_intermediate_etp():
     from autoplan.plan import Plan
 
-    plan = make_plan("tiny-moe", 1, 4, "megatron-sp", etp=2, direct=True, seq_len=SEQ)
+    plan = make_plan("tiny-moe", 1, 4, "megatron-sp", etp=2, seq_len=SEQ)
     data = plan.to_json()
     assert data["mesh"]["etp"] == 2 and Plan.from_json(data) == plan
     assert "expert" in {op.strategy for op in plan.ops}  # the MoE layers' one strategy under etp < tp
@@ -76,7 +76,7 @@ def test_plan_file_keeps_an_intermediate_etp():
     (dict(experts=0, ep=1, tp=4, etp=2), r"needs a mixture-of-experts model"),
 ])
 def test_etp_rules_say_what_to_change(args, match):
-    from autoplan.cost_model.parallel_dims import etp_problem
+    from autoplan.validity import etp_problem
 
     args = {"seq_len": 2048, "cp": 1, "ffn": None, **args}
     assert re.search(match, etp_problem(args["experts"], args["ep"], args["tp"], args["etp"], args["seq_len"],
@@ -86,12 +86,14 @@ def test_etp_rules_say_what_to_change(args, match):
 def test_runtime_refuses_an_etp_the_ffn_width_does_not_take():
     from autoplan.errors import PlanError
     from autoplan.models import get_model_config
-    from autoplan.runtime.launch import _check_expert_tp
+    from autoplan.validity import check, configuration_problems
 
-    plan = make_plan("tiny-moe", 1, 4, "megatron-sp", etp=2, direct=True, seq_len=SEQ)
+    plan = make_plan("tiny-moe", 1, 4, "megatron-sp", etp=2, seq_len=SEQ)
     config = dataclasses.replace(get_model_config("tiny-moe"), ffn_hidden=95)
-    with pytest.raises(PlanError, match=r"etp=2 splits each expert's FFN width 95 .* plan an etp dividing 95"):
-        _check_expert_tp(plan, config)
+    problems = configuration_problems(config, plan.mesh, plan.global_batch, plan.seq_len, plan.microbatch_size,
+                                      plan.zero_stage, plan.recompute, plan.schedule, 1, heads_rule=False)
+    with pytest.raises(PlanError, match=r"etp=2 splits each expert's FFN width 95 .* use an etp dividing 95"):
+        check(problems, PlanError)  # the rule `check_plan` and `estimate` share
 
 
 # ------------------------------------------------------------------------------ gloo: in the ranks
@@ -117,7 +119,7 @@ def _plan(kwargs: dict):
     kwargs = dict(kwargs)
     dp, tp = kwargs.pop("dp", 1), kwargs.pop("tp", 1)
     return make_plan("tiny-moe", dp, tp, kwargs.pop("assignment", "replicate"), seq_len=SEQ,
-                     direct=True, **kwargs)
+                     **kwargs)
 
 
 def _program(plan, seed: int = SEED):

@@ -6,7 +6,6 @@ import argparse
 import json
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -231,15 +230,9 @@ def _gloo_worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.gloo
-def test_collectives_on_two_gloo_ranks_give_positive_fits(tmp_path):
-    torch.multiprocessing.spawn(_gloo_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+def test_collectives_on_two_gloo_ranks_give_positive_fits(tmp_path, free_port):
+    torch.multiprocessing.spawn(_gloo_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     profile = HardwareProfile.load(tmp_path / "profile.json")
     assert profile.collective_backend == "gloo"
     assert {(f.kind, f.group_size) for f in profile.fits} == {(k, 2) for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist import assert_matches, batches, make_plan, reference, spawn, train_program
+from _dist import assert_matches, batches, make_plan, spawn, train_program
 
 pytestmark = pytest.mark.gloo
 
@@ -120,21 +120,14 @@ def results() -> dict[int, list[dict]]:
     return {world: spawn(_run_all, world, _plans(world)) for world in CONFIGS}
 
 
-_REFERENCES: dict[tuple, dict] = {}
-
-
-def _reference(config, plan) -> dict:
-    key = (config.name, plan.global_batch)
-    if key not in _REFERENCES:
-        tokens, targets = batches(plan.global_batch, plan.seq_len, STEPS)
-        _REFERENCES[key] = reference(config, SEED, tokens, targets, LR, EPS)
-    return _REFERENCES[key]
+def _reference(reference_run, config, plan) -> dict:
+    return reference_run(config, *batches(plan.global_batch, plan.seq_len, STEPS), SEED, LR, EPS)
 
 
 @pytest.mark.parametrize("world,cid", CASES, ids=[c[1] for c in CASES])
-def test_matches_single_process(results, world, cid):
+def test_matches_single_process(results, world, cid, reference_run):
     _, config, plan = _PLANS[cid]
-    ref = _reference(config, plan)
+    ref = _reference(reference_run, config, plan)
     for rank, out in enumerate(results[world]):
         assert_matches(out[cid], ref, f"{cid} rank {rank}")
 
@@ -149,11 +142,11 @@ def test_collectives_match_the_plan(results, world, cid):
 
 @pytest.mark.parametrize("world,cid", [(w, c) for w, c in CASES if "pp" in c],
                          ids=[c for w, c in CASES if "pp" in c])
-def test_pipeline_ranks_hold_only_their_stages(results, world, cid):
+def test_pipeline_ranks_hold_only_their_stages(results, world, cid, reference_run):
     """Every parameter lives on exactly one pipeline coordinate (per dp, tp coordinate)."""
     _, config, plan = _PLANS[cid]
     per_rank = results[world]
-    names = set(_reference(config, plan)["params"])
+    names = set(_reference(reference_run, config, plan)["params"])
     first = {r: out[cid] for r, out in enumerate(per_rank)
              if all(out[cid]["coords"][a] == 0 for a in ("dp", "tp", "cp", "ep"))}
     held = [set(out["shapes"]) for out in first.values()]

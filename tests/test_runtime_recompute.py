@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist import assert_matches, batches, make_plan, reference, spawn, train_program
+from _dist import assert_matches, batches, make_plan, spawn, train_program
 
 pytestmark = pytest.mark.gloo
 
@@ -114,33 +114,26 @@ def results() -> list[dict]:
     return spawn(_run_all, 2, plans)
 
 
-_REFERENCES: dict[tuple, dict] = {}
-
-
-def _reference(model: str, plan) -> dict:
+def _reference(reference_run, model: str, plan) -> dict:
     from autoplan.models import get_model_config
 
-    key = (model, plan.global_batch)
-    if key not in _REFERENCES:
-        tokens, targets = batches(plan.global_batch, plan.seq_len, STEPS)
-        _REFERENCES[key] = reference(get_model_config(model), SEED, tokens, targets, LR, EPS)
-    return _REFERENCES[key]
+    return reference_run(get_model_config(model), *batches(plan.global_batch, plan.seq_len, STEPS), SEED, LR, EPS)
 
 
 @pytest.mark.parametrize("setup", SETUPS)
 @pytest.mark.parametrize("policy", POLICIES)
-def test_recompute_matches_single_process(results, setup, policy):
+def test_recompute_matches_single_process(results, setup, policy, reference_run):
     model, plan = _PLANS[f"{setup}-{policy}"]
-    ref = _reference(model, plan)
+    ref = _reference(reference_run, model, plan)
     for rank, out in enumerate(results):
         assert_matches(out[f"{setup}-{policy}"], ref, f"{setup}-{policy} rank {rank}")
 
 
 @pytest.mark.parametrize("cid", EXTRAS)
-def test_recompute_composes(results, cid):
+def test_recompute_composes(results, cid, reference_run):
     model, plan = _PLANS[cid]
     for rank, out in enumerate(results):
-        assert_matches(out[cid], _reference(model, plan), f"{cid} rank {rank}")
+        assert_matches(out[cid], _reference(reference_run, model, plan), f"{cid} rank {rank}")
 
 
 @pytest.mark.parametrize("setup", SETUPS)

@@ -250,10 +250,20 @@ def test_heads_not_divisible_by_tp_names_tp_values_that_work():
                  recompute="none")
 
 
-def test_sequence_too_short_for_cp_says_what_would_work():
-    with pytest.raises(ConfigError, match=r"sequence 2048 is too short for cp=4.*use cp <= 2 or a sequence of at least 4096"):
-        estimate(MID, "1x8xh100", 8, 2048, mesh=MeshShape(dp=2, cp=4), microbatch_size=1, zero_stage=0,
+def test_sequence_not_divisible_for_cp_says_what_would_work():
+    with pytest.raises(ConfigError, match=r"sequence 2050 is not divisible by tp x cp = 4.*use cp <= 2"):
+        estimate(MID, "1x8xh100", 8, 2050, mesh=MeshShape(dp=2, cp=4), microbatch_size=1, zero_stage=0,
                  recompute="none")
+
+
+def test_a_short_sequence_for_cp_runs_but_the_search_skips_it():
+    """512 tokens per context-parallel rank runs (estimate prices it, as the runtime would run it), but the
+    search does not enumerate it: below MIN_TOKENS_PER_CP_RANK tokens per rank cp never pays."""
+    plan = estimate(MID, "1x8xh100", 8, 2048, mesh=MeshShape(dp=2, cp=4), microbatch_size=1, zero_stage=0,
+                    recompute="none")
+    assert plan.mesh.cp == 4
+    configs = enumerate_configs(MID, parse_cluster("1x8xh100"), 8, 2048, SearchOptions(max_microbatch_size=1))
+    assert {c.cp for c in configs} == {1, 2}
 
 
 @pytest.mark.parametrize("model,mesh,seq,match", [

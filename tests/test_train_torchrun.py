@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,21 +12,15 @@ import pytest
 pytestmark = pytest.mark.gloo
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("WORLD_SIZE", None)
     return env
 
 
-def test_torchrun_two_ranks_trains_and_the_loss_falls(tmp_path):
+def test_torchrun_two_ranks_trains_and_the_loss_falls(tmp_path, free_port):
     log = tmp_path / "losses.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "autoplan.train", "--model", "tiny-gpt", "--global-batch", "8", "--seq", "32", "--steps", "12",
            "--lr", "3e-3", "--log-json", str(log)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from autoplan.validity import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED
 from autoplan.errors import AutoplanError
 
 
@@ -79,7 +80,7 @@ def _estimate_parser(sub) -> None:
     p.add_argument("--mbs", type=int, default=1, help="microbatch size (default 1)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage (default 1)")
     p.add_argument("--recompute", default="selective", choices=("none", "selective", "full"))
-    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "interleaved-1f1b"))
+    p.add_argument("--schedule", default=SCHEDULE_1F1B, choices=(SCHEDULE_1F1B, SCHEDULE_INTERLEAVED))
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("-o", "--output", metavar="FILE", help="write the priced plan JSON here")

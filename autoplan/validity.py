@@ -1,0 +1,184 @@
+"""Which configurations can run: the one set of rules that `estimate`, the search and the runtime share.
+
+A rule returns why a configuration cannot run (a message that names the values and what would work) or
+None. `configuration_problems` applies every rule to one configuration; `estimate` raises ConfigError with
+the first message, the runtime PlanError with the same message, and the search enumerates only
+configurations without a problem. So what the runtime refuses, `estimate` refuses in the same words.
+
+    tp       splits the attention heads and kv heads (only where attention is split by heads: `heads_rule`)
+    cp       the context group C (cp, or cp x ep when the ep ranks split the sequence: ep_as = "cp")
+             with tp divides the heads and the sequence: heads % (tp C) == 0, seq % (tp C) == 0
+    ep       divides the experts and the data-parallel ranks dp x ep
+    etp      divides tp; ep x tp / etp divides the experts, etp the experts' FFN width, tp x C the sequence
+    batch    global_batch = microbatch x m x batch shards (dp x ep, or dp under ep_as = "cp")
+    pp       at most the layers; 1F1B needs m >= pp; interleaved 1F1B needs v >= 2 chunks per rank, the
+             layers divisible by pp x v (uniform chunks) and m divisible by pp
+    ZeRO     0-3; ZeRO-2/3 (FSDP2) only without pp and ep (the runtime shards over dp alone)
+
+Search heuristics (configurations that run but never pay, such as fewer than 1024 tokens per
+context-parallel rank) are the search's own (`autoplan.solver.space`), not rules.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autoplan.errors import ConfigError
+
+if TYPE_CHECKING:
+    from autoplan.mesh import MeshShape
+    from autoplan.models.config import ModelConfig
+
+SCHEDULE_1F1B = "1f1b"
+SCHEDULE_INTERLEAVED = "interleaved-1f1b"
+SCHEDULE_GPIPE = "gpipe"
+SCHEDULES = (SCHEDULE_1F1B, SCHEDULE_INTERLEAVED, SCHEDULE_GPIPE)
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def nearest_multiples(value: int, step: int) -> tuple[int, ...]:
+    """The multiples of `step` just below and just above `value` (positive ones only)."""
+    below, above = (value // step) * step, -(-value // step) * step
+    return tuple(sorted({v for v in (below, above) if v > 0} or {step}))
+
+
+def _nearest_divisors(value: int, of: int, limit: int | None = None) -> list[int]:
+    options = [d for d in range(1, of + 1) if of % d == 0 and (limit is None or d <= limit)]
+    return sorted(options, key=lambda d: (abs(d - value), d))[:2]
+
+
+def tp_problem(heads: int, kv_heads: int, tp: int) -> str | None:
+    """Why `tp` cannot split the attention heads, or None."""
+    if heads % tp == 0 and kv_heads % tp == 0:
+        return None
+    valid = [d for d in range(1, heads + 1) if heads % d == 0 and kv_heads % d == 0]
+    near = sorted(valid, key=lambda d: (abs(d - tp), d))[:2]
+    return (f"tp={tp} does not divide the attention heads (heads={heads}, kv_heads={kv_heads}); "
+            f"nearest tp that work: {', '.join(map(str, sorted(near)))}")
+
+
+def cp_problem(heads: int, tp: int, cp: int, seq_len: int, name: str = "cp") -> str | None:
+    """Why context parallelism of degree `cp` (with `tp`) cannot run this sequence, or None. `name`: what
+    the message calls the degree (e.g. "cp x ep" when the ep ranks split the sequence too)."""
+    if cp == 1:
+        return None
+    if heads % (tp * cp):
+        near = _nearest_divisors(cp, heads // tp if heads % tp == 0 else 1)
+        return (f"{name}={cp} with tp={tp}: heads={heads} is not divisible by tp x {name} = {tp * cp}; "
+                f"nearest {name} that work: {', '.join(map(str, sorted(near)))}")
+    if seq_len % (tp * cp):
+        largest = max(c for c in range(1, cp + 1) if seq_len % (tp * c) == 0 and heads % (tp * c) == 0)
+        return (f"sequence {seq_len} is not divisible by tp x {name} = {tp * cp}: each of the {cp} context-parallel "
+                f"ranks holds an equal slice; use {name} <= {largest} or a sequence divisible by {tp * cp}")
+    return None
+
+
+def ep_problem(experts: int, ep: int, data_parallel: int) -> str | None:
+    """Why `ep` cannot split the experts over the data-parallel ranks, or None."""
+    if ep == 1:
+        return None
+    if experts == 0:
+        return f"ep={ep} needs a mixture-of-experts model; this model has no experts (use ep=1)"
+    if experts % ep or data_parallel % ep:
+        valid = [d for d in range(1, experts + 1) if experts % d == 0 and data_parallel % d == 0]
+        near = sorted(valid, key=lambda d: (abs(d - ep), d))[:2]
+        return (f"ep={ep} must divide the experts ({experts}) and the data-parallel degree dp x ep ({data_parallel}); "
+                f"nearest ep that work: {', '.join(map(str, sorted(near)))}")
+    return None
+
+
+def etp_problem(experts: int, ep: int, tp: int, etp: int, seq_len: int, cp: int = 1,
+                ffn: int | None = None) -> str | None:
+    """Why expert tensor-parallel degree `etp` cannot run with this model and mesh, or None. `ffn`: the
+    experts' FFN width (None: not checked)."""
+    if etp == tp:
+        return None
+    if experts == 0:
+        return (f"etp={etp} with tp={tp} needs a mixture-of-experts model (etp is the tensor-parallel degree of "
+                f"the experts); this model has none: leave etp unset (= tp)")
+    if tp % etp:
+        divisors = [d for d in range(1, tp + 1) if tp % d == 0]
+        return f"etp={etp} must divide tp={tp} (the tp ranks an expert's FFN is split over); use one of {divisors}"
+    if experts % (ep * tp // etp):
+        return (f"etp={etp} spreads the {experts} experts over ep x tp / etp = {ep} x {tp // etp} ranks, which "
+                f"does not divide them; use etp={tp}, or an ep whose ep x {tp // etp} divides {experts}")
+    if seq_len % (tp * cp):
+        return (f"etp={etp} splits each sequence's tokens over tp x cp = {tp * cp} ranks, which does not divide "
+                f"seq_len {seq_len}; use etp={tp} or a sequence divisible by {tp * cp}")
+    if ffn is not None and ffn % etp:
+        return (f"etp={etp} splits each expert's FFN width {ffn} over {etp} ranks, which does not divide it; use "
+                f"an etp dividing {ffn} (etp=1 keeps the experts whole)")
+    return None
+
+
+def batch_problem(global_batch: int, data_parallel: int, microbatch_size: int, name: str = "dp") -> str | None:
+    """Why the global batch cannot be split into microbatches over the data-parallel ranks, or None. `name`:
+    what the message calls their count."""
+    step = data_parallel * microbatch_size
+    if global_batch % step == 0:
+        return None
+    near = ", ".join(map(str, nearest_multiples(global_batch, step)))
+    if microbatch_size == 1:
+        return f"global batch {global_batch} is not divisible by {name}={data_parallel}; nearest that work: {near}"
+    return (f"global batch {global_batch} is not divisible by {name}={data_parallel} x microbatch {microbatch_size} = "
+            f"{step}; nearest that work: {near}")
+
+
+def pipeline_problem(num_layers: int, pp: int, schedule: str, virtual_stages: int, num_microbatches: int
+                     ) -> str | None:
+    """Why this pipeline schedule cannot run, or None (module docstring)."""
+    if pp > num_layers:
+        return f"pp={pp} exceeds the {num_layers} layers; use pp <= {num_layers}"
+    if schedule == SCHEDULE_INTERLEAVED:
+        if pp == 1 or virtual_stages < 2 or num_layers % (pp * virtual_stages) or num_microbatches % pp:
+            return (f"interleaved 1F1B needs pp > 1, v >= 2 chunks per pipeline rank, the {num_layers} layers "
+                    f"divisible by pp x v = {pp * virtual_stages} and the {num_microbatches} microbatches "
+                    f"divisible by pp={pp}")
+        return None
+    if schedule not in SCHEDULES or virtual_stages != 1:
+        return (f"schedule {schedule!r} with v={virtual_stages}: use '{SCHEDULE_1F1B}' (v=1) or "
+                f"'{SCHEDULE_INTERLEAVED}' (v >= 2)")
+    if schedule == SCHEDULE_1F1B and pp > 1 and num_microbatches < pp:
+        return (f"schedule '1f1b' needs num_microbatches >= pp: got {num_microbatches} < {pp}; raise the "
+                f"microbatch count (a smaller microbatch) or lower pp")
+    return None
+
+
+def zero_problem(zero_stage: int, pp: int, ep: int) -> str | None:
+    """Why this ZeRO stage cannot run with this mesh, or None."""
+    if zero_stage not in ZERO_STAGES:
+        return f"zero_stage={zero_stage!r} must be one of {ZERO_STAGES}"
+    if zero_stage >= 2 and (pp > 1 or ep > 1):
+        return (f"zero_stage {zero_stage} (FSDP2) with ep={ep}, pp={pp}: the runtime shards parameters over dp "
+                f"only without expert or pipeline parallelism; use zero_stage <= 1")
+    return None
+
+
+def configuration_problems(model: "ModelConfig", mesh: "MeshShape", global_batch: int, seq_len: int,
+                           microbatch_size: int, zero_stage: int, recompute: str, schedule: str,
+                           virtual_stages: int, heads_rule: bool = True) -> list[str]:
+    """Every rule this configuration breaks (module docstring), in a fixed order; [] when it can run.
+    `heads_rule`: tp must split the attention heads (off when a given assignment decides the strategies)."""
+    folded = mesh.ep_as == "cp"  # the ep ranks split the sequence with cp: the rules see cp x ep
+    shards = mesh.batch_shards * microbatch_size
+    found = [
+        tp_problem(model.heads, model.kv_heads, mesh.tp) if mesh.tp > 1 and heads_rule else None,
+        cp_problem(model.heads, mesh.tp, mesh.context_parallel, seq_len, "cp x ep" if folded else "cp"),
+        ep_problem(model.experts, mesh.ep, mesh.dp * mesh.ep),
+        etp_problem(model.experts, mesh.ep, mesh.tp, mesh.etp, seq_len, mesh.context_parallel, model.ffn_hidden),
+        batch_problem(global_batch, mesh.batch_shards, microbatch_size, "dp (ep as cp)" if folded else "dp"),
+        zero_problem(zero_stage, mesh.pp, mesh.ep),
+        None if recompute in RECOMPUTE_POLICIES else f"recompute={recompute!r} must be one of {RECOMPUTE_POLICIES}",
+    ]
+    if not found[4]:
+        found.append(pipeline_problem(model.num_layers, mesh.pp, schedule, virtual_stages, global_batch // shards))
+    return [p for p in found if p]
+
+
+def check(problems: "list[str] | str | None", error: type[Exception] = ConfigError) -> None:
+    """Raise `error` with the first rule that failed."""
+    if isinstance(problems, str):
+        problems = [problems]
+    if problems:
+        raise error(problems[0])
