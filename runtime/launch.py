@@ -9,12 +9,19 @@ every rank with a message instead of hanging in a collective, and before any par
     launched world size == plan.mesh.world_size
     the requested backend exists in this torch build (gloo on CPU, nccl on CUDA by default)
     plan.predicted.peak_memory_bytes <= this rank's device memory (`check_memory`)
+    timeout_s > 0
+
+Bounded waits: every process group this call creates (the default one when nobody has, and the
+mesh axes' groups) gets `timeout_s` (default DEFAULT_TIMEOUT_S = 300 s): a collective that waits
+longer for another rank fails. Under gloo it raises `CollectiveError` naming the collective, its
+group and the rank; under NCCL torch's watchdog aborts the process. torchrun then stops the job.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,17 +38,19 @@ from autoplan.runtime.program import RankProgram
 from autoplan.runtime.rewrite import rewrite
 
 GIB = float(1 << 30)
+DEFAULT_TIMEOUT_S = 300.0  # how long a collective may wait for the slowest rank
 
 
 def parallelize(model: nn.Module, cluster: ClusterSpec | str | None, plan: Plan, *, seed: int = 0,
                 group: dist.ProcessGroup | None = None, config: ModelConfig | None = None,
                 backend: str | None = None, check_memory: bool = True,
-                kernels: str | None = None) -> RankProgram:
+                kernels: str | None = None, timeout_s: float | None = None) -> RankProgram:
     """This rank's program for `plan`. `model` may be on meta (preferred) or CPU; its weights are
     not used: parameters come from the seeded init. `config` defaults to `model.config`.
     `backend` names the torch.distributed backend when this call initialises the process group
     (default: nccl with CUDA, else gloo). `kernels` overrides `plan.kernels` ("auto": the Triton
-    kernels of runtime.kernels on CUDA, torch on CPU; "triton"; "torch")."""
+    kernels of runtime.kernels on CUDA, torch on CPU; "triton"; "torch"). `timeout_s` bounds every
+    collective on the groups this call creates (None: DEFAULT_TIMEOUT_S; module docstring)."""
     config = _config_of(model, config)
     if kernels is not None:
         plan = dataclasses.replace(plan, kernels=kernels)  # validated by Plan
@@ -55,13 +64,14 @@ def parallelize(model: nn.Module, cluster: ClusterSpec | str | None, plan: Plan,
     if check_memory:
         check_memory_fits(plan, _device_for(backend))
     use_triton(_device_for(backend), plan.kernels)  # "triton" where it cannot run: a ConfigError
-    _init_process_group(backend)
+    timeout = _timeout(timeout_s)
+    _init_process_group(backend, timeout)
     if group is not None and world != dist.get_world_size():
         raise PlanError(f"group has {world} ranks but the job has {dist.get_world_size()}: every "
                         f"process must join, because each one creates every mesh group")
     mesh_rank = dist.get_rank(group)
     to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
-    groups = build_axis_groups(plan.mesh, mesh_rank, to_global)
+    groups = build_axis_groups(plan.mesh, mesh_rank, to_global, timeout)
     rewritten = rewrite(model, config, plan, groups)
     rules = init_rules(model, config.num_layers)
     return RankProgram(rewritten, plan, groups, rules, seed, _device(), mesh_rank, to_global)
@@ -218,8 +228,18 @@ def _check_backend(backend: str | None) -> str:
     return wanted
 
 
-def _init_process_group(backend: str) -> None:
-    """Initialise the default group from torchrun's environment if nobody has."""
+def _timeout(timeout_s: float | None) -> timedelta:
+    if timeout_s is None:
+        return timedelta(seconds=DEFAULT_TIMEOUT_S)
+    if not timeout_s > 0:  # also refuses NaN
+        raise ConfigError(f"timeout_s={timeout_s!r}: a collective's timeout must be a positive "
+                          f"number of seconds (default {DEFAULT_TIMEOUT_S:g})")
+    return timedelta(seconds=timeout_s)
+
+
+def _init_process_group(backend: str, timeout: timedelta) -> None:
+    """Initialise the default group from torchrun's environment if nobody has (`timeout` also
+    bounds the wait for every rank to join)."""
     if dist.is_initialized():
         return
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -229,7 +249,7 @@ def _init_process_group(backend: str) -> None:
                           f"torch.distributed.init_process_group first")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=timeout)
 
 
 def _device_for(backend: str) -> torch.device:
