@@ -24,6 +24,25 @@ class InfeasibleError(AutoplanError):
     """No configuration fits: the message says by how much and which knob would help."""
 
 
+class TrainingDivergedError(AutoplanError):
+    """A training step whose global loss or gradient norm is not finite (NaN or infinite).
+
+    Raised by `RankProgram.train_step` on every rank together, before the optimizer step, so the
+    parameters and optimizer states stay those of the last good step. `step` is the index of the
+    step that diverged, `parameter` the first parameter (in the model's order, by its full name)
+    whose gradient holds a non-finite value, or None when every gradient is finite."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float | None,
+                 parameter: str | None) -> None:
+        self.step, self.loss, self.grad_norm, self.parameter = step, loss, grad_norm, parameter
+        where = (f"; first parameter with a non-finite gradient: {parameter}" if parameter
+                 else "; every gradient is finite")
+        super().__init__(
+            f"training diverged at step {step}: global loss {loss}, gradient norm {grad_norm}"
+            f"{where}. The optimizer step was not taken; lower the learning rate (or resume from "
+            f"the last checkpoint with a lower one)")
+
+
 class CollectiveError(RuntimeError):
     """A collective that failed: it timed out waiting for another rank (the process group's
     timeout) or a peer's connection closed. Not an AutoplanError: the input was not at fault.

@@ -44,13 +44,16 @@ DEFAULT_TIMEOUT_S = 300.0  # how long a collective may wait for the slowest rank
 def parallelize(model: nn.Module, cluster: ClusterSpec | str | None, plan: Plan, *, seed: int = 0,
                 group: dist.ProcessGroup | None = None, config: ModelConfig | None = None,
                 backend: str | None = None, check_memory: bool = True,
-                kernels: str | None = None, timeout_s: float | None = None) -> RankProgram:
+                kernels: str | None = None, timeout_s: float | None = None,
+                check_finite: bool = True) -> RankProgram:
     """This rank's program for `plan`. `model` may be on meta (preferred) or CPU; its weights are
     not used: parameters come from the seeded init. `config` defaults to `model.config`.
     `backend` names the torch.distributed backend when this call initialises the process group
     (default: nccl with CUDA, else gloo). `kernels` overrides `plan.kernels` ("auto": the Triton
     kernels of runtime.kernels on CUDA, torch on CPU; "triton"; "torch"). `timeout_s` bounds every
-    collective on the groups this call creates (None: DEFAULT_TIMEOUT_S; module docstring)."""
+    collective on the groups this call creates (None: DEFAULT_TIMEOUT_S; module docstring).
+    `check_finite`: train_step refuses a non-finite loss or gradient norm (runtime.health; one
+    more all-reduce of a scalar over tp per step when tp > 1)."""
     config = _config_of(model, config)
     if kernels is not None:
         plan = dataclasses.replace(plan, kernels=kernels)  # validated by Plan
@@ -74,7 +77,8 @@ def parallelize(model: nn.Module, cluster: ClusterSpec | str | None, plan: Plan,
     groups = build_axis_groups(plan.mesh, mesh_rank, to_global, timeout)
     rewritten = rewrite(model, config, plan, groups)
     rules = init_rules(model, config.num_layers)
-    return RankProgram(rewritten, plan, groups, rules, seed, _device(), mesh_rank, to_global)
+    return RankProgram(rewritten, plan, groups, rules, seed, _device(), mesh_rank, to_global,
+                       vocab=config.vocab, check_finite=check_finite)
 
 
 def check_plan(plan: Plan, config: ModelConfig, cluster: ClusterSpec | str | None = None) -> None:

@@ -1,0 +1,188 @@
+"""Training health in the runtime (runtime.health), on 4 gloo ranks and without processes.
+
+    token range   ids outside the vocabulary are refused at train_step's entry, on every rank,
+                  as the single-device model refuses them (the vocab-parallel loss would mask them)
+    gradient norm RankProgram.grad_norm equals the single-device model's gradient norm
+    divergence    a NaN in one parameter's gradient on ONE rank stops train_step on EVERY rank
+                  (dp2 x tp2 and pp2 x tp2: the rank without that parameter learns its name too),
+                  naming the step and that parameter, with no optimizer step taken: the next good
+                  step trains exactly as a single process that never saw the bad one
+    option        with check_finite=False the same NaN trains on, and a step issues one
+                  collective less on tp than with the check (runtime.counting predicts both)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist import assert_matches, batches, make_plan, reference, spawn
+
+SEED, LR, EPS = 3, 1e-3, 1e-6
+
+
+def test_token_range_names_the_value_its_place_and_the_range():
+    from autoplan.errors import ConfigError
+    from autoplan.runtime.health import check_token_range
+
+    tokens, targets = torch.zeros(2, 4, dtype=torch.int64), torch.ones(2, 4, dtype=torch.int64)
+    targets[1, 2] = -100  # ignored, as by F.cross_entropy
+    check_token_range(tokens, targets, 128)
+    targets[1, 3] = 128
+    with pytest.raises(ConfigError, match=r"target 128 at \(row, column\) \(1, 3\) of the global "
+                                          r"batch .* expected 0 <= target < 128 or -100"):
+        check_token_range(tokens, targets, 128)
+    tokens[0, 1] = -100  # the ignore index is no token
+    with pytest.raises(ConfigError, match=r"token -100 at \(row, column\) \(0, 1\) .* "
+                                          r"expected 0 <= token < 128, as"):
+        check_token_range(tokens, targets, 128)
+
+
+def test_out_of_range_targets_fail_the_eager_model_too():
+    """The behaviour the runtime copies: the single-device model refuses such a target."""
+    from autoplan.models import build_model, get_model_config
+
+    config = get_model_config("tiny-gpt")
+    model = build_model(config, device="cpu")
+    tokens = torch.zeros(1, 8, dtype=torch.int64)
+    with pytest.raises(IndexError):
+        model(tokens, torch.full_like(tokens, config.vocab))
+
+
+# ------------------------------------------------------------------------------ in the ranks
+
+
+def _poison(program, rank: int, world: int):
+    """On the last rank only: a hook that turns its last parameter's gradient into NaN."""
+    if rank != world - 1:
+        return None, None
+    name, param = list(program.named_local_parameters())[-1]
+    return name, param.register_hook(lambda g: torch.full_like(g, float("nan")))
+
+
+def _diverge(rank: int, world: int, config, plan) -> dict:
+    from autoplan.errors import ConfigError, TrainingDivergedError
+    from autoplan.runtime.launch import parallelize
+    from autoplan.models import build_model
+
+    program = parallelize(build_model(config, "meta"), None, plan, seed=SEED, config=config)
+    optimizer = program.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    tokens, targets = batches(plan.global_batch, plan.seq_len, 2)
+    out = {"losses": [], "vocab_error": None, "diverged": None}
+    bad = targets[0].clone()
+    bad[-1, -1] = config.vocab  # the last rank's token: every rank must still refuse the batch
+    try:
+        program.train_step(tokens[0], bad, optimizer)
+    except ConfigError as exc:
+        out["vocab_error"] = str(exc)
+    out["losses"].append(program.train_step(tokens[0], targets[0], optimizer))
+    out["grad_norm"], out["grads"] = program.grad_norm, program.full_gradients()
+    victim, hook = _poison(program, rank, world)
+    try:
+        program.train_step(tokens[1], targets[1], optimizer)
+    except TrainingDivergedError as exc:
+        out["diverged"] = {"step": exc.step, "parameter": exc.parameter, "loss": exc.loss,
+                           "message": str(exc)}
+    if hook is not None:
+        hook.remove()
+    out["victim"] = victim
+    out["losses"].append(program.train_step(tokens[1], targets[1], optimizer))
+    out["params"], out["step"] = program.full_parameters(), program.step
+    return out
+
+
+def _unchecked(rank: int, world: int, config, plan) -> dict:
+    from autoplan.models import build_model
+    from autoplan.runtime.counting import expected_collectives
+    from autoplan.runtime.launch import parallelize
+
+    counts = {}
+    for check in (True, False):
+        program = parallelize(build_model(config, "meta"), None, plan, seed=SEED, config=config,
+                              check_finite=check)
+        optimizer = program.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+        tokens, targets = batches(plan.global_batch, plan.seq_len, 1)
+        if not check:
+            _poison(program, rank, world)
+        with program.count_collectives() as counted:
+            loss = program.train_step(tokens[0], targets[0], optimizer)
+        counts[check] = (dict(counted), dict(expected_collectives(plan, config,
+                                                                  check_finite=check)))
+    nan = any(bool(p.detach().isnan().any()) for _, p in program.named_local_parameters())
+    return {"counts": counts, "loss": loss, "nan_params": nan, "grad_norm": program.grad_norm}
+
+
+def _run(rank: int, world: int, cases: list) -> dict:
+    found = {cid: _diverge(rank, world, config, plan) for cid, config, plan in cases}
+    cid, config, plan = cases[0]
+    found["unchecked"] = _unchecked(rank, world, config, plan)
+    return found
+
+
+# ------------------------------------------------------------------------------ in pytest
+
+CASES = [("gpt-dp2tp2-megatron", "tiny-gpt", dict(dp=2, tp=2, assignment="megatron")),
+         ("llama-pp2tp2-megatron-sp", "tiny-llama", dict(dp=1, tp=2, pp=2, num_microbatches=2,
+                                                          assignment="megatron-sp"))]
+
+
+@pytest.fixture(scope="module")
+def plans():
+    from autoplan.models import get_model_config
+
+    return [(cid, get_model_config(model), make_plan(model, kw.pop("dp"), kw.pop("tp"),
+                                                     kw.pop("assignment"), **kw))
+            for cid, model, kw in [(c, m, dict(k)) for c, m, k in CASES]]
+
+
+@pytest.fixture(scope="module")
+def results(plans):
+    return spawn(_run, 4, plans)
+
+
+@pytest.mark.gloo
+def test_every_rank_refuses_a_target_outside_the_vocabulary(plans, results):
+    for cid, config, _ in plans:
+        for rank, out in enumerate(results):
+            assert out[cid]["vocab_error"] is not None, f"{cid} rank {rank}"
+            assert f"target {config.vocab} at (row, column)" in out[cid]["vocab_error"]
+
+
+@pytest.mark.gloo
+def test_grad_norm_is_the_single_device_norm(plans, results):
+    for cid, config, plan in plans:
+        tokens, targets = batches(plan.global_batch, plan.seq_len, 2)
+        ref = reference(config, SEED, tokens, targets, LR, EPS)
+        want = torch.stack([g.norm() for g in ref["grads"].values()]).norm().item()
+        for rank, out in enumerate(results):
+            assert out[cid]["grad_norm"] == pytest.approx(want, rel=1e-5), f"{cid} rank {rank}"
+
+
+@pytest.mark.gloo
+def test_one_ranks_nan_gradient_stops_every_rank_before_the_update(plans, results):
+    for cid, config, plan in plans:
+        victim = results[-1][cid]["victim"]
+        tokens, targets = batches(plan.global_batch, plan.seq_len, 2)
+        ref = reference(config, SEED, tokens, targets, LR, EPS)
+        for rank, out in enumerate(results):
+            diverged = out[cid]["diverged"]
+            assert diverged is not None, f"{cid} rank {rank} trained on"
+            assert diverged["step"] == 1 and diverged["parameter"] == victim, (cid, rank, diverged)
+            assert "training diverged at step 1" in diverged["message"]
+            assert f"first parameter with a non-finite gradient: {victim}" in diverged["message"]
+            assert diverged["loss"] == pytest.approx(ref["losses"][1], rel=1e-5)
+            # the refused step took no optimizer step: the retried one matches one process
+            assert_matches(out[cid], ref, f"{cid} rank {rank}")
+            assert out[cid]["step"] == 2
+
+
+@pytest.mark.gloo
+def test_without_the_check_a_nan_trains_on_and_one_tp_collective_is_saved(results):
+    for rank, out in enumerate(results):
+        unchecked = out["unchecked"]
+        for check, (got, want) in unchecked["counts"].items():
+            assert got == want, f"rank {rank} check_finite={check}"
+        assert sum(unchecked["counts"][True][0].values()) == \
+            sum(unchecked["counts"][False][0].values()) + 1
+        assert unchecked["grad_norm"] is None
+    assert any(out["unchecked"]["nan_params"] for out in results)  # the update took the NaN
