@@ -1,4 +1,5 @@
-"""Training health in the runtime (runtime.health), on 4 gloo ranks and without processes.
+"""Training health and bounded faults in the runtime (runtime.health, runtime.collectives), on 4
+gloo ranks and without processes.
 
     token range   ids outside the vocabulary are refused at train_step's entry, on every rank,
                   as the single-device model refuses them (the vocab-parallel loss would mask them)
@@ -9,9 +10,19 @@
                   step trains exactly as a single process that never saw the bad one
     option        with check_finite=False the same NaN trains on, and a step issues one
                   collective less on tp than with the check (runtime.counting predicts both)
+    timeout       a collective that waits for a stalled rank longer than its group's timeout
+                  (build_axis_groups(timeout=...), which parallelize(timeout_s=...) passes to
+                  every group) fails on every waiting rank with a CollectiveError naming the
+                  collective, the group and the rank, instead of hanging
+
+The end-to-end runs (`autoplan.train` diverging, with a stalled rank, with a killed rank under
+torchrun's restarts) are in test_train_faults.
 """
 
 from __future__ import annotations
+
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -19,6 +30,7 @@ import torch
 from _dist import assert_matches, batches, make_plan, reference, spawn
 
 SEED, LR, EPS = 3, 1e-3, 1e-6
+TIMEOUT_S = 1.5
 
 
 def test_token_range_names_the_value_its_place_and_the_range():
@@ -112,10 +124,31 @@ def _unchecked(rank: int, world: int, config, plan) -> dict:
     return {"counts": counts, "loss": loss, "nan_params": nan, "grad_norm": program.grad_norm}
 
 
+def _stall(rank: int, world: int) -> dict:
+    """The last rank stalls past the timeout and leaves; the others all-reduce over tp = world."""
+    from autoplan.errors import CollectiveError
+    from autoplan.mesh import MeshShape
+    from autoplan.runtime import collectives as C
+    from autoplan.runtime.groups import build_axis_groups
+
+    groups = build_axis_groups(MeshShape(tp=world), rank, timeout=timedelta(seconds=TIMEOUT_S))
+    if rank == world - 1:
+        time.sleep(TIMEOUT_S + 1)
+        return {}
+    start = time.monotonic()
+    try:
+        C.all_reduce(torch.ones(3), groups["tp"].group)
+    except CollectiveError as exc:
+        return {"waited_s": time.monotonic() - start, "message": str(exc), "kind": exc.kind,
+                "group": exc.group, "ranks": exc.ranks, "rank": exc.rank}
+    return {"waited_s": time.monotonic() - start, "message": None}
+
+
 def _run(rank: int, world: int, cases: list) -> dict:
     found = {cid: _diverge(rank, world, config, plan) for cid, config, plan in cases}
     cid, config, plan = cases[0]
     found["unchecked"] = _unchecked(rank, world, config, plan)
+    found["stall"] = _stall(rank, world)  # last: it leaves that group broken
     return found
 
 
@@ -186,3 +219,16 @@ def test_without_the_check_a_nan_trains_on_and_one_tp_collective_is_saved(result
             sum(unchecked["counts"][False][0].values()) + 1
         assert unchecked["grad_norm"] is None
     assert any(out["unchecked"]["nan_params"] for out in results)  # the update took the NaN
+
+
+@pytest.mark.gloo
+def test_a_collective_waiting_past_the_timeout_names_itself_its_group_and_rank(results):
+    for rank, out in enumerate(results[:-1]):
+        stall = out["stall"]
+        assert stall["message"] is not None, f"rank {rank}: the all-reduce returned without its peer"
+        assert TIMEOUT_S - 0.5 < stall["waited_s"] < TIMEOUT_S + 5, stall
+        assert (stall["kind"], stall["group"], stall["ranks"], stall["rank"]) == \
+            ("all_reduce", "tp", [0, 1, 2, 3], rank)
+        assert stall["message"].startswith(f"rank {rank}: all_reduce over process group 'tp' "
+                                           f"(ranks [0, 1, 2, 3]) failed: "), stall["message"]
+        assert "did not join within the process group's timeout" in stall["message"]
