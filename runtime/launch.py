@@ -253,7 +253,31 @@ def _init_process_group(backend: str, timeout: timedelta) -> None:
                           f"torch.distributed.init_process_group first")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=timeout)
+    store = _attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+
+
+def _attempt_store(timeout: timedelta) -> dist.Store | None:
+    """torchrun's store with its keys scoped to this attempt, for a one-node job whose torchrun
+    shares its own store with the workers; else None (torch's default rendezvous).
+
+    Such a store outlives a restart (`--max-restarts`), so the restarted ranks could read the dead
+    attempt's gloo addresses and fail to connect (pytorch/pytorch#135712): a prefix per
+    TORCHELASTIC_RESTART_COUNT keeps attempts apart. That count is kept per node, so a multi-node
+    job is left alone: run it with `--rdzv-backend c10d` and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
+    which gives every attempt a store of its own."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    one_node = os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]
+    if not (shared and one_node):
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"autoplan/attempt-{attempt}/", store)
 
 
 def _device_for(backend: str) -> torch.device:
