@@ -27,9 +27,10 @@ Restarts: under `torchrun --max-restarts N` a failed job is started again; a res
 (TORCHELASTIC_RESTART_COUNT > 0), or any run given `--auto-resume`, resumes from `--save DIR` when
 that holds a complete checkpoint (else from `--resume`, else from scratch), so with `--save-every
 K` it redoes at most K steps. (Across several nodes, launch with `--rdzv-backend c10d` and
-TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so that each attempt rendezvouses afresh: runtime.launch.) `--log-json` is strict JSON: {"model", "first_step" (the step
-of losses[0]), "losses"}, a loss that is not finite written as null (with a "note"), and
-"stopped" (the error) when the run ended early.
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so that each attempt rendezvouses afresh: runtime.launch.)
+
+`--log-json` is strict JSON: {"model", "first_step" (the step of losses[0]), "losses"}, a loss that
+is not finite written as null (with a "note"), and "stopped" (the error) when the run ended early.
 
 Test hooks (rank 1, first attempt only): AUTOPLAN_TEST_KILL_AT_STEP=N exits the process at the
 start of step N as a crash would; AUTOPLAN_TEST_STALL_AT_STEP=N makes it hang there.

@@ -71,7 +71,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def copies(program: "RankProgram", name: str) -> int:
     """How many ranks hold the same piece of parameter `name` as this rank (module docstring)."""
     mesh = program.plan.mesh
-    pieces = math.prod(degree for placement, _, degree in program.layouts[name].pieces(program.groups)
+    layout = program.layouts[name]
+    pieces = math.prod(degree for placement, _, degree in layout.pieces(program.groups)
                        if isinstance(placement, Shard))
     if program.fsdp:  # FSDP2 splits each piece once more over the data ranks
         pieces *= program.data.size

@@ -225,7 +225,7 @@ def test_without_the_check_a_nan_trains_on_and_one_tp_collective_is_saved(result
 def test_a_collective_waiting_past_the_timeout_names_itself_its_group_and_rank(results):
     for rank, out in enumerate(results[:-1]):
         stall = out["stall"]
-        assert stall["message"] is not None, f"rank {rank}: the all-reduce returned without its peer"
+        assert stall["message"] is not None, f"rank {rank}: the all-reduce returned alone"
         assert TIMEOUT_S - 0.5 < stall["waited_s"] < TIMEOUT_S + 5, stall
         assert (stall["kind"], stall["group"], stall["ranks"], stall["rank"]) == \
             ("all_reduce", "tp", [0, 1, 2, 3], rank)
