@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -40,7 +41,15 @@ def _torchrun(cwd, *args: str, restarts: int = 0, **env: str) -> subprocess.Comp
            "--master-port", str(_free_port()), "--max-restarts", str(restarts),
            "-m", "autoplan.train", "--model", "tiny-gpt", "--plan", "plan.json", "--lr", "3e-3",
            *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=environ, cwd=cwd)
+    # a session of its own, so that a hung job's ranks die with torchrun instead of outliving it
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=environ, cwd=cwd, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _strict_json(path) -> dict:
