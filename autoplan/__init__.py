@@ -23,6 +23,8 @@ _EXPORTS = {
     "Partial": "autoplan.placement",
     "Plan": "autoplan.plan",
     "AutoplanError": "autoplan.errors",
+    "TrainingDivergedError": "autoplan.errors",
+    "CollectiveError": "autoplan.errors",
     "search": "autoplan.api",
     "parallelize": "autoplan.api",
 }

@@ -164,13 +164,19 @@ def baseline_plans(model: ModelConfig | str, cluster: ClusterSpec | str, global_
 
 
 def parallelize(model, cluster: "ClusterSpec | str", plan: "Plan | str | None" = None, *, config: "ModelConfig | None" = None,
-                global_batch: int | None = None, seq_len: int | None = None, seed: int = 0):
+                global_batch: int | None = None, seq_len: int | None = None, seed: int = 0,
+                timeout_s: float | None = None, check_finite: bool = True):
     """Compile `model` into this rank's program under `plan`, searching for a plan when none is given.
 
     `model` is an autoplan model (ideally built on the meta device: only this rank's shards are
     ever allocated). `plan` may be a Plan or the path of a plan file. Without a plan, `global_batch`
     and `seq_len` are required and the plan is searched for `cluster`. Must run inside an
     initialised torch.distributed job (torchrun) or one this call can initialise from the environment.
+
+    `timeout_s` bounds how long any collective waits for the other ranks (the timeout of the process
+    groups this call creates; None: 300 s): a stalled rank then ends the job instead of hanging
+    it. With `check_finite` (default), `train_step` raises `TrainingDivergedError` on every rank,
+    before the optimizer step, when the global loss or gradient norm is not finite.
     """
     from autoplan.cluster import ClusterSpec, parse_cluster
     from autoplan.errors import AutoplanError
@@ -185,4 +191,5 @@ def parallelize(model, cluster: "ClusterSpec | str", plan: "Plan | str | None" =
         if global_batch is None or seq_len is None or config is None:
             raise AutoplanError("parallelize without a plan needs global_batch=, seq_len= and a model that carries .config (or config=)")
         plan = search(config, cluster, global_batch, seq_len)
-    return _parallelize(model, cluster, plan, config=config, seed=seed)
+    return _parallelize(model, cluster, plan, config=config, seed=seed, timeout_s=timeout_s,
+                        check_finite=check_finite)

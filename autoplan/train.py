@@ -14,19 +14,46 @@ newest whose files verify); steps count on from the checkpoint's, so `--steps` i
 Data is a text file (`--data`, bytes mapped into the vocabulary) or synthetic tokens: a seeded
 random sequence repeated with a fixed period, so the loss can fall. Rank 0 shows progress,
 logs the loss and can draw the loss curve (`--loss-png`, needs matplotlib).
+
+Faults end the run with one line on stderr and a non-zero exit status:
+
+    2  bad input (a plan of another model, token ids outside the vocabulary, ...)
+    3  the training diverged: a step whose global loss or gradient norm is not finite stops every
+       rank before its optimizer step, naming the step and the first parameter whose gradient is
+       not finite; its update is never taken and nothing is saved after it, so the checkpoint
+       in --save stays the last one written before it (which holds the state that step started
+       from if a save fell just before it: resume from it with a lower --lr)
+    4  a collective failed: it waited longer than `--timeout` seconds (default 300; it also
+       bounds how long the ranks wait for each other at startup) for a rank that stalled, or a
+       rank died; the line names the collective, its ranks and the step
+
+Restarts: under `torchrun --max-restarts N` a failed job is started again; a restarted run
+(TORCHELASTIC_RESTART_COUNT > 0), or any run given `--auto-resume`, resumes from `--save DIR` when
+that holds a complete checkpoint (else from `--resume`, else from scratch), so with `--save-every
+K` it redoes at most K steps. (Across several nodes, launch with `--rdzv-backend c10d` and
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so that each attempt rendezvouses afresh: runtime.launch.)
+
+`--log-json` is strict JSON: {"model", "first_step" (the step of losses[0]), "losses"}, a loss that
+is not finite written as null (with a "note"), and "stopped" (the error) when the run ended early.
+
+Test hooks (rank 1, first attempt only): AUTOPLAN_TEST_KILL_AT_STEP=N exits the process at the
+start of step N as a crash would; AUTOPLAN_TEST_STALL_AT_STEP=N makes it hang there.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
 
-from autoplan.errors import AutoplanError
+from autoplan.errors import AutoplanError, CollectiveError, TrainingDivergedError
 
 SYNTHETIC_PERIOD = 97  # tokens; prime, so windows at different offsets differ
 
@@ -49,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --save-every: keep only the newest K numbered checkpoints (0: all)")
     p.add_argument("--resume", help="continue from this checkpoint (saved under any plan of the model), "
                                     "or from the newest complete one in a folder of numbered checkpoints")
+    p.add_argument("--auto-resume", action="store_true",
+                   help="resume from --save DIR when it holds a complete checkpoint (implied on a "
+                        "torchrun restart)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="how long a collective waits for the other ranks before the job fails "
+                        "(default 300)")
     p.add_argument("--log-json", help="rank 0 writes the per-step losses here")
     p.add_argument("--loss-png", help="rank 0 draws the loss curve here")
     return p
@@ -105,30 +138,87 @@ def save_checkpoint(program, args, step: int) -> None:
     save_in_series(program, args.save, program.optimizer, step, keep=args.keep)
 
 
-def train(args) -> list[float]:
+@dataclasses.dataclass
+class Run:
+    """What a run has done so far, kept when it stops early: losses[i] is step first_step + i."""
+
+    losses: list[float] = dataclasses.field(default_factory=list)
+    first_step: int = 0
+    step: int | None = None  # the step running now
+
+
+def train(args, run: Run | None = None) -> list[float]:
     from autoplan.api import parallelize
     from autoplan.models import build_model, get_model_config
 
     check_checkpoint_args(args)
+    run = run if run is not None else Run()
     config = get_model_config(args.model)
     plan = resolve_plan(args, config)
-    program = parallelize(build_model(config, device="meta"), plan.cluster, plan=plan, seed=args.seed)
+    program = parallelize(build_model(config, device="meta"), plan.cluster, plan=plan,
+                          seed=args.seed, timeout_s=args.timeout)
     optimizer = program.make_optimizer(torch.optim.AdamW, lr=args.lr)
-    start = program.load_checkpoint(args.resume)["step"] if args.resume else 0
-    stream = token_stream(config.vocab, args.data, args.seed)
     rank = torch.distributed.get_rank()
-    losses, saved_at = [], start if args.resume else None
+    resumed_at = _resume(args, program, rank)
+    start = run.first_step = resumed_at or 0
+    stream = token_stream(config.vocab, args.data, args.seed)
+    losses, saved_at = run.losses, resumed_at
     for step in _progress(range(start, args.steps), rank == 0):
+        run.step = step
+        _test_fault(step, rank)
         tokens, targets = batch_at(stream, step, plan.global_batch, plan.seq_len)
+        # raises before the optimizer step if the step diverged, so no save below sees its state
         losses.append(program.train_step(tokens, targets, optimizer))
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step:5d}  loss {losses[-1]:.4f}", flush=True)
         if args.save and args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(program, args, step + 1)
             saved_at = step + 1
+    run.step = None
     if args.save and saved_at != max(args.steps, start):
         save_checkpoint(program, args, max(args.steps, start))
     return losses
+
+
+def _resume(args, program, rank: int) -> int | None:
+    """Load the checkpoint `resume_from` picks into the program; its step, or None if none."""
+    resume = resume_from(args)
+    if not resume:
+        return None
+    start = program.load_checkpoint(resume)["step"]
+    if rank == 0 and resume != args.resume:
+        print(f"resuming from {resume} at step {start}", flush=True)
+    return start
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this job (0 on its first attempt or without it)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def resume_from(args) -> str | None:
+    """The checkpoint to start from: --save DIR when it holds a complete checkpoint and the run
+    was restarted by torchrun or asked for --auto-resume (it is then the latest); else --resume."""
+    if args.save and (args.auto_resume or restart_count() > 0):
+        from autoplan.runtime.checkpoint import CheckpointError, read_metadata
+
+        try:
+            read_metadata(args.save)  # autoplan.json is written last: its presence = complete
+            return args.save
+        except CheckpointError:
+            pass  # nothing saved yet
+    return args.resume
+
+
+def _test_fault(step: int, rank: int) -> None:
+    """The test hooks of the module docstring: rank 1 dies or hangs at the start of a step, on
+    torchrun's first attempt only (so a restarted job can finish)."""
+    if rank != 1 or restart_count() > 0:
+        return
+    if os.environ.get("AUTOPLAN_TEST_KILL_AT_STEP", "").strip() == str(step):
+        os._exit(9)  # no cleanup, no exception: as a crash or an OOM kill
+    if os.environ.get("AUTOPLAN_TEST_STALL_AT_STEP", "").strip() == str(step):
+        time.sleep(3600)
 
 
 def _progress(steps, show: bool):
@@ -139,17 +229,29 @@ def _progress(steps, show: bool):
     return track(steps, description="training", transient=True)
 
 
-def write_outputs(args, losses: list[float]) -> None:
+def log_record(args, run: Run, stopped: str | None = None) -> dict:
+    """--log-json's content: non-finite losses as null (strict JSON has no NaN), with a note."""
+    record = {"model": args.model, "first_step": run.first_step,
+              "losses": [loss if math.isfinite(loss) else None for loss in run.losses]}
+    if None in record["losses"]:
+        record["note"] = "null: a loss that was not finite (NaN or infinite)"
+    if stopped is not None:
+        record["stopped"] = stopped
+    return record
+
+
+def write_outputs(args, run: Run, stopped: str | None = None) -> None:
     if args.log_json:
-        Path(args.log_json).write_text(json.dumps({"model": args.model, "losses": losses}))
-    if args.loss_png:
+        text = json.dumps(log_record(args, run, stopped), allow_nan=False)
+        Path(args.log_json).write_text(text)
+    if args.loss_png and run.losses:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(range(len(losses)), losses)
+        ax.plot(range(run.first_step, run.first_step + len(run.losses)), run.losses)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.set_title(f"{args.model}: training loss")
@@ -159,15 +261,47 @@ def write_outputs(args, losses: list[float]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    run = Run()
     try:
-        losses = train(args)
+        train(args, run)
+    except TrainingDivergedError as exc:  # every rank raises it together: rank 0 reports
+        return _stop(args, run, str(exc), 3, report=_rank() == 0)
     except AutoplanError as exc:
-        print(f"autoplan.train: error: {exc}", file=sys.stderr)
-        return 2
-    if torch.distributed.get_rank() == 0:
-        write_outputs(args, losses)
+        return _stop(args, run, str(exc), 2, report=True)
+    except CollectiveError as exc:  # each rank knows its own wait: each reports
+        return _stop(args, run, str(exc), 4, report=True)
+    except RuntimeError as exc:
+        if not _lost_peer(exc):
+            raise
+        detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        where = f"rank {_rank()}" + (f" at step {run.step}" if run.step is not None else "")
+        return _stop(args, run, f"{where}: a collective of torch's failed: {detail}", 4,
+                     report=True)
+    if _rank() == 0:
+        write_outputs(args, run)
     torch.distributed.destroy_process_group()
     return 0
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _lost_peer(exc: RuntimeError) -> bool:
+    """Gloo's wording for a wait past the timeout or a peer gone, in torch's own collectives
+    (FSDP2, pipeline sends, checkpoint barriers), which do not raise CollectiveError."""
+    text = str(exc)
+    return any(s in text for s in ("Timed out waiting", "Connection closed by peer",
+                                   "Connection reset by peer"))
+
+
+def _stop(args, run: Run, message: str, code: int, report: bool) -> int:
+    """Report a fault in one line (and, on rank 0, what was logged so far); the exit status."""
+    if report:
+        print(f"autoplan.train: error: {message}", file=sys.stderr, flush=True)
+    if _rank() == 0 and run.losses:
+        write_outputs(args, run, stopped=message)
+    return code
 
 
 if __name__ == "__main__":

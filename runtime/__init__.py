@@ -3,6 +3,8 @@
     program = parallelize(model, cluster, plan, seed=0, config=config)   # under torchrun
     optimizer = program.make_optimizer(torch.optim.AdamW, lr=3e-4)
     loss = program.train_step(global_tokens, global_targets, optimizer)
+    program.grad_norm                   # its global gradient norm (runtime.health: a non-finite
+                                        # loss or norm raises TrainingDivergedError instead)
     print(program.graph_module.code)                                     # this rank's program
     program.save_checkpoint("ckpt", step=100)     # full names and shapes: resumable under any plan
     program.load_checkpoint("ckpt")               # (after make_optimizer) -> its metadata

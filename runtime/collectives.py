@@ -29,6 +29,8 @@ the `count_collectives()` context when one is open: (kind, group name) -> calls,
 gloo runs it as an all-reduce). Collectives whose name moved between torch
 2.11 and 2.13 (`all_gather_into_tensor` -> `all_gather_single`, `reduce_scatter_tensor` ->
 `reduce_scatter_single`) are called only through `_gather_into` and `_reduce_scatter_into`.
+A collective that fails (gloo's timeout, a peer's closed connection) raises `CollectiveError`
+naming its kind, its group's description and ranks, and this rank.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
+
+from autoplan.errors import CollectiveError
 
 Group = dist.ProcessGroup | None
 
@@ -66,6 +70,22 @@ def _record(kind: str, group: Group) -> None:
     if counting is not None:
         counts, names = counting
         counts[(kind, names.get(group, "world" if group is None else "other"))] += 1
+
+
+@contextlib.contextmanager
+def _issuing(kind: str, group: Group) -> Iterator[None]:
+    """Count the collective issued inside the block, and turn the backend's RuntimeError (gloo's
+    timeout, a peer's closed connection) into a CollectiveError that names the collective, its
+    group and this rank: the backend's own message names neither."""
+    _record(kind, group)
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:
+        name = "world" if group is None else getattr(group, "group_desc", "") or "unnamed"
+        raise CollectiveError(kind, name, dist.get_process_group_ranks(group or dist.group.WORLD),
+                              dist.get_rank(), str(exc)) from exc
 
 
 def group_size(group: Group) -> int:
@@ -107,16 +127,16 @@ def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.
     """A new tensor holding the reduction of `x` over the group (no autograd)."""
     out = x.clone(memory_format=torch.contiguous_format)
     if group_size(group) > 1 and not x.is_meta:
-        _record("all_reduce", group)
-        dist.all_reduce(out, op=op, group=group)
+        with _issuing("all_reduce", group):
+            dist.all_reduce(out, op=op, group=group)
     return out
 
 
 def all_reduce_(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum `x` over the group in place (no autograd); returns `x`."""
     if group_size(group) > 1 and not x.is_meta:
-        _record("all_reduce", group)
-        dist.all_reduce(x, group=group)
+        with _issuing("all_reduce", group):
+            dist.all_reduce(x, group=group)
     return x
 
 
@@ -128,8 +148,8 @@ def all_gather_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()  # (m, ...)
     out = moved.new_empty((n * moved.shape[0], *moved.shape[1:]))
     if not x.is_meta:  # meta tensors (shape inference) only get the shape
-        _record("all_gather", group)
-        _gather_into(out, moved, group)
+        with _issuing("all_gather", group):
+            _gather_into(out, moved, group)
     return _from_dim0(out, dim)
 
 
@@ -142,8 +162,8 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()  # (n*m, ...)
     out = moved.new_empty((moved.shape[0] // n, *moved.shape[1:]))
     if not x.is_meta:
-        _record("reduce_scatter", group)
-        _reduce_scatter_into(out, moved, group)
+        with _issuing("reduce_scatter", group):
+            _reduce_scatter_into(out, moved, group)
     return _from_dim0(out, dim)
 
 
@@ -175,8 +195,8 @@ def all_to_all_dim(x: torch.Tensor, src_dim: int, dst_dim: int, group: Group) ->
     send = torch.stack(x.chunk(n, dim=dst_dim)).contiguous()  # (n, ..., dst/n, ...)
     recv = torch.empty_like(send)
     if not x.is_meta:
-        _record("all_to_all", group)
-        dist.all_to_all_single(recv, send, group=group)
+        with _issuing("all_to_all", group):
+            dist.all_to_all_single(recv, send, group=group)
     return torch.cat(recv.unbind(0), dim=src_dim).contiguous()
 
 
@@ -186,8 +206,8 @@ def exchange(x: torch.Tensor, group: Group) -> torch.Tensor:
         return x
     recv = torch.empty_like(x)
     if not x.is_meta:
-        _record("all_to_all", group)
-        dist.all_to_all_single(recv, x.contiguous(), group=group)
+        with _issuing("all_to_all", group):
+            dist.all_to_all_single(recv, x.contiguous(), group=group)
     return recv
 
 
@@ -199,9 +219,9 @@ def all_to_all_rows(x: torch.Tensor, send_rows: list[int], recv_rows: list[int],
         return x
     out = x.new_empty((sum(recv_rows), *x.shape[1:]))
     if not x.is_meta:
-        _record("all_to_all", group)
-        dist.all_to_all_single(out, x.contiguous(), list(recv_rows), list(send_rows),
-                               group=group)
+        with _issuing("all_to_all", group):
+            dist.all_to_all_single(out, x.contiguous(), list(recv_rows), list(send_rows),
+                                   group=group)
     return out
 
 

@@ -35,7 +35,9 @@ rank runs:
 Per step: the above times num_microbatches; one all-reduce of the dense gradients over the data
 ranks (dp x ep x cp) and one of the expert gradients over dp x cp, whatever etp and ep_as (when those groups
 have more than one rank, and not under ZeRO 2/3, whose FSDP2 reduce-scatters are torch's own); the
-loss's all-reduce over pp (pp > 1) and over the data ranks. Not counted: torch's own collectives
+loss's all-reduce over pp (pp > 1) and over the data ranks (carrying the gradient norm's terms
+too, runtime.health); with the finiteness check on (`check_finite`, the default), one all-reduce
+over tp (tp > 1) of the gradient norm's terms. Not counted: torch's own collectives
 (FSDP2, ZeroRedundancyOptimizer's broadcasts, the pipeline schedules' sends and receives).
 
 Group names: a group is named by the narrowest kind with the same ranks, in the order data,
@@ -128,9 +130,10 @@ def node_stages(graph: CapturedGraph, plan: Plan) -> dict[str, int]:
 
 
 def expected_collectives(plan: Plan, config: ModelConfig, pp_index: int = 0,
-                         graph: CapturedGraph | None = None) -> Collectives:
+                         graph: CapturedGraph | None = None,
+                         check_finite: bool = True) -> Collectives:
     """What one `train_step` of the rank at pipeline coordinate `pp_index` issues through the
-    runtime's collectives (module docstring)."""
+    runtime's collectives (module docstring), for a program made with `check_finite`."""
     mesh = plan.mesh
     if graph is None:
         graph = capture(build_model(config, "meta"), config, plan.microbatch_size, plan.seq_len,
@@ -189,4 +192,6 @@ def expected_collectives(plan: Plan, config: ModelConfig, pp_index: int = 0,
         total[("all_reduce", names["pp"])] += 1
     if data > 1:
         total[("all_reduce", names["data"])] += 1
+    if check_finite and mesh.tp > 1:
+        total[("all_reduce", names["tp"])] += 1
     return total

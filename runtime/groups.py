@@ -26,6 +26,8 @@ group. A kind of one rank gets no process group: nothing communicates on it.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch.distributed as dist
 from torch import nn
 
@@ -86,11 +88,14 @@ def groups_of(mesh: MeshShape, axes: tuple[str, ...]) -> tuple[tuple[int, ...], 
     return tuple(seen)
 
 
-def build_axis_groups(mesh: MeshShape, mesh_rank: int, global_rank_of=lambda r: r
-                      ) -> dict[str, RankGroup]:
+def build_axis_groups(mesh: MeshShape, mesh_rank: int, global_rank_of=lambda r: r,
+                      timeout: timedelta | None = None) -> dict[str, RankGroup]:
     """Create the groups of every kind in GROUP_AXES on every process; return this rank's.
 
-    `global_rank_of` maps a mesh rank to a rank of the default process group."""
+    `global_rank_of` maps a mesh rank to a rank of the default process group. `timeout` bounds
+    every collective on these groups (None: torch's default, 30 minutes on gloo: `new_group` does
+    not inherit the default group's). Each group is described by its first kind, which
+    collectives' errors name."""
     made: dict[tuple[int, ...], dist.ProcessGroup] = {}
     groups: dict[str, RankGroup] = {}
     for kind in GROUP_AXES:
@@ -101,7 +106,8 @@ def build_axis_groups(mesh: MeshShape, mesh_rank: int, global_rank_of=lambda r: 
             continue
         for ranks in groups_of(mesh, axes):
             if ranks not in made:
-                made[ranks] = dist.new_group([global_rank_of(r) for r in ranks])
+                made[ranks] = dist.new_group([global_rank_of(r) for r in ranks],
+                                             timeout=timeout, group_desc=kind)
         pg, index = made[mine], mine.index(mesh_rank)
         if dist.get_rank(pg) != index:  # collectives assume group order = ascending mesh rank
             raise RuntimeError(f"{kind} group {mine}: process group rank {dist.get_rank(pg)} != "

@@ -9,12 +9,19 @@ every rank with a message instead of hanging in a collective, and before any par
     launched world size == plan.mesh.world_size
     the requested backend exists in this torch build (gloo on CPU, nccl on CUDA by default)
     plan.predicted.peak_memory_bytes <= this rank's device memory (`check_memory`)
+    timeout_s > 0
+
+Bounded waits: every process group this call creates (the default one when nobody has, and the
+mesh axes' groups) gets `timeout_s` (default DEFAULT_TIMEOUT_S = 300 s): a collective that waits
+longer for another rank fails. Under gloo it raises `CollectiveError` naming the collective, its
+group and the rank; under NCCL torch's watchdog aborts the process. torchrun then stops the job.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,17 +39,22 @@ from autoplan.runtime.rewrite import rewrite
 from autoplan.validity import SCHEDULE_INTERLEAVED, check, configuration_problems
 
 GIB = float(1 << 30)
+DEFAULT_TIMEOUT_S = 300.0  # how long a collective may wait for the slowest rank
 
 
 def parallelize(model: nn.Module, cluster: ClusterSpec | str | None, plan: Plan, *, seed: int = 0,
                 group: dist.ProcessGroup | None = None, config: ModelConfig | None = None,
                 backend: str | None = None, check_memory: bool = True,
-                kernels: str | None = None) -> RankProgram:
+                kernels: str | None = None, timeout_s: float | None = None,
+                check_finite: bool = True) -> RankProgram:
     """This rank's program for `plan`. `model` may be on meta (preferred) or CPU; its weights are
     not used: parameters come from the seeded init. `config` defaults to `model.config`.
     `backend` names the torch.distributed backend when this call initialises the process group
     (default: nccl with CUDA, else gloo). `kernels` overrides `plan.kernels` ("auto": the Triton
-    kernels of runtime.kernels on CUDA, torch on CPU; "triton"; "torch")."""
+    kernels of runtime.kernels on CUDA, torch on CPU; "triton"; "torch"). `timeout_s` bounds every
+    collective on the groups this call creates (None: DEFAULT_TIMEOUT_S; module docstring).
+    `check_finite`: train_step refuses a non-finite loss or gradient norm (runtime.health; one
+    more all-reduce of a scalar over tp per step when tp > 1)."""
     config = _config_of(model, config)
     if kernels is not None:
         plan = dataclasses.replace(plan, kernels=kernels)  # validated by Plan
@@ -56,16 +68,18 @@ def parallelize(model: nn.Module, cluster: ClusterSpec | str | None, plan: Plan,
     if check_memory:
         check_memory_fits(plan, _device_for(backend))
     use_triton(_device_for(backend), plan.kernels)  # "triton" where it cannot run: a ConfigError
-    _init_process_group(backend)
+    timeout = _timeout(timeout_s)
+    _init_process_group(backend, timeout)
     if group is not None and world != dist.get_world_size():
         raise PlanError(f"group has {world} ranks but the job has {dist.get_world_size()}: every "
                         f"process must join, because each one creates every mesh group")
     mesh_rank = dist.get_rank(group)
     to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
-    groups = build_axis_groups(plan.mesh, mesh_rank, to_global)
+    groups = build_axis_groups(plan.mesh, mesh_rank, to_global, timeout)
     rewritten = rewrite(model, config, plan, groups)
     rules = init_rules(model, config.num_layers)
-    return RankProgram(rewritten, plan, groups, rules, seed, _device(), mesh_rank, to_global)
+    return RankProgram(rewritten, plan, groups, rules, seed, _device(), mesh_rank, to_global,
+                       vocab=config.vocab, check_finite=check_finite)
 
 
 def check_plan(plan: Plan, config: ModelConfig, cluster: ClusterSpec | str | None = None) -> None:
@@ -155,8 +169,18 @@ def _check_backend(backend: str | None) -> str:
     return wanted
 
 
-def _init_process_group(backend: str) -> None:
-    """Initialise the default group from torchrun's environment if nobody has."""
+def _timeout(timeout_s: float | None) -> timedelta:
+    if timeout_s is None:
+        return timedelta(seconds=DEFAULT_TIMEOUT_S)
+    if not timeout_s > 0:  # also refuses NaN
+        raise ConfigError(f"timeout_s={timeout_s!r}: a collective's timeout must be a positive "
+                          f"number of seconds (default {DEFAULT_TIMEOUT_S:g})")
+    return timedelta(seconds=timeout_s)
+
+
+def _init_process_group(backend: str, timeout: timedelta) -> None:
+    """Initialise the default group from torchrun's environment if nobody has (`timeout` also
+    bounds the wait for every rank to join)."""
     if dist.is_initialized():
         return
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -166,7 +190,31 @@ def _init_process_group(backend: str) -> None:
                           f"torch.distributed.init_process_group first")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    store = _attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+
+
+def _attempt_store(timeout: timedelta) -> dist.Store | None:
+    """torchrun's store with its keys scoped to this attempt, for a one-node job whose torchrun
+    shares its own store with the workers; else None (torch's default rendezvous).
+
+    Such a store outlives a restart (`--max-restarts`), so the restarted ranks could read the dead
+    attempt's gloo addresses and fail to connect (pytorch/pytorch#135712): a prefix per
+    TORCHELASTIC_RESTART_COUNT keeps attempts apart. That count is kept per node, so a multi-node
+    job is left alone: run it with `--rdzv-backend c10d` and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
+    which gives every attempt a store of its own."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    one_node = os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]
+    if not (shared and one_node):
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"autoplan/attempt-{attempt}/", store)
 
 
 def _device_for(backend: str) -> torch.device:

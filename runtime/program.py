@@ -8,6 +8,7 @@ stay on meta); this rank's stages run as `pipeline.modules` (runtime.pipeline).
 
 One step on a global batch of G sequences of T tokens:
 
+    ids checked: every token in [0, V), every target in [0, V) or -100 (runtime.health)
     data shards: D = dp * ep ranks see different sequences, cp ranks different tokens of them:
       rank (d, e, c) takes rows [i G/D, (i+1) G/D) with i = d ep + e, and tokens [c T/cp, (c+1) T/cp);
       with the ep ranks folded over context parallelism (mesh ep_as = "cp"): D = dp, i = d, and the
@@ -19,6 +20,8 @@ One step on a global batch of G sequences of T tokens:
     gradients summed over the ranks that hold the same shard (dense: dp x ep x cp; experts: dp x
       cp, whatever etp and ep_as), one all-reduce per dtype bucket, divided by dp * ep * cp
       (sync_gradients)
+    the global loss and gradient norm, and if either is not finite TrainingDivergedError on every
+      rank instead of the step (runtime.health)
     optimizer.step()
 
 Every rank's loss is the mean over its own tokens and all hold equally many, so every gradient is
@@ -31,6 +34,7 @@ gradients in backward instead of `sync_gradients`.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -39,10 +43,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from autoplan.errors import ConfigError, PlanError
+from autoplan.errors import CollectiveError, ConfigError, PlanError, TrainingDivergedError
 from autoplan.placement import Shard
 from autoplan.plan import Plan
 from autoplan.runtime import collectives as C
+from autoplan.runtime import health
 from autoplan.mesh import MeshShape
 from autoplan.runtime.groups import RankGroup, group_of
 from autoplan.runtime.init import InitRule, init_local, nested_bounds
@@ -51,12 +56,20 @@ from autoplan.runtime.zero import full_tensor, shard_over_dp
 
 
 class RankProgram(nn.Module):
-    """The per-rank program: `forward(tokens, targets)` on this rank's data share -> mean loss."""
+    """The per-rank program: `forward(tokens, targets)` on this rank's data share -> mean loss.
+
+    `vocab`: train_step refuses token and target ids outside it (None: unchecked); `check_finite`:
+    train_step refuses a non-finite loss or gradient norm (runtime.health). `step` counts the
+    optimizer steps taken (from a loaded checkpoint's), `grad_norm` is the last step's global
+    gradient norm (None without `check_finite`)."""
 
     def __init__(self, rewritten: Rewritten, plan: Plan, groups: dict[str, RankGroup],
                  rules: dict[str, InitRule], seed: int, device: torch.device,
-                 mesh_rank: int = 0, global_rank_of=lambda r: r) -> None:
+                 mesh_rank: int = 0, global_rank_of=lambda r: r, *, vocab: int | None = None,
+                 check_finite: bool = True) -> None:
         super().__init__()
+        self.vocab, self.check_finite = vocab, check_finite
+        self.step, self.grad_norm = 0, None
         self.graph_module = rewritten.graph_module
         self.plan, self.seed, self.device = plan, seed, device
         self.mesh_rank, self.global_rank_of = mesh_rank, global_rank_of
@@ -252,12 +265,28 @@ class RankProgram(nn.Module):
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor,
                    optimizer: torch.optim.Optimizer) -> float:
-        """One optimizer step on the global batch; returns the global mean token loss."""
+        """One optimizer step on the global batch; returns the global mean token loss. Raises
+        TrainingDivergedError (every rank, no step taken) on a non-finite loss or gradient norm
+        under `check_finite`, and CollectiveError, with the step, when a collective fails."""
         plan = self.plan
         if tuple(tokens.shape) != (plan.global_batch, plan.seq_len):
             raise ConfigError(f"train_step: tokens of shape {tuple(tokens.shape)}; the plan "
                               f"expects (global_batch, seq_len) = ({plan.global_batch}, "
                               f"{plan.seq_len})")
+        if self.vocab is not None:
+            health.check_token_range(tokens, targets, self.vocab)
+        try:
+            loss = self._step(tokens, targets, optimizer)
+        except CollectiveError as exc:
+            exc.step = self.step
+            raise
+        self.step += 1
+        return loss
+
+    def _step(self, tokens: torch.Tensor, targets: torch.Tensor,
+              optimizer: torch.optim.Optimizer) -> float:
+        """train_step's body after the checks of its input (module docstring)."""
+        plan = self.plan
         local_tokens, local_targets = self.shard_batch(tokens, targets)
         optimizer.zero_grad(set_to_none=True)
         if self.pipeline is not None:
@@ -273,15 +302,28 @@ class RankProgram(nn.Module):
                     loss.backward()
                 total += loss.detach().float()
         self.sync_gradients()
+        loss, self.grad_norm = self._global_loss(total)
+        if self.check_finite and not (math.isfinite(loss) and math.isfinite(self.grad_norm)):
+            raise TrainingDivergedError(self.step, loss, self.grad_norm,
+                                        health.first_nonfinite(self))
         optimizer.step()
-        return self._global_loss(total)
+        return loss
 
-    def _global_loss(self, total: torch.Tensor) -> float:
-        """The mean of every data shard's loss (only the last pipeline stage has one)."""
+    def _global_loss(self, total: torch.Tensor) -> tuple[float, float | None]:
+        """(the mean of every data shard's loss (only the last pipeline stage has one), the
+        global gradient norm or None without `check_finite`); the norm's terms are summed over tp
+        first, then ride along with the loss over pp and data (runtime.health)."""
+        sumsq = torch.zeros((), dtype=torch.float64, device=total.device)
+        if self.check_finite:
+            sumsq = health.local_sumsq(self)
+            if self.tp.size > 1:
+                sumsq = C.all_reduce(sumsq, self.tp.group)
+        both = torch.stack((total.double(), sumsq))
         for group in (self.groups["pp"], self.data):
             if group.size > 1:
-                total = C.all_reduce(total, group.group)
-        return float(total) / self.data_shards
+                both = C.all_reduce(both, group.group)
+        loss, norm_sq = both.tolist()
+        return loss / self.data_shards, math.sqrt(norm_sq) if self.check_finite else None
 
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
                        **kwargs) -> torch.optim.Optimizer:
@@ -318,7 +360,9 @@ class RankProgram(nn.Module):
         its metadata (with "step"). Call it on every rank."""
         from autoplan.runtime.checkpoint import load
 
-        return load(self, directory, None if parameters_only else optimizer or self.optimizer)
+        meta = load(self, directory, None if parameters_only else optimizer or self.optimizer)
+        self.step = int(meta.get("step", 0))
+        return meta
 
     # ------------------------------------------------------------ inspection
     def count_collectives(self) -> contextlib.AbstractContextManager[Counter]:

@@ -126,30 +126,35 @@ def reference(config, seed: int, tokens: torch.Tensor, targets: torch.Tensor, lr
 def train_program(program, optimizer, tokens: torch.Tensor, targets: torch.Tensor,
                   keep: bool = True) -> dict:
     """Steps of a RankProgram: losses, the first step's full gradients and the final full
-    parameters of this rank's stages (only when `keep`; gathering is collective either way), and
-    the collectives of the first step ("counts")."""
-    losses, grads, counts = [], None, None
+    parameters of this rank's stages (only when `keep`; gathering is collective either way), the
+    collectives of the first step ("counts") and its global gradient norm ("grad_norm")."""
+    losses, grads, counts, grad_norm = [], None, None, None
     for step in range(tokens.shape[0]):
         if step == 0:
             with program.count_collectives() as counted:
                 losses.append(program.train_step(tokens[step], targets[step], optimizer))
-            counts = dict(counted)
+            counts, grad_norm = dict(counted), program.grad_norm
             grads = program.full_gradients()
         else:
             losses.append(program.train_step(tokens[step], targets[step], optimizer))
     params = program.full_parameters()
     return {"losses": losses, "grads": grads if keep else None, "params": params if keep else None,
-            "counts": counts}
+            "counts": counts, "grad_norm": grad_norm}
 
 
 def assert_matches(got: dict, ref: dict, what: str, loss_rtol: float = 1e-5,
                    grad_tol: dict | None = None, param_tol: dict | None = None,
                    grads: bool = True) -> None:
-    """Losses, gradients and parameters of one rank against a reference (names this rank holds)."""
+    """Losses, gradients and parameters of one rank against a reference (names this rank holds),
+    and the first step's global gradient norm where `got` has one (every rank holds all of it)."""
     grad_tol = grad_tol or dict(rtol=1e-4, atol=1e-6)
     param_tol = param_tol or dict(rtol=1e-4, atol=2e-5)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
                                rtol=loss_rtol, atol=0, msg=f"{what}: losses")
+    if got.get("grad_norm") is not None and grads:
+        norm = torch.stack([g.double().norm() for g in ref["grads"].values()]).norm().item()
+        torch.testing.assert_close(got["grad_norm"], norm, rtol=10 * loss_rtol, atol=0,
+                                   msg=f"{what}: gradient norm")
     if got.get("params") is None:
         return
     assert set(got["params"]) <= set(ref["params"]) and got["params"], what

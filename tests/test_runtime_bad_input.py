@@ -70,3 +70,13 @@ def test_a_plan_that_does_not_fit_is_refused_before_any_allocation(launched, mon
     assert f"parameters {3e15 / 2**30:.2f}" in message and "activations" in message
     assert f"has {have / 2**30:.2f} GiB: it would not fit" in message
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("timeout_s", [0, -5.0, float("nan")])
+def test_a_timeout_that_is_not_a_positive_number_is_refused(launched, timeout_s):
+    from autoplan.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"timeout_s={timeout_s!r}: a collective's timeout must "
+                                          r"be a positive number of seconds \(default 300\)"):
+        _parallelize(make_plan("tiny-gpt", 2, 1), timeout_s=timeout_s)
+    assert not dist.is_initialized()
