@@ -9,7 +9,7 @@ A100-80GB (DGX A100: 8 per node, NVLink, 8 HDR InfiniBand cards per node = the `
 2048, vocabulary 51,200, microbatch 1, fp16 mixed precision, full activation recomputation, and for
 pp > 1 the interleaved 1F1B schedule with the scatter / gather optimisation (section 5.1).
 
-Each row is priced by `planner.estimate` (what `autoplan estimate` runs: the intra-op solver picks the
+Each row is priced by `autoplan.api.estimate` (what `autoplan estimate` runs: the intra-op solver picks the
 tensor-parallel strategies) as a GPT `ModelConfig` (family gpt, ffn 4h, learned positions), on the
 software the paper ran, which is part of what was measured (`MEGATRON_2021`):
 
@@ -28,7 +28,7 @@ FLOPs are counted as the paper does (its equation 3, recomputation included):
 
 Columns: "estimate" is the goal's number; "as run" prices the paper's own tensor-parallel layout
 (Megatron-LM of 2021: column / row projections, no sequence parallelism, which the intra-op solver
-prefers when it is faster), for a like-for-like comparison. "planner" is `planner.search` on the same
+prefers when it is faster), for a like-for-like comparison. "planner" is `autoplan.api.search` on the same
 cluster, batch, sequence and software: its choice and its predicted step time against the published
 configuration's (issue 5: the choice must be predicted at least as fast; speedup >= 1.00).
 
@@ -129,7 +129,7 @@ ROWS = (
 
 
 def price_published(row: Row, graph=None) -> Plan:
-    """The published configuration through `planner.estimate` (module docstring)."""
+    """The published configuration through `autoplan.api.estimate` (module docstring)."""
     return estimate(row.config(), row.cluster(), row.batch, SEQ, mesh=row.mesh(), microbatch_size=1, zero_stage=0,
                     recompute="full", dtype=DTYPE, efficiency=MEGATRON_2021, graph=graph, schedule=row.schedule,
                     virtual_stages=row.virtual_stages)

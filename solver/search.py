@@ -1,6 +1,6 @@
 """The outer search: every parallel dimension, priced by one step model, as a branch and bound.
 
-    1. enumerate the configurations (`search_space`); drop those whose memory lower bound exceeds
+    1. enumerate the configurations (`solver.space`); drop those whose memory lower bound exceeds
        the device before anything is solved or priced;
     2. price the baselines (`baselines`: Megatron-style, FSDP): their step times seed the bound;
     3. group the rest by intra-op key (tp, sequences per rank per microbatch = mbs / cp, or mbs / (cp ep) when
@@ -8,12 +8,12 @@
        strategies depend on it, `strategies.moe_strategies`); visit the keys
        in order of their best time lower bound (the roofline's compute rate in the pipeline formula)
        and stop once that bound exceeds the K-th best step time found;
-    4. per key: solve the intra-op problem (`planner.solve_tp`; under 1 < etp < tp the etp = 1 solve's choice,
+    4. per key: solve the intra-op problem (`solver.intra_op.solve_tp`; under 1 < etp < tp the etp = 1 solve's choice,
        the same problem up to a constant, `SearchContext._folded_ilp_solution`) and price each configuration whose
        bound with the solution's exact per-layer times stays below the K-th best; for tp > 1, price
        the configurations that did not fit again with Megatron-LM's assignment with sequence
        parallelism, whose lower activation memory can fit where the time-optimal assignment does not
-       (each mesh comes in each order of its axes over ranks that changes its links, `search_space.mesh_orders`;
+       (each mesh comes in each order of its axes over ranks that changes its links, `solver.space.mesh_orders`;
        the roofline bound does not depend on the order, the exact per-layer bound does, through the links)
     5. the K best configurations that fit, by (step time, simpler configuration first), become Plans.
 

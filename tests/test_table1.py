@@ -1,4 +1,4 @@
-"""Megatron-LM's Table 1 (Narayanan et al., SC'21) priced by `planner.estimate`: the cost model's fidelity
+"""Megatron-LM's Table 1 (Narayanan et al., SC'21) priced by `autoplan.api.estimate`: the cost model's fidelity
 goal of issue 3, tier 2 (planning at scale, up to 3072 GPUs, no processes). The table, the software the
 rows are priced on and the FLOP count are those of `benchmarks/megatron_table1.py`."""
 

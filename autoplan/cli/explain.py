@@ -340,7 +340,7 @@ def save_top(result, directory: str) -> list[str]:
 
 @contextmanager
 def search_progress(console=None) -> Iterator[Callable[[str], None]]:
-    """A rich progress bar fed by the search's `progress` callback (`outer_search.ProgressMessage`)."""
+    """A rich progress bar fed by the search's `progress` callback (`solver.context.ProgressMessage`)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
