@@ -3,7 +3,6 @@ the GPU tests (marked `gpu`, skipped without CUDA). The kernels' numerics on CPU
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -12,30 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_kernels import DTYPES, _ce_targets, _compare, _rand
+from test_kernels import (DTYPES, HAS_CUDA, HAS_TRITON, INTERPRETING, REPO, _ce_targets, _compare, _rand,
+                          moe_permute, needs_cuda)
 
 from autoplan.models.layers import rope_cos_sin
-from autoplan.runtime.kernels import activations, cross_entropy, dispatch, norms, rope
+from autoplan.runtime.kernels import activations, cross_entropy, norms, rope
 from autoplan.runtime.kernels import (apply_rope, bias_gelu, layer_norm, moe_routing,
                                       rms_norm, silu_mul, use_triton,
                                       vocab_parallel_cross_entropy)
 
-# the package exports the function `moe_permute`, which hides the submodule of that name
-moe_permute = importlib.import_module("autoplan.runtime.kernels.moe_permute")
-
-INTERPRETING = dispatch.interpreting()
-HAS_TRITON = dispatch.load_triton() is not None
-HAS_CUDA = torch.cuda.is_available()
-REPO = Path(__file__).resolve().parents[1]
-
-triton_interp = pytest.mark.skipif(
-    not (INTERPRETING and HAS_TRITON),
-    reason="interpreter tests run in the TRITON_INTERPRET=1 child of test_interpreter_suite"
-    if HAS_TRITON else "triton is not installed (pip install 'autoplan[triton]')")
-needs_cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON) or INTERPRETING,
-                                reason="needs CUDA and triton, without TRITON_INTERPRET")
-
-# (rtol, atol) of a kernel's output or grad against the float64 reference
 # ----------------------------------------------------------------------------- sm_90 compile
 
 
