@@ -33,8 +33,12 @@ that holds a complete checkpoint (else from `--resume`, else from scratch), so w
 K` it redoes at most K steps. (Across several nodes, launch with `--rdzv-backend c10d` and
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so that each attempt rendezvouses afresh: runtime.launch.)
 
+Rank 0 logs each tenth step's loss, step time, tokens/s and MFU, and at the end the measured step time
+(median, first step left out) against the plan's prediction, warning past 10% (`autoplan.step_meter`).
+
 `--log-json` is strict JSON: {"model", "first_step" (the step of losses[0]), "losses"}, a loss that
-is not finite written as null (with a "note"), and "stopped" (the error) when the run ended early.
+is not finite written as null (with a "note"), "stopped" (the error) when the run ended early, and
+the timing: "step_times_s", "measured_step_time_s", "predicted_step_time_s", "tokens_per_s", "mfu".
 
 Test hooks (rank 1, first attempt only): AUTOPLAN_TEST_KILL_AT_STEP=N exits the process at the
 start of step N as a crash would; AUTOPLAN_TEST_STALL_AT_STEP=N makes it hang there.
@@ -53,6 +57,7 @@ from pathlib import Path
 
 import torch
 
+from autoplan.step_meter import StepMeter
 from autoplan.errors import AutoplanError, CollectiveError, TrainingDivergedError
 
 SYNTHETIC_PERIOD = 97  # tokens; prime, so windows at different offsets differ
@@ -145,6 +150,7 @@ class Run:
     losses: list[float] = dataclasses.field(default_factory=list)
     first_step: int = 0
     step: int | None = None  # the step running now
+    meter: StepMeter | None = None  # step times against the plan's prediction
 
 
 def train(args, run: Run | None = None) -> list[float]:
@@ -162,22 +168,37 @@ def train(args, run: Run | None = None) -> list[float]:
     resumed_at = _resume(args, program, rank)
     start = run.first_step = resumed_at or 0
     stream = token_stream(config.vocab, args.data, args.seed)
-    losses, saved_at = run.losses, resumed_at
+    losses, saved_at, meter = run.losses, resumed_at, StepMeter(plan)
+    run.meter = meter
     for step in _progress(range(start, args.steps), rank == 0):
         run.step = step
         _test_fault(step, rank)
         tokens, targets = batch_at(stream, step, plan.global_batch, plan.seq_len)
+        began = time.perf_counter()
         # raises before the optimizer step if the step diverged, so no save below sees its state
-        losses.append(program.train_step(tokens, targets, optimizer))
+        losses.append(program.train_step(tokens, targets, optimizer))  # a float: the step has ended
+        meter.add(time.perf_counter() - began)
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            print(f"step {step:5d}  loss {losses[-1]:.4f}", flush=True)
+            print(meter.line(step, losses[-1]), flush=True)
         if args.save and args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(program, args, step + 1)
             saved_at = step + 1
     run.step = None
     if args.save and saved_at != max(args.steps, start):
         save_checkpoint(program, args, max(args.steps, start))
+    if rank == 0:
+        _report_timing(meter)
     return losses
+
+
+def _report_timing(meter: StepMeter) -> None:
+    """Measured against predicted step time, with a warning past StepMeter's tolerance."""
+    text, differs = meter.summary()
+    print(text, flush=True)
+    if differs:
+        print("autoplan.train: warning: the measured step time differs from the plan's prediction by more "
+              "than 10%; `autoplan profile` on this machine and a plan made with --profile price it better",
+              file=sys.stderr, flush=True)
 
 
 def _resume(args, program, rank: int) -> int | None:
@@ -237,6 +258,8 @@ def log_record(args, run: Run, stopped: str | None = None) -> dict:
         record["note"] = "null: a loss that was not finite (NaN or infinite)"
     if stopped is not None:
         record["stopped"] = stopped
+    if run.meter is not None:
+        record |= run.meter.record()
     return record
 
 

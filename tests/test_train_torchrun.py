@@ -25,8 +25,13 @@ def test_torchrun_two_ranks_trains_and_the_loss_falls(tmp_path, free_port):
            "--lr", "3e-3", "--log-json", str(log)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    losses = json.loads(log.read_text())["losses"]
+    record = json.loads(log.read_text())
+    losses = record["losses"]
     assert len(losses) == 12 and all(l == l for l in losses)
+    # the timing report: every step timed, the median against the plan's prediction
+    assert len(record["step_times_s"]) == 12 and record["measured_step_time_s"] > 0
+    assert record["mfu"] > 0 and record["predicted_step_time_s"] > 0
+    assert "predicted for" in result.stdout and "tokens/s" in result.stdout
     assert losses[-1] < losses[0] - 0.5, losses
 
 
