@@ -18,6 +18,7 @@ from autoplan.cost_model.assignment import TpSolution, tp_solution
 from autoplan.cost_model.comm import COLLECTIVE_KINDS, AxisGroup, group_collective_time_s
 from autoplan.cost_model.compute import Efficiency
 from autoplan.cost_model.intra_op import CostContext, attention_head_dim
+from autoplan.cost_model.intra_op_problem import graph_strategies
 from autoplan.cost_model.memory import is_batched, param_placements, selective_recompute_nodes
 from autoplan.cost_model.parts import BlockCosts, SolutionParts, block_costs, solution_parts
 from autoplan.cost_model.step import Priced, StepEnv, StepModel
@@ -181,10 +182,30 @@ class SearchContext:
             schedule=cfg.schedule, stages=tuple(StageSpec(s, a, b, chunk) for s, chunk, a, b in priced.stages),
             params=params, ops=ops, predicted=self.predicted(priced),
             provenance=Provenance(__version__, search_time_s, sol.solver if solver is None else solver,
-                                  notes + _uncovered_note(self.graph, self.registry) + fits
+                                  notes + _uncovered_note(self.graph, self.registry)
+                                  + self._replicated_note(cfg.tp, cfg.etp) + fits
                                   + (self.efficiency.kernels.note(self.efficiency.memory),)),
             dtype=self.dtype, kernels=self.efficiency.kernels.option,
             recompute_nodes=selective_recompute_nodes(self.graph) if cfg.recompute == "selective" else ())
+
+    def _replicated_note(self, tp: int, etp: int) -> tuple[str, ...]:
+        """The ops that do work (FLOPs or bytes) and that no strategy rule can shard at this tp, so they run
+        whole on every tp rank, by kind and target: count and share of the forward FLOPs; the five largest."""
+        if tp == 1:
+            return ()
+        options = graph_strategies(self.graph, self.registry, strategy_info(self.info, tp, etp), tp)
+        shares: dict[str, list] = {}
+        for node in self.graph.nodes:
+            if (node.fwd_flops or node.fwd_bytes) and all(s.name == "replicate" for s in options[node.name]):
+                entry = shares.setdefault(f"{node.op_kind} {node.target}", [0, 0.0])
+                entry[0], entry[1] = entry[0] + 1, entry[1] + node.fwd_flops
+        if not shares:
+            return ()
+        total = self.graph.total_fwd_flops()
+        largest = sorted(shares.items(), key=lambda kv: (-kv[1][1], -kv[1][0], kv[0]))[:5]
+        listed = ", ".join(f"{count} x {op} ({flops / total:.1%} of forward FLOPs)" for op, (count, flops) in largest)
+        more = f" and {len(shares) - 5} more kinds" if len(shares) > 5 else ""
+        return (f"left replicated at tp={tp} (no sharding rule applies to them): {listed}{more}",)
 
     def predicted(self, priced: Priced) -> Predicted:
         step = priced.step_time_s

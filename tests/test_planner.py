@@ -126,3 +126,22 @@ def test_plans_from_megatron_and_random_assignments():
         plan = plan_from_assignment(graph, config, cluster, mesh, assignment, 1, 4, 0, "none")
         assert Plan.from_json(plan.to_json()) == plan
         assert all(plan.op(name).strategy == chosen for name, chosen in assignment.items())
+
+
+def test_ops_no_rule_can_shard_are_named_in_the_plan_notes():
+    """An op with work that stays whole on every tp rank is listed with its count and FLOP share."""
+    from autoplan.api import estimate
+    from autoplan.mesh import MeshShape
+    from autoplan.models import get_model_config
+    from autoplan.strategies import default_registry, replicate_only
+
+    kwargs = dict(mesh=MeshShape(tp=2), microbatch_size=8, zero_stage=0, recompute="none", dtype="float32")
+    plan = estimate("tiny-llama", "1x2xcpu", 8, 32, **kwargs)
+    assert not [n for n in plan.provenance.notes if "left replicated" in n]  # every op of the zoo shards
+    registry = default_registry()
+    registry.register("norm", replicate_only)  # as if norms had no sharding rule
+    plan = estimate("tiny-llama", "1x2xcpu", 8, 32, registry=registry, **kwargs)
+    note = next(n for n in plan.provenance.notes if "left replicated" in n)
+    layers = get_model_config("tiny-llama").num_layers
+    assert f"left replicated at tp=2 (no sharding rule applies to them): {2 * layers + 1} x norm" in note
+    assert "% of forward FLOPs" in note
