@@ -15,13 +15,14 @@ a Plan. The order matters:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from autoplan.cluster import ClusterSpec, parse_cluster
-from autoplan.errors import ConfigError, PlanError
+from autoplan.errors import AutoplanError, ConfigError, PlanError
 from autoplan.plan import Plan
 from autoplan.runtime.launch import (_check_backend, _device, _device_for, _init_process_group,
                                      _launched_world_size, check_memory_fits)
@@ -125,6 +126,22 @@ def _broadcast_weights(model: nn.Module, device: torch.device) -> None:
     model.to(device)
     for t in list(model.parameters()) + list(model.buffers()):
         dist.broadcast(t.data, src=0)
+
+
+def agree_on_plan(make_plan: Callable[[], Plan], backend: str | None = None) -> Plan:
+    """The plan `make_plan` returns on rank 0, on every rank (a search may differ between ranks: a
+    time limit, a tie): rank 0 plans, then broadcasts the plan's JSON or its error."""
+    _init_process_group(_check_backend(backend))
+    box: list = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = make_plan().to_json()
+        except AutoplanError as exc:
+            box[1] = f"{type(exc).__name__}: {exc}"
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise PlanError(f"planning on rank 0 failed: {box[1]}")
+    return Plan.from_json(box[0])
 
 
 def parallelize_module_program(model: nn.Module, plan: Plan, *, cluster: ClusterSpec | str | None = None,
