@@ -117,6 +117,22 @@ def test_refuses_what_this_slice_does_not_run(captured):
         check_module_plan(plan, model, "1x4xcpu")
 
 
+def test_refuses_tied_weights_under_tp():
+    from autoplan.api import estimate
+    from autoplan.capture.hf import capture_hf_for_planner
+    from autoplan.capture.hf_rules import hf_registry
+    from autoplan.mesh import MeshShape
+
+    config = _config(tie_word_embeddings=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        summary, graph, _ = capture_hf_for_planner(config, T, "float32")
+    plan = estimate(summary, "1x2xcpu", 2, T, mesh=MeshShape(tp=2), microbatch_size=2, zero_stage=0,
+                    recompute="none", dtype="float32", graph=graph, registry=hf_registry())
+    with pytest.raises(PlanError, match="'model.embed_tokens.weight' and 'lm_head.weight' are tied"):
+        check_module_plan(plan, _meta_model(config))
+
+
 def test_weights_come_from_the_module_or_a_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match="meta device and no checkpoint"):
         _weights_source(_meta_model(_config()), None)

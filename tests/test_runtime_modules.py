@@ -15,6 +15,9 @@ size (2 and 4 ranks) runs all its configurations. Besides:
               refused and left as it was
     forward   program.forward returns this rank's logits, or all of them with gather=True
     no plan   autoplan.parallelize of a transformers model without a plan plans on rank 0 and runs
+    losses    the plan's cross-entropy strategy: vocab-parallel (Megatron), on sequence shards (the head
+              "sequence"), whole (a replicated plan: attention and MLP blocks replicated regions)
+Every case runs through autoplan.parallelize (one passes the checkpoint directory as the model).
 Pure checks (no processes): the module plan of a plan, what it refuses, checkpoints that do not match.
 """
 
@@ -51,6 +54,8 @@ class Case:
     zero: int = 0
     microbatches: int = 1
     weights: str = "module"  # "module": built with weights; "meta": loaded from the checkpoint
+    assignment: str = "megatron"  # "megatron" (with sp: "megatron-sp"), "replicate", or "sequence-loss":
+    # Megatron with sp, the head and the loss on sequence shards
 
     @property
     def world(self) -> int:
@@ -66,6 +71,8 @@ CASES = [
     Case("qwen2-tp2-sp", "qwen2", tp=2, sp=True, weights="meta"),
     Case("qwen2-dp2-zero3", "qwen2", dp=2, zero=3),
     Case("hand-tp2-sp", "hand", tp=2, sp=True),
+    Case("llama-tp2-sequence-loss", "llama", tp=2, sp=True, assignment="sequence-loss"),
+    Case("qwen2-tp2-replicated", "qwen2", tp=2, assignment="replicate"),
     Case("llama-dp2tp2-sp", "llama", dp=2, tp=2, sp=True, weights="meta"),
     Case("qwen2-dp2tp2-zero3", "qwen2", dp=2, tp=2, zero=3),
     Case("hand-dp2tp2-zero1", "hand", dp=2, tp=2, zero=1),
@@ -118,13 +125,25 @@ def _plan(case: Case, graph, summary):
     from autoplan.strategies import strategy_info
 
     registry, info = hf_registry(), strategy_info(summary.rule_info(), case.tp, case.tp)
-    assignment = megatron_assignment(graph, registry, case.tp, info, case.sp) if case.tp > 1 else {}
+    assignment = {}
+    if case.tp > 1 and case.assignment != "replicate":
+        assignment = megatron_assignment(graph, registry, case.tp, info, case.sp)
+    if case.assignment == "sequence-loss":
+        assignment |= _sequence_head(graph, registry, case.tp, info)
     cluster, mesh = parse_cluster(f"1x{case.world}xcpu"), MeshShape(dp=case.dp, tp=case.tp)
     batch = (B // case.dp // case.microbatches, case.microbatches, case.zero, "none")
     if case.model == "hand":  # the step model cannot price blocks in a list not called `layers` yet
         return _direct_plan(graph, summary, cluster, mesh, assignment, registry, info, *batch, "float32")
     return plan_from_assignment(graph, summary, cluster, mesh, assignment, *batch, registry=registry,
                                 dtype="float32")
+
+
+def _sequence_head(graph, registry, tp: int, info: dict) -> dict[str, str]:
+    """The lm_head and every op after it (views, the loss) on sequence shards where they can be."""
+    nodes = list(graph.nodes)
+    head = next(i for i, n in enumerate(nodes) if n.module_path == "lm_head")
+    return {n.name: "sequence" for n in nodes[head:]
+            if "sequence" in {s.name for s in registry.strategies(n, tp, info)}}
 
 
 def _hand_summary():
@@ -208,13 +227,15 @@ def _evaluate(program, tokens: torch.Tensor) -> dict:
 
 
 def _run_case(rank: int, case: Case, plan, setup_: dict) -> dict:
+    import autoplan
     from autoplan.runtime.hf_export import save_hf
-    from autoplan.runtime.module_launch import parallelize_module_program
 
     reads: list[int] = []
     _counting_reads(reads)
     model, checkpoint = _build(case, setup_["dirs"])
-    program = parallelize_module_program(model, plan, checkpoint=checkpoint)
+    if case.name == "llama-tp2":  # the checkpoint directory itself as the model
+        model, checkpoint = str(setup_["dirs"]["llama"]), None
+    program = autoplan.parallelize(model, f"1x{case.world}xcpu", plan, checkpoint=checkpoint)
     held = _local_numel(program)
     found = {"reads": sum(reads), "held": held, "table": str(program.module_plan)}
     found |= _train(program, setup_["tokens"], keep=rank == 0)
