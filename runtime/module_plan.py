@@ -30,7 +30,9 @@ and its rotary tables are plain tensors. So the linears of one parent module (an
 MLP module) form a region, of one of three kinds:
 
     split       column and row / row_sp linears, every other op of the region on a shard (heads,
-                features): the Megatron block, run on local shards
+                features): the Megatron block, run on local shards (a parent with only column or
+                only row linears, such as a head inside a submodule, is no region: its linears
+                take and give DTensors)
     replicate   every linear and op replicated: `ReplicatedRegion` on the parent (its input
                 gathered to plain tensors, its output wrapped as DTensor R, its weights plain)
     sequence    every linear "sequence" and every op on sequence shards: per-token code (an MLP)
@@ -176,6 +178,12 @@ def _kind(module: nn.Module) -> str:
 
 def _leaf_style(path: str, module: nn.Module, ops: list[OpPlacement]) -> ModuleStyle:
     strategy = ops[0].strategy
+    nested = [p for p, m in module.named_modules() if p and any(True for _ in m.parameters(recurse=False))]
+    if _kind(module) == "other" and nested:
+        raise PlanError(f"module {path!r} ({type(module).__name__}) holds parameters of its own and "
+                        f"in its submodules {nested[:3]}; the module runtime styles modules whose "
+                        f"parameters are their own (nn.Linear, nn.Embedding, norms): move them into a "
+                        f"submodule of their own, or plan tp=1")
     entry = STYLES.get((_kind(module), strategy))
     if entry is None:
         valid = sorted(s for k, s in STYLES if k == _kind(module))
@@ -200,9 +208,11 @@ def _region_styles(parent: str, members: list[str], owners, by_module, modules) 
     """The styles of the linears of one parent module (module docstring, "Regions")."""
     strategies = {owners[m][0].strategy for m in members}
     others = _region_ops(parent, members, by_module)
-    if strategies <= {"column", "row", "row_sp"}:
+    if strategies <= {"column", "row", "row_sp"} and "column" in strategies and strategies & {"row", "row_sp"}:
         _check_split(parent, members, owners, others, modules)
         return {m: _leaf_style(m, modules[m], owners[m]) for m in members}
+    if strategies <= {"column", "row", "row_sp"}:  # lone projections (a head in a submodule): DTensors
+        return {m: dataclasses.replace(_leaf_style(m, modules[m], owners[m]), local_output=False) for m in members}
     if strategies == {"sequence"}:
         _check_all(parent, others, lambda o: o.resolved.output == SEQ, "on sequence shards (S(1))")
         return {m: _leaf_style(m, modules[m], owners[m]) for m in members}
@@ -217,10 +227,6 @@ def _region_styles(parent: str, members: list[str], owners, by_module, modules) 
 
 
 def _check_split(parent, members, owners, others, modules) -> None:
-    strategies = [owners[m][0].strategy for m in members]
-    if "column" not in strategies or not {"row", "row_sp"} & set(strategies):
-        raise PlanError(f"module {parent!r}: a tensor-parallel region needs column linears feeding "
-                        f"row linears; its linears are {dict(zip(members, strategies))}")
     inner = [p for p in modules if p.startswith(parent + ".") and p not in members
              and any(True for _ in modules[p].parameters(recurse=False))]
     if inner:
