@@ -68,6 +68,7 @@ CASES = [
     Case("llama-tp2-sp", "llama", tp=2, sp=True),
     Case("llama-dp2-zero3", "llama", dp=2, zero=3, weights="meta"),
     Case("qwen2-dp2", "qwen2", dp=2, weights="meta"),
+    Case("qwen2-tp2", "qwen2", tp=2),
     Case("qwen2-tp2-sp", "qwen2", tp=2, sp=True, weights="meta"),
     Case("qwen2-dp2-zero3", "qwen2", dp=2, zero=3),
     Case("hand-tp2-sp", "hand", tp=2, sp=True),
