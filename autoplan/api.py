@@ -30,6 +30,7 @@ the runtime's Triton kernels, the nodes they run are priced at the profile's mea
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from autoplan.capture import CapturedGraph, capture
@@ -163,33 +164,99 @@ def baseline_plans(model: ModelConfig | str, cluster: ClusterSpec | str, global_
                         names=names, dtype=dtype, efficiency=efficiency, registry=registry, options=options)
 
 
-def parallelize(model, cluster: "ClusterSpec | str", plan: "Plan | str | None" = None, *, config: "ModelConfig | None" = None,
-                global_batch: int | None = None, seq_len: int | None = None, seed: int = 0,
+def parallelize(model, cluster: "ClusterSpec | str", plan: "Plan | str | None" = None, *,
+                config: "ModelConfig | None" = None, global_batch: int | None = None,
+                seq_len: int | None = None, seed: int = 0, checkpoint=None, top: int = 8,
                 timeout_s: float | None = None, check_finite: bool = True):
     """Compile `model` into this rank's program under `plan`, searching for a plan when none is given.
 
-    `model` is an autoplan model (ideally built on the meta device: only this rank's shards are
-    ever allocated). `plan` may be a Plan or the path of a plan file. Without a plan, `global_batch`
-    and `seq_len` are required and the plan is searched for `cluster`. Must run inside an
-    initialised torch.distributed job (torchrun) or one this call can initialise from the environment.
+    `model` is one of: an autoplan zoo model (ideally built on meta; parameters come from the
+    seeded init: `autoplan.runtime.launch`); a transformers causal LM or any nn.Module whose
+    forward(input_ids) returns logits, trained from its own weights, or, built on meta, from the
+    Hugging Face checkpoint directory `checkpoint` (`autoplan.runtime.module_launch`); or the path
+    of such a checkpoint directory (the model is built on meta from its config.json and loaded).
+    `plan` may be a Plan or the path of a plan file. Without a plan, `global_batch` and `seq_len`
+    are required: a zoo model is planned from its config; a transformers model is captured
+    (`capture_hf_for_planner`) and the first of the `top` best plans the module runtime can run
+    is taken. Must run inside an initialised torch.distributed job (torchrun) or one this call
+    can initialise from the environment.
 
     `timeout_s` bounds how long any collective waits for the other ranks (the timeout of the process
-    groups this call creates; None: 300 s): a stalled rank then ends the job instead of hanging
-    it. With `check_finite` (default), `train_step` raises `TrainingDivergedError` on every rank,
-    before the optimizer step, when the global loss or gradient norm is not finite.
-    """
-    from autoplan.cluster import ClusterSpec, parse_cluster
-    from autoplan.errors import AutoplanError
-    from autoplan.plan import Plan
-    from autoplan.runtime.launch import parallelize as _parallelize
-
+    groups this call creates; None: 300 s): a stalled rank then ends the job instead of hanging it.
+    With `check_finite` (default; zoo models), `train_step` raises `TrainingDivergedError` on every
+    rank, before the optimizer step, when the global loss or gradient norm is not finite."""
     cluster = cluster if isinstance(cluster, ClusterSpec) else parse_cluster(cluster)
-    config = config or getattr(model, "config", None)
     if isinstance(plan, str):
         plan = Plan.load(plan)
+    if isinstance(model, (str, Path)):
+        model, checkpoint = hf_model_on_meta(model), model
+    if is_zoo_model(model):
+        return _parallelize_zoo(model, cluster, plan, config, global_batch, seq_len, seed, timeout_s, check_finite)
+    from autoplan.runtime.module_launch import agree_on_plan, parallelize_module_program
+
+    if plan is None:  # planned once, on rank 0
+        plan = agree_on_plan(lambda: plan_module(model, cluster, global_batch, seq_len, top=top), timeout_s=timeout_s)
+    return parallelize_module_program(model, plan, cluster=cluster, checkpoint=checkpoint, timeout_s=timeout_s)
+
+
+def is_zoo_model(model) -> bool:
+    """A module of autoplan's zoo (`autoplan.models`), which the graph-rewriting runtime runs."""
+    return type(model).__module__.startswith("autoplan.models.")
+
+
+def hf_model_on_meta(directory: "str | Path"):
+    """The transformers causal LM of a checkpoint directory's config.json, built on meta (float32,
+    SDPA attention) for `parallelize` to load with `checkpoint=directory`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from autoplan.capture.hf import load_hf_config
+
+    config = load_hf_config(directory)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def _parallelize_zoo(model, cluster: ClusterSpec, plan: "Plan | None", config: "ModelConfig | None",
+                     global_batch: int | None, seq_len: int | None, seed: int, timeout_s: float | None,
+                     check_finite: bool):
+    from autoplan.errors import AutoplanError
+    from autoplan.runtime.launch import parallelize as _parallelize
+
+    config = config or getattr(model, "config", None)
     if plan is None:
         if global_batch is None or seq_len is None or config is None:
             raise AutoplanError("parallelize without a plan needs global_batch=, seq_len= and a model that carries .config (or config=)")
         plan = search(config, cluster, global_batch, seq_len)
     return _parallelize(model, cluster, plan, config=config, seed=seed, timeout_s=timeout_s,
                         check_finite=check_finite)
+
+
+def plan_module(model, cluster: ClusterSpec, global_batch: int | None, seq_len: int | None, *,
+                top: int = 8) -> "Plan":
+    """The fastest of the `top` best plans for a transformers `model` that the module runtime runs
+    (dp and tp, ZeRO, no recompute: `autoplan.runtime.module_launch`), searched on its captured
+    graph; PlanError naming why each was refused when none is."""
+    from autoplan.capture.hf import capture_hf_for_planner
+    from autoplan.capture.hf_rules import hf_registry
+    from autoplan.errors import PlanError
+    from autoplan.runtime.module_launch import check_module_plan
+
+    config = getattr(model, "config", None)
+    if global_batch is None or seq_len is None or not hasattr(config, "to_dict"):
+        raise PlanError(f"parallelize without a plan needs global_batch= and seq_len=, and plans only "
+                        f"transformers models (this is {type(model).__name__}); for another module, "
+                        f"pass plan= (e.g. from autoplan.api.estimate on capture_hf(model, ...))")
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    summary, graph, info = capture_hf_for_planner(config, seq_len, dtype)
+    options = SearchOptions(pipeline=False, context_parallel=False, expert_parallel=False, recompute=("none",))
+    found = search_plans(summary, cluster, global_batch, seq_len, top=top, baselines=False, dtype=dtype,
+                         options=options, graph=graph, info=info, registry=hf_registry())
+    refused = []
+    for plan in found.plans:
+        try:
+            check_module_plan(plan, model, cluster)
+            return plan
+        except PlanError as exc:
+            refused.append(f"{plan.mesh}: {exc}")
+    raise PlanError("none of the best plans runs on the module runtime:\n  " + "\n  ".join(refused))

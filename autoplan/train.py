@@ -302,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                      report=True)
     if _rank() == 0:
         write_outputs(args, run)
+    torch.distributed.barrier()  # no rank tears its groups down while another still uses them
     torch.distributed.destroy_process_group()
     return 0
 

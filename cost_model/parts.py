@@ -156,8 +156,9 @@ def _tallies(graph: "CapturedGraph", sol: "TpSolution", part_of: Mapping[str, ob
         part, slot = tally.setdefault(owner, Tally()), 0 if t.batched else 1
         part.saved[slot] += t.nbytes
         part.selective[slot] += 0.0 if t.recomputable else t.nbytes
-    for key in ("pre", "post"):
-        tally.setdefault(key, Tally()).checkpoint = list(tally[key].saved)
+    for key in ("pre", "post"):  # a model with no op outside its layers after them has an empty "post"
+        part = tally.setdefault(key, Tally())
+        part.checkpoint = list(part.saved)
     return tally
 
 

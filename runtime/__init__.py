@@ -18,6 +18,20 @@ launch (checks, groups) -> rewrite (tp modules and conversions, then context, re
 (materialise, pipeline, data parallel, checkpoints); collectives, losses, modules, experts are the
 pieces the graph calls; counting predicts a step's collectives.
 
+The user's own module (a transformers causal LM, or any nn.Module whose forward(input_ids)
+returns logits) runs on the PyTorch-native stack instead, without a graph rewrite: dp (ZeRO 0;
+1-3 as FSDP2) and tp with sequence parallelism, as DTensor parallel styles on its modules:
+
+    program = parallelize_module_program(model, plan, checkpoint=None)    # (autoplan.parallelize
+    print(program.module_plan)                    # dispatches here) {module path: style}
+    loss = program.train_step(global_tokens, global_targets, optimizer)
+    logits = program.forward(tokens, gather=True)                         # evaluation
+    save_hf(program, "out")                       # from_pretrained("out") loads it
+
+module_plan (Plan -> module styles, and what it refuses) -> module_styles (torch styles) ->
+module_launch (checks, weights, FSDP2) -> module_program (steps, state dicts); weights (checkpoint
+slices), hf_export.
+
 Names are imported lazily, so importing the package has no side effects.
 """
 
@@ -36,6 +50,10 @@ _EXPORTS = {
     "expected_collectives": "autoplan.runtime.counting",
     "count_collectives": "autoplan.runtime.collectives",
     "CheckpointError": "autoplan.runtime.checkpoint",
+    "parallelize_module_program": "autoplan.runtime.module_launch",
+    "ModuleProgram": "autoplan.runtime.module_program",
+    "module_plan": "autoplan.runtime.module_plan",
+    "save_hf": "autoplan.runtime.hf_export",
 }
 
 

@@ -44,7 +44,9 @@ SKIPPED = frozenset({"_assert_tensor_metadata", "_assert_scalar", "_assert_async
                      "sym_constrain_range_for_size", "sym_constrain_range"})
 NORM_CLASS = re.compile(r"(RMSNorm|LayerNorm)$", re.IGNORECASE)
 ACTIVATION_CLASS = re.compile(r"(GELU|SiLU|ReLU|Tanh|Mish|Activation)", re.IGNORECASE)
-LAYER_PATH = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
+# the first numbered entry of a module list, whatever the list is called ("model.layers.3",
+# "transformer.h.3", "stack.3"): a decoder-only model's block; experts lists sit inside it
+LAYER_PATH = re.compile(r"^(?:[^.]+\.)*?[A-Za-z_]\w*\.(\d+)(?:\.|$)")
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 # ---------------------------------------------------------------------------------- layout
@@ -106,7 +108,7 @@ def _module_path(n: fx.Node) -> tuple[str, str]:
 
 
 def layer_of(path: str) -> int | None:
-    """i of the first `layers.<i>` / `h.<i>` / `blocks.<i>` in a module path."""
+    """i of the first numbered module-list entry of a module path (`layers.<i>`, `h.<i>`, any name)."""
     match = LAYER_PATH.search(path)
     return int(match.group(1)) if match else None
 

@@ -1,0 +1,255 @@
+"""A Plan read as module styles: {module path: how that module runs on the tp axis}.
+
+The runtime for the user's own module (`runtime.module_program`) does not rewrite a graph: it puts
+DTensor parallel styles on the modules (`parallelize_module`). This module turns the plan's
+per-op strategies (`OpPlacement.strategy` and its module path) into those styles, and checks that
+the plan can be run that way. `print(module_plan(plan, model))` shows the result.
+
+Which op speaks for a module: the op(s) of the plan that run in it and use its parameters (the
+linear of an nn.Linear, the lookup of an nn.Embedding, the scale of a norm). Their strategy:
+
+    module              strategy    style                                    output
+    nn.Linear           column      ColwiseParallel                          local shard S(-1)
+                        row         RowwiseParallel(output R)                DTensor R
+                        row_sp      RowwiseParallel(output S(1))             DTensor S(1)
+                        sequence    SequenceParallel (weights replicated)    DTensor S(1)
+                        replicate   Replicated                               DTensor R
+    nn.Embedding        vocab       RowwiseParallel(input R, output R)       DTensor R
+                        vocab_sp    RowwiseParallel(input R, output S(1))    DTensor S(1)
+                        hidden      ColwiseParallel(input R)                 DTensor S(-1)
+                        replicate   Replicated                               DTensor R
+    other (norms)       sequence    SequenceParallel                         DTensor S(1)
+                        replicate   Replicated                               DTensor R
+
+Regions. Between modules, activations are DTensors that carry their placement, so each module
+redistributes what arrives to what its op wants (a column projection all-gathers a sequence
+shard, as the plan's conversion on that edge does). The code between a column and a row
+projection (attention heads, the MLP's activation) runs on plain local tensors: transformers'
+attention infers the local head count from the projection's width (`view(..., -1, head_dim)`),
+and its rotary tables are plain tensors. So the linears of one parent module (an attention or
+MLP module) form a region, of one of three kinds:
+
+    split       column and row / row_sp linears, every other op of the region on a shard (heads,
+                features): the Megatron block, run on local shards (a parent with only column or
+                only row linears, such as a head inside a submodule, is no region: its linears
+                take and give DTensors)
+    replicate   every linear and op replicated: `ReplicatedRegion` on the parent (its input
+                gathered to plain tensors, its output wrapped as DTensor R, its weights plain)
+    sequence    every linear "sequence" and every op on sequence shards: per-token code (an MLP)
+                run on DTensor S(1)
+
+Anything else (a region mixing kinds, a replicated attention core between column projections,
+a module with parameters inside a split region other than its linears) is refused, naming the
+module and op. Ops outside regions and styled modules (residual adds, position and mask builders)
+run on whatever arrives: DTensor ops on DTensors, plain ops on plain tensors (the same numbers;
+DTensor may choose another conversion than the plan priced for them).
+
+The loss: the strategy of the plan's cross-entropy op (vocab: `loss_parallel` on logits split on
+the vocabulary; sequence: each rank's tokens, then the mean over tp; replicate: whole logits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass
+
+from torch import nn
+
+from autoplan.errors import PlanError
+from autoplan.placement import Placement, Replicate, Shard
+from autoplan.plan import OpPlacement, Plan
+
+R = Replicate()
+SEQ = Shard(1)
+LAST = Shard(-1)
+
+# (module class kind, strategy) -> (style kind, input wanted, output, output stays a local shard)
+STYLES: dict[tuple[str, str], tuple[str, Placement | None, Placement, bool]] = {
+    ("linear", "column"): ("colwise", R, LAST, True),
+    ("linear", "row"): ("rowwise", LAST, R, False),
+    ("linear", "row_sp"): ("rowwise", LAST, SEQ, False),
+    ("linear", "sequence"): ("sequence", SEQ, SEQ, False),
+    ("linear", "replicate"): ("replicated", R, R, False),
+    ("embedding", "vocab"): ("rowwise", R, R, False),
+    ("embedding", "vocab_sp"): ("rowwise", R, SEQ, False),
+    ("embedding", "hidden"): ("colwise", R, LAST, False),
+    ("embedding", "replicate"): ("replicated", R, R, False),
+    ("other", "sequence"): ("sequence", SEQ, SEQ, False),
+    ("other", "replicate"): ("replicated", R, R, False),
+}
+LOSS_STRATEGIES = ("vocab", "sequence", "replicate")
+
+
+@dataclass(frozen=True)
+class ModuleStyle:
+    """How one module runs on tp: `kind` (colwise, rowwise, sequence, replicated,
+    replicated_region), the placement its input is brought to, its output's placement, whether it
+    returns its local shard as a plain tensor, and the plan's strategy and ops behind it."""
+
+    kind: str
+    input: Placement | None
+    output: Placement
+    local_output: bool
+    strategy: str
+    ops: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        into = f"{self.input} -> " if self.input is not None else ""
+        form = "local" if self.local_output else "DTensor"
+        return f"{self.kind}({into}{self.output}, {form})"
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """The styles of a plan on a model, in the model's module order, and how the loss runs."""
+
+    tp: int
+    styles: tuple[tuple[str, ModuleStyle], ...]
+    loss: str = "replicate"
+
+    def style(self, path: str) -> ModuleStyle | None:
+        return dict(self.styles).get(path)
+
+    def table(self) -> str:
+        """One line per styled module: path, plan strategy, style (readable, for users)."""
+        width = max((len(p) for p, _ in self.styles), default=6)
+        lines = [f"tp={self.tp}: {len(self.styles)} styled modules; loss: {self.loss}"]
+        lines += [f"  {path or '<root>':{width}}  {s.strategy:10}  {s}" for path, s in self.styles]
+        return "\n".join(lines)
+
+    __str__ = table
+
+
+def module_plan(plan: Plan, model: nn.Module) -> ModulePlan:
+    """The styles of `plan` on `model` (module docstring); PlanError where it cannot run so."""
+    tp = plan.mesh.tp
+    if tp == 1:
+        return ModulePlan(1, ())
+    modules = dict(model.named_modules())
+    by_module = _ops_by_module(plan)
+    owners = {path: _speaking_ops(path, m, by_module) for path, m in modules.items()
+              if any(True for _ in m.parameters(recurse=False))}
+    linears = {p for p in owners if isinstance(modules[p], nn.Linear)}
+    styles: dict[str, ModuleStyle] = {}
+    regions = defaultdict(list)
+    for path in linears:
+        parent = path.rpartition(".")[0]
+        if parent:
+            regions[parent].append(path)
+    for parent, members in regions.items():
+        styles.update(_region_styles(parent, sorted(members), owners, by_module, modules))
+    for path, ops in owners.items():  # outside regions every output stays a DTensor (the head's logits)
+        if path not in styles and not _inside_replicated(path, styles):
+            styles[path] = dataclasses.replace(_leaf_style(path, modules[path], ops), local_output=False)
+    order = {p: i for i, p in enumerate(modules)}
+    return ModulePlan(tp, tuple(sorted(styles.items(), key=lambda kv: order[kv[0]])), _loss(plan))
+
+
+def _ops_by_module(plan: Plan) -> dict[str, list[OpPlacement]]:
+    found = defaultdict(list)
+    for op in plan.ops:
+        if op.resolved is None:
+            raise PlanError(f"plan op {op.node!r} has no resolved strategy (a version-1 plan): re-make "
+                            f"the plan with `autoplan search` to run it")
+        found[op.module].append(op)
+    return found
+
+
+def _speaking_ops(path: str, module: nn.Module, by_module) -> list[OpPlacement]:
+    """The ops of `path` that use its parameters; PlanError if there are none or they disagree."""
+    ops = [o for o in by_module.get(path, ()) if o.resolved.params]
+    if not ops:
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        raise PlanError(f"module {path or '<root>'!r} ({type(module).__name__}) holds parameters "
+                        f"{names} but no op of the plan uses them: the plan was made for another "
+                        f"model (or captured a different module tree); re-plan this model")
+    if len({o.strategy for o in ops}) > 1:
+        found = ", ".join(f"{o.node}: {o.strategy}" for o in ops)
+        raise PlanError(f"module {path!r} runs ops with different strategies ({found}); the module "
+                        f"runtime gives each module one style: plan one strategy for its ops")
+    return ops
+
+
+def _kind(module: nn.Module) -> str:
+    return "linear" if isinstance(module, nn.Linear) else "embedding" if isinstance(module, nn.Embedding) \
+        else "other"
+
+
+def _leaf_style(path: str, module: nn.Module, ops: list[OpPlacement]) -> ModuleStyle:
+    strategy = ops[0].strategy
+    nested = [p for p, m in module.named_modules() if p and any(True for _ in m.parameters(recurse=False))]
+    if _kind(module) == "other" and nested:
+        raise PlanError(f"module {path!r} ({type(module).__name__}) holds parameters of its own and "
+                        f"in its submodules {nested[:3]}; the module runtime styles modules whose "
+                        f"parameters are their own (nn.Linear, nn.Embedding, norms): move them into a "
+                        f"submodule of their own, or plan tp=1")
+    entry = STYLES.get((_kind(module), strategy))
+    if entry is None:
+        valid = sorted(s for k, s in STYLES if k == _kind(module))
+        raise PlanError(f"module {path!r} ({type(module).__name__}): strategy {strategy!r} of op "
+                        f"{ops[0].node!r} has no module style; the module runtime runs {valid} for "
+                        f"a module of this kind")
+    kind, want, out, local = entry
+    return ModuleStyle(kind, want, out, local, strategy, tuple(o.node for o in ops))
+
+
+def _inside_replicated(path: str, styles: dict[str, ModuleStyle]) -> bool:
+    return any(s.kind == "replicated_region" and path.startswith(p + ".") for p, s in styles.items())
+
+
+def _region_ops(parent: str, members: list[str], by_module) -> list[OpPlacement]:
+    """The ops of region `parent` that are not its linears' (attention cores, activations, views)."""
+    inside = [m for m in by_module if m == parent or m.startswith(parent + ".")]
+    return [o for m in inside if m not in members for o in by_module[m]]
+
+
+def _region_styles(parent: str, members: list[str], owners, by_module, modules) -> dict[str, ModuleStyle]:
+    """The styles of the linears of one parent module (module docstring, "Regions")."""
+    strategies = {owners[m][0].strategy for m in members}
+    others = _region_ops(parent, members, by_module)
+    if strategies <= {"column", "row", "row_sp"} and "column" in strategies and strategies & {"row", "row_sp"}:
+        _check_split(parent, members, owners, others, modules)
+        return {m: _leaf_style(m, modules[m], owners[m]) for m in members}
+    if strategies <= {"column", "row", "row_sp"}:  # lone projections (a head in a submodule): DTensors
+        return {m: dataclasses.replace(_leaf_style(m, modules[m], owners[m]), local_output=False) for m in members}
+    if strategies == {"sequence"}:
+        _check_all(parent, others, lambda o: o.resolved.output == SEQ, "on sequence shards (S(1))")
+        return {m: _leaf_style(m, modules[m], owners[m]) for m in members}
+    if strategies == {"replicate"}:
+        _check_all(parent, others, lambda o: o.strategy == "replicate", "replicated")
+        ops = tuple(o.node for m in members for o in owners[m])
+        return {parent: ModuleStyle("replicated_region", R, R, False, "replicate", ops)}
+    found = ", ".join(f"{m.rsplit('.', 1)[-1]}: {owners[m][0].strategy}" for m in members)
+    raise PlanError(f"module {parent!r}: its linears mix strategies ({found}); the module runtime "
+                    f"runs a module's linears all column/row (tensor parallel), all sequence, or "
+                    f"all replicate: plan one of those for {parent!r}")
+
+
+def _check_split(parent, members, owners, others, modules) -> None:
+    inner = [p for p in modules if p.startswith(parent + ".") and p not in members
+             and any(True for _ in modules[p].parameters(recurse=False))]
+    if inner:
+        raise PlanError(f"module {parent!r} is tensor-parallel (column/row) but also holds "
+                        f"parameters in {inner}, which the module runtime does not split inside "
+                        f"a region yet; plan {parent!r} replicated")
+    _check_all(parent, others, lambda o: o.strategy != "replicate",
+               "on head / feature shards (the column projections' local outputs)")
+
+
+def _check_all(parent: str, ops: list[OpPlacement], ok, what: str) -> None:
+    bad = [o for o in ops if not ok(o)]
+    if bad:
+        o = bad[0]
+        raise PlanError(f"module {parent!r}: op {o.node!r} (in {o.module!r}) runs {o.strategy!r} "
+                        f"(output {o.resolved.output}), but its region's linears need every op "
+                        f"inside it {what}; the module runtime converts layouts only at module "
+                        f"boundaries: plan {parent!r} consistently")
+
+
+def _loss(plan: Plan) -> str:
+    """The strategy of the plan's cross-entropy op (by its captured name), else "vocab"."""
+    for op in reversed(plan.ops):
+        if "cross_entropy" in op.node or op.node.startswith("nll_loss"):
+            return op.strategy if op.strategy in LOSS_STRATEGIES else "replicate"
+    return "vocab"

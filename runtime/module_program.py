@@ -1,0 +1,230 @@
+"""ModuleProgram: the user's own module (a transformers causal LM, or any nn.Module whose
+`forward(input_ids)` returns logits) run under a Plan with the PyTorch-native stack.
+
+    mesh      a DeviceMesh ("dp", "tp") over the plan's ranks, laid out as the plan's MeshShape
+    tp        `parallelize_module` with the styles of `runtime.module_plan` (`runtime.module_styles`)
+    weights   the module's own tensors (rank 0's: a model with weights is first broadcast, then
+              each rank keeps its shards), or, for a model on meta, this rank's slices of a
+              Hugging Face checkpoint directory (`runtime.weights`)
+    ZeRO      0: gradients averaged over dp after backward (one all-reduce per dtype bucket)
+              1, 2: FSDP2 `fully_shard(reshard_after_forward=False)` on every block of the model's
+                 layer lists and on the root: parameters gathered once per step and kept through
+                 backward, gradients reduce-scattered, optimizer states sharded; that is ZeRO-2
+                 (FSDP2 has no mode keeping whole gradients, ZeRO-1's), run for both
+              3: `fully_shard(reshard_after_forward=True)`: parameters gathered again in backward
+
+One step on a global batch of G sequences of T tokens (`train_step`, the contract of the zoo's
+RankProgram):
+
+    the rank at dp coordinate d takes rows [d G/dp, (d+1) G/dp); its tp ranks take the same rows
+    N = the targets != -100 (ignore_index) over the global batch
+    per microbatch m of its rows:  loss_m = sum of token cross-entropies over its targets * dp / N;
+      loss_m.backward()  (averaging gradients over dp then gives the gradient of sum / N)
+    optimizer.step();  returned: the global mean token loss, all-reduce(sum of token losses) / N
+
+so with targets = tokens shifted by one and the last target -100, the loss is transformers' own
+(`model(input_ids, labels=input_ids).loss`). The cross-entropy runs as the plan's loss strategy
+says (`runtime.module_plan`): vocab-parallel under `loss_parallel`, on sequence shards, or whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import loss_parallel
+
+from autoplan.errors import ConfigError
+from autoplan.plan import Plan
+from autoplan.runtime.module_plan import ModulePlan
+
+IGNORE_INDEX = -100
+
+
+def plan_mesh(plan: Plan, device_type: str, global_rank_of=lambda r: r) -> DeviceMesh:
+    """The ("dp", "tp") DeviceMesh of `plan`: entry [d][t] is the rank at mesh coordinates
+    dp = d, tp = t (the MeshShape's order of axes over ranks)."""
+    shape = plan.mesh
+    ranks = [[global_rank_of(shape.rank_of({**{a: 0 for a in shape.degrees()}, "dp": d, "tp": t}))
+              for t in range(shape.tp)] for d in range(shape.dp)]
+    return DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=("dp", "tp"))
+
+
+def block_lists(model: nn.Module) -> list[nn.Module]:
+    """The blocks FSDP2 wraps one by one: members of every nn.ModuleList with parameters (whatever
+    the list is called), outermost lists first."""
+    found = []
+    for _, module in model.named_modules():
+        if isinstance(module, nn.ModuleList):
+            found += [m for m in module if any(True for _ in m.parameters())
+                      and not any(m is f or _contains(f, m) for f in found)]
+    return found
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+class ModuleProgram(nn.Module):
+    """This rank's share of the user's module under a plan (module docstring)."""
+
+    def __init__(self, model: nn.Module, plan: Plan, mesh: DeviceMesh, mplan: ModulePlan,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.model, self.plan, self.mesh, self.module_plan, self.device = model, plan, mesh, mplan, device
+        self.dp, self.tp = plan.mesh.dp, plan.mesh.tp
+        self.fsdp = plan.zero_stage >= 1 and self.dp > 1
+        self.hf = hasattr(getattr(model, "config", None), "use_cache")
+
+    # ------------------------------------------------------------ parameters
+    def make_optimizer(self, cls: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
+        return cls(self.model.parameters(), **kwargs)
+
+    def named_local_parameters(self):
+        return self.model.named_parameters()
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered whole, on CPU (a collective: call it on every rank)."""
+        return {n: _full(p) for n, p in self.model.named_parameters()}
+
+    @torch.no_grad()
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Every gradient gathered whole (zeros where none), on CPU; call it on every rank."""
+        return {n: _full(p.grad) if p.grad is not None else torch.zeros(p.shape)
+                for n, p in self.model.named_parameters()}
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state_dict, every tensor whole and on CPU, under the model's own names
+        (tied weights under each of their names); a collective: call it on every rank."""
+        return {n: _full(t) for n, t in self.model.state_dict().items()}
+
+    # ------------------------------------------------------------ running
+    def _rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        d = self.mesh.get_local_rank("dp")
+        rows = tokens.shape[0] // self.dp
+        return tokens[d * rows:(d + 1) * rows]
+
+    def _logits(self, tokens: torch.Tensor):
+        """The model's logits (B, T, V) for (B, T) tokens: a DTensor under tp, else a tensor."""
+        tokens = tokens.to(self.device)
+        with self._autocast():
+            out = self.model(input_ids=tokens, use_cache=False) if self.hf else self.model(tokens)
+        out = getattr(out, "logits", out)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        dtype = getattr(torch, self.plan.dtype)
+        floats = {p.dtype for p in self.model.parameters() if p.is_floating_point()}
+        if dtype == torch.float32 or floats == {dtype}:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, gather: bool = False) -> torch.Tensor:
+        """Logits of the global (G, T) tokens for evaluation (eval mode, no_grad): this rank's rows
+        and its tp shard of them (the vocabulary's, under a vocab-parallel head), or with
+        `gather` the whole (G, T, V) on every rank (a collective)."""
+        was = self.model.training
+        self.model.eval()
+        try:
+            logits = self._logits(self._rows(tokens))
+        finally:
+            self.model.train(was)
+        if not gather:
+            return logits.to_local() if isinstance(logits, DTensor) else logits
+        whole = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        if self.dp == 1:
+            return whole
+        parts = [torch.empty_like(whole) for _ in range(self.dp)]
+        dist.all_gather(parts, whole.contiguous(), group=self.mesh.get_group("dp"))
+        return torch.cat(parts)
+
+    def _token_loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Sum of the token cross-entropies of these rows (targets == -100 skipped), as the plan's
+        loss strategy computes it; equal on every tp rank."""
+        logits = self._logits(tokens)
+        targets = targets.to(self.device)
+        if not isinstance(logits, DTensor):
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        strategy = self.module_plan.loss
+        if strategy == "vocab":
+            logits = logits.redistribute(placements=[Shard(logits.dim() - 1)])
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+            return loss.full_tensor() if isinstance(loss, DTensor) else loss
+        if strategy == "sequence":
+            local = logits.redistribute(placements=[Shard(1)]).to_local()
+            t = self.mesh.get_local_rank("tp")
+            mine = targets.chunk(self.tp, dim=1)[t]
+            part = F.cross_entropy(local.flatten(0, 1).float(), mine.flatten(), reduction="sum")
+            return DTensor.from_local(part, self.mesh["tp"], [Partial()], run_check=False).full_tensor()
+        whole = logits.redistribute(placements=[Replicate()]).to_local()
+        return F.cross_entropy(whole.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+    def _loss_context(self) -> contextlib.AbstractContextManager:
+        """`loss_parallel` (forward and backward) when the loss is vocab-parallel."""
+        if self.tp > 1 and self.module_plan.loss == "vocab":
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor,
+                   optimizer: torch.optim.Optimizer) -> float:
+        """One optimizer step on the global batch; returns the global mean token loss."""
+        plan = self.plan
+        if tuple(tokens.shape) != (plan.global_batch, plan.seq_len) or targets.shape != tokens.shape:
+            raise ConfigError(f"train_step: tokens {tuple(tokens.shape)} and targets "
+                              f"{tuple(targets.shape)}; the plan expects both (global_batch, "
+                              f"seq_len) = ({plan.global_batch}, {plan.seq_len})")
+        count = int((targets != IGNORE_INDEX).sum())
+        if count == 0:
+            raise ConfigError("train_step: every target is -100 (ignored); nothing to learn from")
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.device)
+        rows, wanted = self._rows(tokens), self._rows(targets)
+        for mb_tokens, mb_targets in zip(rows.chunk(plan.num_microbatches),
+                                         wanted.chunk(plan.num_microbatches)):
+            with self._loss_context():
+                loss = self._token_loss_sum(mb_tokens, mb_targets)
+                (loss * (self.dp / count)).backward()
+            total += loss.detach().float()
+        self._sync_gradients()
+        optimizer.step()
+        if self.dp > 1:
+            dist.all_reduce(total, group=self.mesh.get_group("dp"))
+        return total.item() / count
+
+    @torch.no_grad()
+    def _sync_gradients(self) -> None:
+        """Under tp, partial gradients (of weights used on sequence shards) summed to their
+        parameter's placement; under ZeRO 0, gradients averaged over dp in one all-reduce per
+        dtype (FSDP2 reduce-scatters them itself)."""
+        if self.fsdp:
+            return
+        grads: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(placements=p.placements)
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            grads.setdefault(local.dtype, []).append(local)
+        if self.dp == 1:
+            return
+        for dtype, group in sorted(grads.items(), key=lambda kv: str(kv[0])):
+            flat = torch.cat([g.reshape(-1) for g in group])
+            dist.all_reduce(flat, group=self.mesh.get_group("dp"))
+            flat /= self.dp
+            offset = 0
+            for g in group:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()

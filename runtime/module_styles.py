@@ -1,0 +1,121 @@
+"""The torch parallel styles of a `ModulePlan` (`runtime.module_plan`), applied with
+`parallelize_module` on the tp mesh.
+
+    colwise      ColwiseParallel(input_layouts=R, output_layouts=S(-1))      weight (and bias) S(0)
+    rowwise      RowwiseParallel(input_layouts=S(-1) | R for an embedding,   weight S(1) (embedding
+                 output_layouts=R | S(1))                                    S(0)), bias R
+    sequence     SequenceParallel()                                          weights R, grads summed
+    replicated   `Replicated`: weights R; input brought to R; output DTensor R
+    replicated_region  `ReplicatedRegion`: weights stay plain tensors (every tp rank computes the same);
+                 DTensor inputs gathered to plain tensors, floating outputs wrapped as DTensor R
+
+torch's Colwise / Rowwise styles redistribute a DTensor input only when their declared input
+layout differs from the wanted one, trusting the declaration; activations here arrive as DTensors
+of whatever placement their producer gave them, so a pre-hook registered before the style's own
+first brings a DTensor input to the wanted placement (`_bring_first_input`). A plain tensor input
+is taken as the declared layout: a local shard S(-1) for a row projection (the region's local
+code), R for an embedding's token ids.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+from autoplan.placement import Placement, Replicate as PlanReplicate, Shard as PlanShard
+from autoplan.runtime.module_plan import ModulePlan, ModuleStyle
+
+
+def torch_placement(p: Placement):
+    """autoplan's placement -> DTensor's (Shard(dim) or Replicate())."""
+    if isinstance(p, PlanShard):
+        return Shard(p.dim)
+    if isinstance(p, PlanReplicate):
+        return Replicate()
+    raise ValueError(f"placement {p} has no module style (a module output is S(d) or R)")
+
+
+def _map_tensors(value, fn):
+    """`fn` on every tensor of a (nested tuple / list / dict of) module output(s)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+class Replicated(ParallelStyle):
+    """Every tp rank runs the whole module on whole tensors: weights become DTensor R (their
+    gradients, equal on every rank, stay R), the first input is brought to R, the output is a
+    DTensor R."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_replicate(_module, inputs, mesh):
+            first, rest = inputs[0], inputs[1:]
+            if isinstance(first, DTensor):
+                first = first.redistribute(placements=[Replicate()])
+            elif isinstance(first, torch.Tensor):
+                first = DTensor.from_local(first, mesh, [Replicate()], run_check=False)
+            return (first, *rest)
+        return distribute_module(module, device_mesh, None, to_replicate)
+
+
+class ReplicatedRegion(ParallelStyle):
+    """A whole module (e.g. an attention block with plain-tensor code inside) replicated on tp:
+    its weights stay plain tensors, DTensor inputs are gathered to plain whole tensors, floating
+    outputs are wrapped as DTensor R so the DTensor activations around it stay DTensors."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(_module, args, kwargs):
+            plain = lambda t: t.redistribute(placements=[Replicate()]).to_local() \
+                if isinstance(t, DTensor) else t  # noqa: E731
+            return _map_tensors(args, plain), _map_tensors(kwargs, plain)
+
+        def wrap(_module, _args, output):
+            return _map_tensors(output, lambda t: DTensor.from_local(t, device_mesh, [Replicate()], run_check=False)
+                                if t.is_floating_point() and not isinstance(t, DTensor) else t)
+        module.register_forward_pre_hook(gather, with_kwargs=True)
+        module.register_forward_hook(wrap)
+        return module
+
+
+def _bring_first_input(placement):
+    """A forward pre-hook that redistributes a DTensor first input to `placement`."""
+    def hook(_module, args):
+        if args and isinstance(args[0], DTensor) and tuple(args[0].placements) != (placement,):
+            return (args[0].redistribute(placements=[placement]), *args[1:])
+        return None
+    return hook
+
+
+def torch_style(style: ModuleStyle, module: nn.Module) -> ParallelStyle:
+    """The torch ParallelStyle of one module's style (module docstring)."""
+    out = torch_placement(style.output)
+    if style.kind == "colwise":
+        return ColwiseParallel(input_layouts=Replicate(), output_layouts=out, use_local_output=style.local_output)
+    if style.kind == "rowwise":
+        given = Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
+        return RowwiseParallel(input_layouts=given, output_layouts=out, use_local_output=style.local_output)
+    if style.kind == "sequence":
+        return SequenceParallel(use_local_output=style.local_output)
+    if style.kind == "replicated":
+        return Replicated()
+    if style.kind == "replicated_region":
+        return ReplicatedRegion()
+    raise ValueError(f"module style kind {style.kind!r} is unknown")
+
+
+def apply_module_plan(model: nn.Module, mplan: ModulePlan, tp_mesh: DeviceMesh) -> None:
+    """Put every style of `mplan` on `model` (in place), parameters distributed over `tp_mesh`
+    from the module's own tensors (rank 0's values: every rank must hold the same model)."""
+    for path, style in mplan.styles:
+        module = model.get_submodule(path)
+        if style.kind == "colwise":
+            module.register_forward_pre_hook(_bring_first_input(Replicate()))
+        parallelize_module(module, tp_mesh, torch_style(style, module))

@@ -1,0 +1,170 @@
+"""Weights of the user's module on each rank: read this rank's slices of a Hugging Face checkpoint
+directory into a model built on the meta device.
+
+A checkpoint directory is what `save_pretrained` writes: `config.json` and `*.safetensors` files,
+with `model.safetensors.index.json` mapping tensor names to files when there are several. Tensors
+are named as the model's `state_dict` names them; a tied weight (an lm_head sharing the embedding)
+is stored once, under any of its names.
+
+After the tp styles are applied (`runtime.module_styles`), each parameter is a DTensor on the tp
+mesh (or a plain tensor), still on meta. For each, this rank's slice is
+
+    Replicate          the whole tensor
+    Shard(d)           rows [i c, min((i + 1) c, n)) of dim d, n = its size, c = ceil(n / tp),
+                       i = this rank's tp coordinate (torch.chunk's split, as DTensor's)
+
+read with safetensors' `get_slice` (only those bytes), cast to the parameter's dtype, and wrapped
+as a DTensor of the same placements. Persistent buffers are read whole. Non-persistent buffers
+(rotary tables) are not in checkpoints: a transformers model recomputes them with its own
+`_init_weights`; any other module on meta with such a buffer is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from autoplan.errors import ConfigError
+
+INDEX = "model.safetensors.index.json"
+
+
+class CheckpointFiles(contextlib.AbstractContextManager):
+    """The tensors of a safetensors checkpoint directory, by name, opened lazily."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.where = self._index()
+        self._stack = contextlib.ExitStack()
+        self._open: dict[str, object] = {}
+
+    def _index(self) -> dict[str, str]:
+        """Tensor name -> file name, from the index file or every *.safetensors file's keys."""
+        from safetensors import safe_open
+
+        if not self.directory.is_dir():
+            raise ConfigError(f"checkpoint {str(self.directory)!r} is not a directory; give the "
+                              f"directory `save_pretrained` wrote (config.json + *.safetensors)")
+        index = self.directory / INDEX
+        if index.is_file():
+            return dict(json.loads(index.read_text())["weight_map"])
+        files = sorted(self.directory.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"checkpoint {str(self.directory)!r} holds no *.safetensors file; "
+                              f"save the model with save_pretrained (safetensors is its default)")
+        where = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                where.update({key: file.name for key in handle.keys()})
+        return where
+
+    def _handle(self, name: str):
+        from safetensors import safe_open
+
+        file = self.where[name]
+        if file not in self._open:
+            self._open[file] = self._stack.enter_context(safe_open(str(self.directory / file), framework="pt"))
+        return self._open[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
+        """The tensor `name`, or only `index` (one slice per leading dim) of it."""
+        part = self._handle(name).get_slice(name)
+        return part[index] if index else part[:]
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+
+def local_index(shape: tuple[int, ...], placements, coords: list[int], sizes: list[int]) -> tuple[slice, ...]:
+    """This rank's slice of a tensor of `shape` under DTensor `placements` on a mesh of `sizes`
+    where this rank sits at `coords` (module docstring; one Shard per tensor dim at most)."""
+    index = [slice(None)] * len(shape)
+    for placement, coord, size in zip(placements, coords, sizes):
+        if isinstance(placement, Shard):
+            dim = placement.dim % len(shape)
+            if index[dim] != slice(None):
+                raise ConfigError(f"a tensor of shape {shape} is sharded twice on dim {dim}; the "
+                                  f"loader reads one shard per dim (load before ZeRO sharding)")
+            chunk = math.ceil(shape[dim] / size)
+            index[dim] = slice(min(coord * chunk, shape[dim]), min((coord + 1) * chunk, shape[dim]))
+    while index and index[-1] == slice(None):
+        index.pop()
+    return tuple(index)
+
+
+def _checkpoint_name(names: list[str], files: CheckpointFiles) -> str:
+    """The name a tensor is stored under: the first of its names (tied aliases) in the checkpoint."""
+    for name in names:
+        if name in files.where:
+            return name
+    sample = ", ".join(sorted(files.where)[:4])
+    raise ConfigError(f"checkpoint {str(files.directory)!r} does not match the model: it has no tensor "
+                      f"{names[0]!r} (the first parameter missing; the checkpoint holds "
+                      f"{len(files.where)} tensors, e.g. {sample}); load a checkpoint of this model")
+
+
+def _load_tensor(names: list[str], current: torch.Tensor, files: CheckpointFiles, device) -> torch.Tensor:
+    """This rank's part of the tensor `names[0]` (a DTensor when `current` is one), read from `files`."""
+    key = _checkpoint_name(names, files)
+    stored = files.shape(key)
+    if stored != tuple(current.shape):
+        raise ConfigError(f"checkpoint {str(files.directory)!r} does not match the model: "
+                          f"{names[0]!r} has shape {tuple(current.shape)} in the model but "
+                          f"{stored} in the checkpoint ({key!r})")
+    if not isinstance(current, DTensor):
+        return files.read(key).to(device=device, dtype=current.dtype)
+    mesh = current.device_mesh
+    index = local_index(stored, current.placements, mesh.get_coordinate(), list(mesh.shape))
+    local = files.read(key, index).to(device=device, dtype=current.dtype)
+    return DTensor.from_local(local, mesh, current.placements, run_check=False,
+                              shape=current.shape, stride=current.stride())
+
+
+@torch.no_grad()
+def load_checkpoint(model: nn.Module, directory: str | Path, device: torch.device) -> None:
+    """Replace every meta parameter and buffer of `model` by this rank's part of it, read from the
+    checkpoint `directory` (module docstring). Tied parameters stay tied."""
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    done: dict[int, nn.Parameter] = {}
+    with CheckpointFiles(directory) as files:
+        for path, module in model.named_modules():
+            for attr, p in list(module._parameters.items()):
+                if p is None:
+                    continue
+                if id(p) not in done:
+                    local = _load_tensor(aliases[id(p)], p, files, device)
+                    done[id(p)] = nn.Parameter(local, requires_grad=p.requires_grad)
+                module._parameters[attr] = done[id(p)]
+            _load_buffers(model, path, module, files, device)
+
+
+def _load_buffers(model: nn.Module, path: str, module: nn.Module, files: CheckpointFiles, device) -> None:
+    """Persistent meta buffers from the checkpoint; non-persistent ones by transformers' init."""
+    missing = []
+    for attr, b in list(module._buffers.items()):
+        if b is None or not b.is_meta:
+            continue
+        name = f"{path}.{attr}" if path else attr
+        if attr not in module._non_persistent_buffers_set:
+            module._buffers[attr] = _load_tensor([name], b, files, device)
+        else:
+            module._buffers[attr] = torch.empty_like(b, device=device)
+            missing.append(name)
+    if missing and (not hasattr(model, "_init_weights") or module._parameters):
+        raise ConfigError(f"buffers {missing} of a model on meta are not saved in checkpoints "
+                          f"(non-persistent) and this model has no transformers `_init_weights` "
+                          f"to recompute them apart from parameters; build the model on CPU, or "
+                          f"register them persistent")
+    if missing:
+        model._init_weights(module)  # recomputes rotary tables from the config; no parameters here

@@ -1,0 +1,348 @@
+"""The runtime for the user's own module (runtime.module_*), against transformers in one process.
+
+Tiny Llama (GQA: 4 heads, 2 kv heads) and Qwen2 configs (q/k/v biases), built locally and saved
+with save_pretrained into a temporary directory, and a hand-written transformer (tests/_handmade.py:
+plain nn.Linear + F.scaled_dot_product_attention, blocks in a list called `stack`). Each
+configuration below trains 3 AdamW steps from the same weights as the one-process reference, whose
+loss is transformers' own (`model(input_ids, labels=input_ids).loss`), and compares the losses
+(relative 1e-5), the first step's gradients and the final parameters (1e-5). One spawn per world
+size (2 and 4 ranks) runs all its configurations. Besides:
+
+    meta      a model built on meta loads its weights from the checkpoint directory, each rank
+              reading only its slices (the elements read equal the elements it holds)
+    export    the trained weights written with save_hf load back with from_pretrained and give
+              the parallel program's loss on new tokens; a directory autoplan did not write is
+              refused and left as it was
+    forward   program.forward returns this rank's logits, or all of them with gather=True
+    no plan   autoplan.parallelize of a transformers model without a plan plans on rank 0 and runs
+    losses    the plan's cross-entropy strategy: vocab-parallel (Megatron), on sequence shards (the head
+              "sequence"), whole (a replicated plan: attention and MLP blocks replicated regions)
+Every case runs through autoplan.parallelize (one passes the checkpoint directory as the model).
+Pure checks (no processes): the module plan of a plan, what it refuses, checkpoints that do not match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _dist import spawn
+from _handmade import HandLM
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.gloo
+
+B, T, STEPS, LR, SEED = 4, 16, 3, 1e-3, 0
+# AdamW's eps above the noise of gradients that are zero in exact arithmetic (a key bias: softmax
+# ignores a shift shared by all keys), which AdamW would otherwise blow up to +-LR either way
+EPS = 1e-6
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    model: str  # "llama" | "qwen2" | "hand"
+    dp: int = 1
+    tp: int = 1
+    sp: bool = False
+    zero: int = 0
+    microbatches: int = 1
+    weights: str = "module"  # "module": built with weights; "meta": loaded from the checkpoint
+    assignment: str = "megatron"  # "megatron" (with sp: "megatron-sp"), "replicate", or "sequence-loss":
+    # Megatron with sp, the head and the loss on sequence shards
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
+
+
+CASES = [
+    Case("llama-dp2", "llama", dp=2, microbatches=2),
+    Case("llama-tp2", "llama", tp=2, weights="meta"),
+    Case("llama-tp2-sp", "llama", tp=2, sp=True),
+    Case("llama-dp2-zero3", "llama", dp=2, zero=3, weights="meta"),
+    Case("qwen2-dp2", "qwen2", dp=2, weights="meta"),
+    Case("qwen2-tp2", "qwen2", tp=2),
+    Case("qwen2-tp2-sp", "qwen2", tp=2, sp=True, weights="meta"),
+    Case("qwen2-dp2-zero3", "qwen2", dp=2, zero=3),
+    Case("hand-tp2-sp", "hand", tp=2, sp=True),
+    Case("llama-tp2-sequence-loss", "llama", tp=2, sp=True, assignment="sequence-loss"),
+    Case("qwen2-tp2-replicated", "qwen2", tp=2, assignment="replicate"),
+    Case("llama-dp2tp2-sp", "llama", dp=2, tp=2, sp=True, weights="meta"),
+    Case("qwen2-dp2tp2-zero3", "qwen2", dp=2, tp=2, zero=3),
+    Case("hand-dp2tp2-zero1", "hand", dp=2, tp=2, zero=1),
+]
+EXPORTED = ("llama-dp2tp2-sp", "qwen2-dp2tp2-zero3")
+
+
+def _hf_configs() -> dict:
+    common = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=256, max_position_embeddings=64,
+                  tie_word_embeddings=False)
+    return {"llama": transformers.LlamaConfig(**common), "qwen2": transformers.Qwen2Config(**common)}
+
+
+def _hand_model(device: str = "cpu") -> HandLM:
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        return HandLM()
+
+
+def _hf_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    if isinstance(model, HandLM):
+        return model(tokens, labels=tokens)
+    return model(input_ids=tokens, labels=tokens).loss
+
+
+def _reference(model, tokens: torch.Tensor) -> dict:
+    """One process: transformers' loss, 3 AdamW steps; then the loss on new tokens."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses, grads = [], None
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = _hf_loss(model, tokens[step])
+        loss.backward()
+        grads = grads or {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        after = _hf_loss(model, tokens[STEPS]).item()
+    return {"losses": losses, "grads": grads, "after": after,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _plan(case: Case, graph, summary):
+    from autoplan.api import plan_from_assignment
+    from autoplan.capture.hf_rules import hf_registry
+    from autoplan.cluster import parse_cluster
+    from autoplan.mesh import MeshShape
+    from autoplan.solver.intra_op import megatron_assignment
+    from autoplan.strategies import strategy_info
+
+    registry, info = hf_registry(), strategy_info(summary.rule_info(), case.tp, case.tp)
+    assignment = {}
+    if case.tp > 1 and case.assignment != "replicate":
+        assignment = megatron_assignment(graph, registry, case.tp, info, case.sp)
+    if case.assignment == "sequence-loss":
+        assignment |= _sequence_head(graph, registry, case.tp, info)
+    cluster, mesh = parse_cluster(f"1x{case.world}xcpu"), MeshShape(dp=case.dp, tp=case.tp)
+    batch = (B // case.dp // case.microbatches, case.microbatches, case.zero, "none")
+    return plan_from_assignment(graph, summary, cluster, mesh, assignment, *batch, registry=registry,
+                                dtype="float32")
+
+
+def _sequence_head(graph, registry, tp: int, info: dict) -> dict[str, str]:
+    """The lm_head and every op after it (views, the loss) on sequence shards where they can be."""
+    nodes = list(graph.nodes)
+    head = next(i for i, n in enumerate(nodes) if n.module_path == "lm_head")
+    return {n.name: "sequence" for n in nodes[head:]
+            if "sequence" in {s.name for s in registry.strategies(n, tp, info)}}
+
+
+def _hand_summary():
+    from autoplan.models.config import ModelConfig
+
+    return ModelConfig("hand-lm", "gpt", 2, 32, 4, 4, 128, 128, 64)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict:
+    """Checkpoint directories, tokens, references, and each case's plan (captured once per model)."""
+    from autoplan.capture.hf import capture_hf, capture_hf_for_planner
+
+    root = tmp_path_factory.mktemp("modules")
+    tokens = torch.randint(0, 128, (STEPS + 1, B, T), generator=torch.Generator().manual_seed(SEED))
+    dirs, refs, graphs = {}, {}, {}
+    warnings.simplefilter("ignore")  # capture's notes on replicated ops; transformers' progress
+    for name, config in _hf_configs().items():
+        torch.manual_seed(SEED)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        dirs[name] = root / name
+        model.save_pretrained(dirs[name])
+        refs[name] = _reference(model, tokens)
+        summary, graph, _ = capture_hf_for_planner(config, T, "float32")
+        graphs[name] = (graph, summary)
+    refs["hand"] = _reference(_hand_model(), tokens)
+    graphs["hand"] = (capture_hf(_hand_model("meta"), 1, T, torch.float32), _hand_summary())
+    plans = {c.name: _plan(c, *graphs[c.model]) for c in CASES}
+    return {"root": root, "dirs": dirs, "tokens": tokens, "refs": refs, "plans": plans}
+
+
+# ------------------------------------------------------------------------------- in the ranks
+
+
+def _build(case: Case, dirs: dict):
+    if case.model == "hand":
+        return _hand_model(), None
+    if case.weights == "meta":
+        config = transformers.AutoConfig.from_pretrained(dirs[case.model])
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"), dirs[case.model]
+    return transformers.AutoModelForCausalLM.from_pretrained(dirs[case.model], attn_implementation="sdpa"), None
+
+
+def _counting_reads(counter: list):
+    """Wrap CheckpointFiles.read to count the elements each rank reads."""
+    from autoplan.runtime import weights
+
+    original = weights.CheckpointFiles.read
+
+    def read(self, name, index=()):
+        found = original(self, name, index)
+        counter.append(found.numel())
+        return found
+    weights.CheckpointFiles.read = read
+
+
+def _local_numel(program) -> int:
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in program.model.parameters())
+
+
+def _train(program, tokens: torch.Tensor, keep: bool) -> dict:
+    optimizer = program.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    losses, grads = [], None
+    for step in range(STEPS):
+        targets = tokens[step].roll(-1, dims=1)
+        targets[:, -1] = -100  # transformers' loss: T - 1 targets per row
+        losses.append(program.train_step(tokens[step], targets, optimizer))
+        if step == 0:
+            grads = program.full_gradients()
+    params = program.full_parameters()
+    return {"losses": losses, "grads": grads if keep else None, "params": params if keep else None}
+
+
+def _evaluate(program, tokens: torch.Tensor) -> dict:
+    """This rank's logits, all logits, and the loss of the gathered logits on new tokens."""
+    local = program.forward(tokens)
+    logits = program.forward(tokens, gather=True)
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).item()
+    return {"local_shape": tuple(local.shape), "gathered_shape": tuple(logits.shape), "after": loss}
+
+
+def _run_case(rank: int, case: Case, plan, setup_: dict) -> dict:
+    import autoplan
+    from autoplan.runtime.hf_export import save_hf
+
+    reads: list[int] = []
+    _counting_reads(reads)
+    model, checkpoint = _build(case, setup_["dirs"])
+    if case.name == "llama-tp2":  # the checkpoint directory itself as the model
+        model, checkpoint = str(setup_["dirs"]["llama"]), None
+    program = autoplan.parallelize(model, f"1x{case.world}xcpu", plan, checkpoint=checkpoint)
+    held = _local_numel(program)
+    found = {"reads": sum(reads), "held": held, "table": str(program.module_plan)}
+    found |= _train(program, setup_["tokens"], keep=rank == 0)
+    found |= _evaluate(program, setup_["tokens"][STEPS])
+    if case.name in EXPORTED:
+        save_hf(program, setup_["root"] / f"export-{case.name}")
+        save_hf(program, setup_["root"] / f"export-{case.name}")  # replaces its own earlier export
+    return found
+
+
+def _refused_export(rank: int, setup_: dict) -> str:
+    from autoplan.errors import ConfigError
+    from autoplan.runtime.hf_export import save_hf
+    from autoplan.runtime.module_launch import parallelize_module_program
+
+    case = Case("llama-dp2-export", "llama", dp=2)
+    program = parallelize_module_program(_build(case, setup_["dirs"])[0], setup_["plans"]["llama-dp2"])
+    try:
+        save_hf(program, setup_["root"] / "users-dir")
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
+def _unplanned(rank: int, setup_: dict) -> list[float]:
+    import autoplan
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(setup_["dirs"]["llama"], attn_implementation="sdpa")
+    program = autoplan.parallelize(model, "1x2xcpu", global_batch=B, seq_len=T)
+    return _train(program, setup_["tokens"], keep=False)["losses"]
+
+
+def _ranks(rank: int, world: int, names: list[str], setup_: dict) -> dict:
+    warnings.simplefilter("ignore")
+    cases = {c.name: c for c in CASES}
+    found = {name: _run_case(rank, cases[name], setup_["plans"][name], setup_) for name in names}
+    if world == 2:
+        found["refused"] = _refused_export(rank, setup_)
+        found["unplanned"] = _unplanned(rank, setup_)
+    return found
+
+
+@pytest.fixture(scope="module")
+def runs(setup) -> dict:
+    """Every case's results on each rank: {world: [rank 0's dict, rank 1's, ...]}."""
+    (setup["root"] / "users-dir").mkdir()
+    (setup["root"] / "users-dir" / "notes.txt").write_text("mine")
+    found = {}
+    for world in (2, 4):
+        names = [c.name for c in CASES if c.world == world]
+        shared = {k: setup[k] for k in ("root", "dirs", "tokens", "plans")}
+        found[world] = spawn(_ranks, world, names, shared)
+    return found
+
+
+# ------------------------------------------------------------------------------- checks
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_matches_transformers_in_one_process(setup, runs, case):
+    ref = setup["refs"][case.model]
+    ranks = [r[case.name] for r in runs[case.world]]
+    for got in ranks:
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+        assert got["after"] == pytest.approx(ref["after"], rel=1e-5)
+    first = ranks[0]
+    assert set(first["params"]) == set(ref["params"])
+    for name in ref["params"]:
+        torch.testing.assert_close(first["grads"][name], ref["grads"][name], **TOL, msg=lambda m: f"grad {name}: {m}")
+        torch.testing.assert_close(first["params"][name], ref["params"][name], **TOL, msg=lambda m: f"param {name}: {m}")
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.weights == "meta"], ids=lambda c: c.name)
+def test_meta_model_reads_only_its_slices(runs, case):
+    for got in runs[case.world]:
+        held = got[case.name]["held"] * (case.dp if case.zero else 1)  # before ZeRO sharded it over dp
+        assert got[case.name]["reads"] == held
+        if case.tp > 1:
+            assert held < sum(p.numel() for p in runs[case.world][0][case.name]["params"].values())
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_export_loads_back_into_transformers(setup, runs, name):
+    case = next(c for c in CASES if c.name == name)
+    out = setup["root"] / f"export-{name}"
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert not list(setup["root"].glob(f"export-{name}.*")), "no temporary or old directory left"
+    got = runs[case.world][0][name]
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), got["params"][n], rtol=0, atol=0)
+    with torch.no_grad():
+        assert _hf_loss(model, setup["tokens"][STEPS]).item() == pytest.approx(got["after"], rel=1e-5)
+
+
+def test_forward_gives_local_or_gathered_logits(runs):
+    vocab = 256
+    got = runs[4][0]["llama-dp2tp2-sp"]  # vocab-parallel head: rows of dp, vocabulary of tp
+    assert got["local_shape"] == (B // 2, T, vocab // 2) and got["gathered_shape"] == (B, T, vocab)
+    got = runs[2][0]["llama-dp2"]
+    assert got["local_shape"] == (B // 2, T, vocab) and got["gathered_shape"] == (B, T, vocab)
+
+
+def test_export_refuses_a_users_directory(setup, runs):
+    for ranks in runs[2]:
+        assert "users-dir" in ranks["refused"] and "did not write" in ranks["refused"]
+    assert [p.name for p in (setup["root"] / "users-dir").iterdir()] == ["notes.txt"]
+
+
+def test_parallelize_without_a_plan(setup, runs):
+    for ranks in runs[2]:
+        assert ranks["unplanned"] == pytest.approx(setup["refs"]["llama"]["losses"], rel=1e-5)
