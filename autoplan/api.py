@@ -118,7 +118,7 @@ def search_plans(model: ModelConfig | str, cluster: ClusterSpec | str, global_ba
     `max_microbatch_size` is a shorthand for its field of that name. `graph` / `info`: a graph captured
     elsewhere (e.g. `autoplan.capture.hf.capture_hf_for_planner`) and its strategy-rule info."""
     config, cluster = resolve_inputs(model, cluster, global_batch, seq_len, dtype)
-    cluster, efficiency = calibrate(cluster, efficiency, profile, kernels)
+    cluster, efficiency = calibrate(cluster, efficiency, profile, kernels, dtype)
     options = options or SearchOptions(max_microbatch_size=max_microbatch_size)
     return run_search(config, cluster, global_batch, seq_len, top=top, options=options, baselines=baselines,
                       dtype=dtype, fold=fold, time_limit_s=time_limit_s, efficiency=efficiency, registry=registry,
@@ -145,7 +145,7 @@ def estimate(model: ModelConfig | str, cluster: ClusterSpec | str, global_batch:
     """The Plan of one given configuration (any pp, dp, ep, cp, tp), the intra-op solver choosing the
     strategies; it may not fit (its notes say). Bad values raise ConfigError naming values that work."""
     config, cluster = resolve_inputs(model, cluster, global_batch, seq_len, dtype)
-    cluster, efficiency = calibrate(cluster, efficiency, profile, kernels)
+    cluster, efficiency = calibrate(cluster, efficiency, profile, kernels, dtype)
     cfg = check_config(config, cluster, global_batch, seq_len, mesh, microbatch_size, zero_stage, recompute, schedule,
                        virtual_stages)
     return price_given(config, cluster, global_batch, seq_len, cfg, assignment=None, dtype=dtype, efficiency=efficiency,

@@ -54,6 +54,7 @@ from autoplan.cluster import ClusterSpec, DeviceSpec
 from autoplan.cost_model.calibration import CollectiveCalibration, GemmEfficiency, device_spec_from_profile
 from autoplan.cost_model.kernels import FusedKernels, fused_kernels, node_kernel
 from autoplan.errors import ConfigError
+from autoplan.profiler.profile import ProfileError
 
 if TYPE_CHECKING:
     from autoplan.capture import NodeInfo
@@ -147,25 +148,36 @@ class Efficiency:
 
 
 def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "HardwareProfile | None",
-              kernels: str | None = None) -> tuple[ClusterSpec, Efficiency]:
+              kernels: str | None = None, dtype: str | None = None) -> tuple[ClusterSpec, Efficiency]:
     """The cluster and efficiency the cost model prices with. Without a profile: the datasheet device
     and the device's default GEMM curve. With one (it must be of the cluster's kind of device, else
     ProfileError): the measured HBM bandwidth (`device_spec_from_profile`), the measured GEMM
     efficiencies (`GemmEfficiency.from_profile`; they replace a flat `matmul`), and the measured
     collective fits for groups inside a node; the attention kernel and memory fraction stay as given.
     `kernels` (plan.kernels; None keeps `efficiency.kernels`): the fused kernels on this cluster, with
-    the profile's measured kernel efficiencies where they are Triton (`cost_model.kernels`)."""
+    the profile's measured kernel efficiencies where they are Triton (`cost_model.kernels`). `dtype`: the
+    plan's; a profile without GEMMs of that dtype is refused (ProfileError) rather than priced from the
+    datasheet in silence."""
     efficiency = efficiency or Efficiency()
     if kernels is not None:
         efficiency = replace(efficiency, kernels=fused_kernels(kernels, cluster.device, profile))
     if profile is None:
         return cluster, efficiency.resolved(cluster.device)
+    _check_profile_dtype(profile, dtype)
     device = device_spec_from_profile(profile, cluster.device)
     collectives = CollectiveCalibration(profile) if profile.fits else None
     calibrated = replace(efficiency, matmul=None, gemm=GemmEfficiency.from_profile(profile, device),
                          collectives=collectives, source=f"{efficiency.source}; calibrated by the profile of "
                                                          f"{profile.device_name!r} ({profile.created})")
     return replace(cluster, device=device), calibrated
+
+
+def _check_profile_dtype(profile: "HardwareProfile", dtype: str | None) -> None:
+    measured = sorted({s.dtype for s in profile.gemm})
+    if dtype is not None and measured and dtype not in measured:
+        raise ProfileError(f"the profile of {profile.device_name!r} measured GEMMs in {', '.join(measured)}, not "
+                           f"{dtype}: plan in {measured[0]} (--dtype {measured[0]}), or profile again with "
+                           f"`autoplan profile --dtype {dtype}`")
 
 
 def op_time_s(flops: float, nbytes: float, device: DeviceSpec, dtype: str, efficiency: Efficiency) -> float:

@@ -239,3 +239,17 @@ def test_estimate_and_search_take_a_profile_and_refuse_another_device():
         fast.predicted.step_time_s * (1 + 1e-9))
     with pytest.raises(ProfileError, match="not on a 'a100-80g'"):
         estimate("gpt2-small", "1x8xa100", 16, 1024, profile=_h100_profile(0.5), **kwargs)
+
+
+def test_a_plan_in_a_dtype_the_profile_did_not_measure_is_refused():
+    """A bfloat16 profile prices bfloat16 plans; a float32 plan would fall back to the datasheet in
+    silence, so it is refused with what to do instead (issue 20)."""
+    from autoplan.api import estimate
+    from autoplan.profiler.profile import ProfileError
+
+    profile = _h100_profile(0.5)
+    kwargs = dict(mesh=MeshShape(dp=8), microbatch_size=1, zero_stage=1, recompute="none", profile=profile)
+    assert estimate("gpt3-1.3b", "1x8xh100", 8, 2048, dtype="bfloat16", **kwargs).predicted.step_time_s > 0
+    with pytest.raises(ProfileError, match=r"measured GEMMs in bfloat16, not float32: plan in bfloat16 .*"
+                                           r"autoplan profile --dtype float32"):
+        estimate("gpt3-1.3b", "1x8xh100", 8, 2048, dtype="float32", **kwargs)

@@ -92,3 +92,21 @@ def test_explain_and_compare_show_the_experts_tensor_parallel_degree():
     rows = [line.split() for line in compare_plans(split, folded).splitlines()]
     assert ["etp", "(experts'", "tp)", "=", "tp", "1"] in rows
     assert not any(r[:1] == ["etp"] for r in (line.split() for line in compare_plans(split, split).splitlines()))
+
+
+def test_explain_prices_the_per_op_table_with_the_profile():
+    """A profile whose GEMMs run at half the datasheet rate doubles the compute of the GEMM families."""
+    from test_cost_model import _h100_profile
+
+    from autoplan.api import capture_model, estimate
+    from autoplan.cli.explain import op_family_costs
+    from autoplan.mesh import MeshShape
+    from autoplan.models import get_model_config
+
+    config = get_model_config("gpt3-1.3b")
+    plan = estimate(config, "1x8xh100", 8, 1024, mesh=MeshShape(dp=4, tp=2), microbatch_size=1, zero_stage=1,
+                    recompute="none")
+    graph = capture_model(config, 1024)
+    datasheet = {r[0]: r[3] for r in op_family_costs(plan, graph, config)}
+    slow = {r[0]: r[3] for r in op_family_costs(plan, graph, config, _h100_profile(0.05))}
+    assert slow["layers.*.mlp_fc"] > 2 * datasheet["layers.*.mlp_fc"]  # GEMM-bound: priced from the profile

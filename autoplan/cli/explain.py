@@ -89,12 +89,13 @@ def op_family(node_name: str) -> str:
     return "_".join(parts)
 
 
-def op_family_costs(plan: Plan, graph, config) -> list[tuple[str, str, int, float, float, float]]:
+def op_family_costs(plan: Plan, graph, config, profile=None) -> list[tuple[str, str, int, float, float, float]]:
     """(family, strategy, ops, forward s, backward s, tp communication s) per microbatch on one rank,
-    re-priced from the plan's assignment; largest total first."""
+    re-priced from the plan's strategies (the ones it carries; a version-1 plan's names resolved by the
+    rules), with the hardware `profile` when given (as `estimate --profile` priced it); largest first."""
     from fractions import Fraction
 
-    from autoplan.cost_model.compute import Efficiency
+    from autoplan.cost_model.compute import calibrate
     from autoplan.cost_model.intra_op import CostContext, price_assignment
     from autoplan.cost_model.intra_op_problem import resolve_strategies
     from autoplan.mesh import MeshShape
@@ -102,11 +103,13 @@ def op_family_costs(plan: Plan, graph, config) -> list[tuple[str, str, int, floa
     from autoplan.strategies import default_registry, strategy_info
 
     tp = plan.mesh.tp
-    assignment = {op.node: op.strategy for op in plan.ops}
-    info = strategy_info(config.rule_info(), tp, plan.mesh.etp)
-    strategies = resolve_strategies(graph, default_registry(), info, tp, assignment)
+    strategies = {op.node: op.resolved for op in plan.ops if op.resolved is not None}
+    if len(strategies) < len(graph.nodes):  # a version-1 plan carries names only
+        info = strategy_info(config.rule_info(), tp, plan.mesh.etp)
+        strategies = resolve_strategies(graph, default_registry(), info, tp, {op.node: op.strategy for op in plan.ops})
+    cluster, efficiency = calibrate(plan.cluster, None, profile, plan.kernels, plan.dtype)
     microbatch = Fraction(plan.microbatch_size, plan.mesh.context_parallel)
-    ctx = CostContext(plan.cluster, MeshShape(dp=plan.cluster.world_size // tp, tp=tp), plan.dtype, Efficiency(),
+    ctx = CostContext(cluster, MeshShape(dp=cluster.world_size // tp, tp=tp), plan.dtype, efficiency,
                       graph.batch_size, float(microbatch) / graph.batch_size)
     groups: dict[tuple[str, str], list] = defaultdict(list)
     for node in graph.nodes:
@@ -135,7 +138,7 @@ def _model_for(plan: Plan, config=None):
 # ---------------------------------------------------------------------------------- explain, compare
 
 
-def explain_plan(plan: Plan, config=None, graph=None, ops: bool = True, max_ops: int = 12) -> str:
+def explain_plan(plan: Plan, config=None, graph=None, ops: bool = True, max_ops: int = 12, profile=None) -> str:
     """Where the time and memory of `plan` go (module docstring), as text."""
     p = plan.predicted
     lines = [f"{plan.model.name} on {plan.cluster.describe()}: global batch {plan.global_batch} x seq {plan.seq_len}",
@@ -151,19 +154,19 @@ def explain_plan(plan: Plan, config=None, graph=None, ops: bool = True, max_ops:
     lines += _table(["part", "memory", "share"], [[n, _gb(v), f"{v / total_m:.1%}"] for n, v in _memory_parts(plan)])
     lines += ["", f"pipeline stages ({plan.schedule})"] + _stages_text(plan)
     if ops and plan.ops:
-        lines += ["", *_ops_text(plan, config, graph, max_ops)]
+        lines += ["", *_ops_text(plan, config, graph, max_ops, profile)]
     if plan.provenance.notes:
         lines += ["", "notes"] + [f"  - {n}" for n in plan.provenance.notes]
     return "\n".join(lines)
 
 
-def _ops_text(plan: Plan, config, graph, max_ops: int) -> list[str]:
+def _ops_text(plan: Plan, config, graph, max_ops: int, profile=None) -> list[str]:
     if graph is None:
         found, why = _model_for(plan, config)
         if found is None:
             return [f"per-op costs: not shown ({why})"]
         config, graph = found
-    rows = op_family_costs(plan, graph, config)
+    rows = op_family_costs(plan, graph, config, profile)
     total = sum(r[3] + r[4] + r[5] for r in rows) or 1e-30
     head = (f"per op family: seconds per microbatch on one rank (microbatch {plan.microbatch_size}"
             f"{_context_text(plan.mesh)}), the whole model, tp strategies as chosen")
@@ -277,6 +280,8 @@ def add_explain_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model-config", metavar="FILE", help="the model's config file, for per-op costs of a model that is not a preset")
     p.add_argument("--no-ops", action="store_true", help="skip the per-op table (no capture)")
     p.add_argument("--max-ops", type=int, default=12, help="op families to list (default 12)")
+    p.add_argument("--profile", metavar="FILE", help="price the per-op table with this hardware profile, as "
+                                                     "`estimate --profile` / `search --profile` priced the plan")
     return p
 
 
@@ -302,7 +307,13 @@ def cmd_explain(args) -> int:
         from autoplan.models import load_model_config
 
         config = load_model_config(args.model_config)
-    print(explain_plan(plan, config=config, ops=not getattr(args, "no_ops", False), max_ops=getattr(args, "max_ops", 12)))
+    profile = None
+    if getattr(args, "profile", None):
+        from autoplan.profiler.profile import HardwareProfile
+
+        profile = HardwareProfile.load(args.profile)  # calibrate refuses another device's
+    print(explain_plan(plan, config=config, ops=not getattr(args, "no_ops", False),
+                       max_ops=getattr(args, "max_ops", 12), profile=profile))
     return 0
 
 
