@@ -171,42 +171,42 @@ CLUSTERS = [{"nodes": 1, "gpus_per_node": 2, "device": "cpu"},
 # ------------------------------------------------------------------------------ properties
 
 
-@settings(max_examples=60, **SETTINGS)
+@settings(max_examples=150, **SETTINGS)
 @given(data=mutated(MODEL), yaml_file=st.booleans())
 def test_mutated_model_configs_load_or_say_why(folder, plan_json, data, yaml_file):
     path = _write(folder, "model.yaml" if yaml_file else "model.json", data, yaml_file)
     outcome(load_model_config, path)
 
 
-@settings(max_examples=12, **SETTINGS)
+@settings(max_examples=30, **SETTINGS)
 @given(data=mutated(MODEL, max_changes=1), command=st.sampled_from(["search", "estimate"]))
 def test_mutated_model_configs_through_the_cli(folder, plan_json, data, command):
     path = _write(folder, "cli-model.json", data)
     run_cli([command, "--model-config", str(path), "--cluster", "1x2xcpu", "--global-batch", "4", "--seq", "32"])
 
 
-@settings(max_examples=60, **SETTINGS)
+@settings(max_examples=150, **SETTINGS)
 @given(data=st.sampled_from(CLUSTERS).flatmap(mutated), yaml_file=st.booleans())
 def test_mutated_cluster_files_load_or_say_why(folder, plan_json, data, yaml_file):
     found = outcome(load_cluster_file, _write(folder, "cluster.yaml" if yaml_file else "cluster.json", data, yaml_file))
     assert isinstance(found, (ClusterSpec, AutoplanError))
 
 
-@settings(max_examples=12, **SETTINGS)
+@settings(max_examples=30, **SETTINGS)
 @given(data=st.sampled_from(CLUSTERS).flatmap(lambda c: mutated(c, max_changes=1)))
 def test_mutated_cluster_files_through_the_cli(folder, plan_json, data):
     path = _write(folder, "cli-cluster.json", data)
     run_cli(["search", "--model", "tiny-gpt", "--cluster", str(path), "--global-batch", "4", "--seq", "32"])
 
 
-@settings(max_examples=80, **SETTINGS)
+@settings(max_examples=200, **SETTINGS)
 @given(data=st.data())
 def test_mutated_plans_load_or_say_why(plan_json, data):
     found = outcome(Plan.from_json, data.draw(mutated(plan_json)))
     assert isinstance(found, (Plan, AutoplanError))
 
 
-@settings(max_examples=25, **SETTINGS)
+@settings(max_examples=60, **SETTINGS)
 @given(data=st.data(), command=st.sampled_from(["show", "explain", "compare"]))
 def test_mutated_plan_files_through_the_cli(folder, plan_json, data, command):
     path = str(_write(folder, "plan.json", data.draw(mutated(plan_json, max_changes=2))))
@@ -232,7 +232,7 @@ def _hf_summary(path: Path):
     return hf_model_config(config), hf_model_info(config)
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=100, **SETTINGS)
 @given(data=st.sampled_from(HF_CONFIGS).flatmap(mutated))
 def test_mutated_hugging_face_configs_summarise_or_say_why(folder, plan_json, data):
     pytest.importorskip("transformers")
@@ -266,7 +266,7 @@ def command_lines(draw, words: list[str]):
     return argv
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=100, **SETTINGS)
 @given(data=st.data())
 def test_mutated_command_lines_succeed_or_exit_2_with_one_line(folder, plan_json, data):
     binary = folder / "binary.json"
