@@ -30,22 +30,25 @@ the runtime's Triton kernels, the nodes they run are priced at the profile's mea
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from autoplan.capture import CapturedGraph, capture
 from autoplan.cluster import ClusterSpec, parse_cluster
 from autoplan.cost_model.compute import Efficiency, calibrate
-from autoplan.errors import ConfigError
+from autoplan.validity import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED
+from autoplan.errors import AutoplanError, ConfigError, PlanError
 from autoplan.mesh import MeshShape
 from autoplan.models import build_model, get_model_config
 from autoplan.models.config import ModelConfig
-from autoplan.plan import Plan
+from autoplan.plan import DTYPES, KERNELS, RECOMPUTE_POLICIES, Plan
 from autoplan.solver.baselines import BASELINE_NAMES, baselines_of
 from autoplan.solver.context import SearchContext
 from autoplan.solver.search import BaselineResult, SearchResult, check_config, price_given, run_search
 from autoplan.solver.space import SearchOptions
 from autoplan.strategies import StrategyRegistry
+from autoplan.validate import check_choice, check_int, check_number, check_tokens, shown
 
 if TYPE_CHECKING:
     from autoplan.profiler.profile import HardwareProfile
@@ -72,14 +75,65 @@ def plan_from_assignment(graph: CapturedGraph, config: ModelConfig, cluster: Clu
 def resolve_inputs(model: ModelConfig | str, cluster: ClusterSpec | str, global_batch: int, seq_len: int, dtype: str
              ) -> tuple[ModelConfig, ClusterSpec]:
     """The model config and cluster spec from names or objects, with the batch and sequence checked."""
+    check_arguments("resolve_inputs", locals())
+    check_tokens(global_batch, seq_len)
     config = get_model_config(model) if isinstance(model, str) else model
-    cluster = parse_cluster(cluster) if isinstance(cluster, str) else cluster
-    for what, value in (("global_batch", global_batch), ("seq_len", seq_len)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{what}={value!r} must be a positive integer")
-    if dtype not in ("bfloat16", "float16", "float32"):
-        raise ConfigError(f"dtype {dtype!r} must be bfloat16, float16 or float32")
+    cluster = cluster if isinstance(cluster, ClusterSpec) else parse_cluster(os.fspath(cluster))
     return config, cluster
+
+
+def _expect(types: tuple, expected: str) -> Callable[[str, object], None]:
+    """A rule refusing a value that is none of `types`, saying what is `expected`."""
+    def rule(what: str, value: object) -> None:
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise ConfigError(f"{what}={shown(value)}: expected {expected}")
+    return rule
+
+
+def _profile_rule(what: str, value: object) -> None:
+    from autoplan.profiler.profile import HardwareProfile
+
+    _expect((HardwareProfile, type(None)), "a HardwareProfile (`HardwareProfile.load(path)`) or None")(what, value)
+
+
+def _callable_rule(what: str, value: object) -> None:
+    if value is not None and not callable(value):
+        raise ConfigError(f"{what}={shown(value)}: expected a function taking a progress message, or None")
+
+
+NONE = type(None)
+# The public arguments and their rules: the type (bool is no count), the range, the choices.
+ARGUMENT_RULES: dict[str, Callable[[str, object], None]] = {
+    "model": _expect((str, ModelConfig), "a known model name such as 'tiny-gpt' (see `autoplan models`) or a ModelConfig"),
+    "cluster": _expect((str, os.PathLike, ClusterSpec), "a cluster shorthand such as '1x8xh100', a cluster YAML/JSON "
+                                                        "path, or a ClusterSpec"),
+    "global_batch": check_int, "seq_len": check_int, "top": check_int, "max_microbatch_size": check_int,
+    "microbatch_size": check_int, "virtual_stages": check_int, "seed": lambda what, v: check_int(what, v, 0),
+    "zero_stage": lambda what, v: check_choice(what, v, (0, 1, 2, 3)),
+    "dtype": lambda what, v: check_choice(what, v, DTYPES),
+    "kernels": lambda what, v: check_choice(what, v, KERNELS),
+    "recompute": lambda what, v: check_choice(what, v, RECOMPUTE_POLICIES),
+    "schedule": lambda what, v: check_choice(what, v, (SCHEDULE_1F1B, SCHEDULE_INTERLEAVED)),
+    "time_limit_s": check_number,
+    "fold": _expect((bool,), "True or False"), "baselines": _expect((bool,), "True or False"),
+    "mesh": _expect((MeshShape,), "a MeshShape, e.g. MeshShape(dp=2, tp=4)"),
+    "options": _expect((SearchOptions, NONE), "a SearchOptions or None"),
+    "efficiency": _expect((Efficiency, NONE), "an Efficiency or None"),
+    "registry": _expect((StrategyRegistry, NONE), "a StrategyRegistry or None"),
+    "graph": _expect((CapturedGraph, NONE), "a CapturedGraph captured at this seq_len, or None"),
+    "info": _expect((Mapping, NONE), "a mapping of strategy-rule info, or None"),
+    "profile": _profile_rule, "progress": _callable_rule,
+    "plan": _expect((Plan, str, os.PathLike, NONE), "a Plan, the path of a plan file, or None (search for one)"),
+    "config": _expect((ModelConfig, NONE), "a ModelConfig or None"),
+}
+
+
+def check_arguments(call: str, given: Mapping[str, object]) -> None:
+    """Refuse, before any work, a public argument of `call` whose rule (`ARGUMENT_RULES`) it breaks; the
+    message names the call, the argument, its value and what is expected. `given`: the call's locals()."""
+    for name, value in given.items():
+        if name in ARGUMENT_RULES:
+            ARGUMENT_RULES[name](f"autoplan.{call}: {name}", value)
 
 
 def capture_model(config: ModelConfig, seq_len: int, dtype: str = "bfloat16") -> CapturedGraph:
@@ -117,6 +171,7 @@ def search_plans(model: ModelConfig | str, cluster: ClusterSpec | str, global_ba
     statistics (`autoplan.solver.search`). `options` narrows the space (`autoplan.solver.space.SearchOptions`);
     `max_microbatch_size` is a shorthand for its field of that name. `graph` / `info`: a graph captured
     elsewhere (e.g. `autoplan.capture.hf.capture_hf_for_planner`) and its strategy-rule info."""
+    check_arguments("search_plans", locals())
     config, cluster = resolve_inputs(model, cluster, global_batch, seq_len, dtype)
     cluster, efficiency = calibrate(cluster, efficiency, profile, kernels, dtype)
     options = options or SearchOptions(max_microbatch_size=max_microbatch_size)
@@ -131,6 +186,7 @@ def search(model: ModelConfig | str, cluster: ClusterSpec | str, global_batch: i
            efficiency: Efficiency | None = None, registry: StrategyRegistry | None = None,
            profile: "HardwareProfile | None" = None, kernels: str = "auto") -> Plan:
     """The fastest plan that fits; InfeasibleError, with the numbers and what would help, when none does."""
+    check_arguments("search", locals())
     return search_plans(model, cluster, global_batch, seq_len, dtype=dtype, fold=fold, time_limit_s=time_limit_s,
                         progress=progress, max_microbatch_size=max_microbatch_size, options=options,
                         efficiency=efficiency, registry=registry, profile=profile, kernels=kernels).plans[0]
@@ -144,6 +200,7 @@ def estimate(model: ModelConfig | str, cluster: ClusterSpec | str, global_batch:
              kernels: str = "auto") -> Plan:
     """The Plan of one given configuration (any pp, dp, ep, cp, tp), the intra-op solver choosing the
     strategies; it may not fit (its notes say). Bad values raise ConfigError naming values that work."""
+    check_arguments("estimate", locals())
     config, cluster = resolve_inputs(model, cluster, global_batch, seq_len, dtype)
     cluster, efficiency = calibrate(cluster, efficiency, profile, kernels, dtype)
     cfg = check_config(config, cluster, global_batch, seq_len, mesh, microbatch_size, zero_stage, recompute, schedule,
@@ -159,6 +216,9 @@ def baseline_plans(model: ModelConfig | str, cluster: ClusterSpec | str, global_
                    efficiency: Efficiency | None = None, registry: StrategyRegistry | None = None,
                    options: SearchOptions | None = None) -> tuple[BaselineResult, ...]:
     """The baselines as Plans (or why each has none), without a search."""
+    check_arguments("baseline_plans", locals())
+    if not (isinstance(names, tuple) and set(names) <= set(BASELINE_NAMES)):
+        raise ConfigError(f"autoplan.baseline_plans: names={shown(names)}: expected a tuple of {BASELINE_NAMES}")
     config, cluster = resolve_inputs(model, cluster, global_batch, seq_len, dtype)
     return baselines_of(config, cluster, global_batch, seq_len, graph_source(config, seq_len, dtype, None),
                         names=names, dtype=dtype, efficiency=efficiency, registry=registry, options=options)
@@ -185,8 +245,11 @@ def parallelize(model, cluster: "ClusterSpec | str", plan: "Plan | str | None" =
     groups this call creates; None: 300 s): a stalled rank then ends the job instead of hanging it.
     With `check_finite` (default; zoo models), `train_step` raises `TrainingDivergedError` on every
     rank, before the optimizer step, when the global loss or gradient norm is not finite."""
-    cluster = cluster if isinstance(cluster, ClusterSpec) else parse_cluster(cluster)
-    if isinstance(plan, str):
+    sizes = {"global_batch": global_batch, "seq_len": seq_len}
+    check_arguments("parallelize", {"cluster": cluster, "plan": plan, "config": config, "seed": seed}
+                    | {name: value for name, value in sizes.items() if value is not None})
+    cluster = cluster if isinstance(cluster, ClusterSpec) else parse_cluster(os.fspath(cluster))
+    if isinstance(plan, (str, os.PathLike)):
         plan = Plan.load(plan)
     if isinstance(model, (str, Path)):
         model, checkpoint = hf_model_on_meta(model), model
@@ -220,7 +283,6 @@ def hf_model_on_meta(directory: "str | Path"):
 def _parallelize_zoo(model, cluster: ClusterSpec, plan: "Plan | None", config: "ModelConfig | None",
                      global_batch: int | None, seq_len: int | None, seed: int, timeout_s: float | None,
                      check_finite: bool):
-    from autoplan.errors import AutoplanError
     from autoplan.runtime.launch import parallelize as _parallelize
 
     config = config or getattr(model, "config", None)
@@ -239,7 +301,6 @@ def plan_module(model, cluster: ClusterSpec, global_batch: int | None, seq_len: 
     graph; PlanError naming why each was refused when none is."""
     from autoplan.capture.hf import capture_hf_for_planner
     from autoplan.capture.hf_rules import hf_registry
-    from autoplan.errors import PlanError
     from autoplan.runtime.module_launch import check_module_plan
 
     config = getattr(model, "config", None)

@@ -15,14 +15,19 @@ little larger, and the difference is left as headroom for the CUDA context and a
 
 from __future__ import annotations
 
-import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from autoplan.errors import ConfigError
+from autoplan.validate import (check_int, check_keys, check_mapping, check_number, check_str, parse_mapping, path_kind,
+                               read_text, shown)
 
 SHORTHAND_EXAMPLE = "128x8xh100"
+# The largest world size planned for: the search enumerates divisors of it, and the largest clusters
+# built have about 10^5 GPUs (xAI Colossus: 100,000 H100s in 2024).
+MAX_WORLD_SIZE = 2**20
 _SHORTHAND_RE = re.compile(r"^(?:(\d+)x)?(\d+)x([a-z][a-z0-9_.-]*)$", re.IGNORECASE)
 
 
@@ -37,12 +42,13 @@ class DeviceSpec:
     source: str = ""
 
     def __post_init__(self) -> None:
-        _require_positive(f"device {self.name!r} memory_bytes", self.memory_bytes)
-        _require_positive(f"device {self.name!r} memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s)
+        check_str("device name", self.name)
+        check_number(f"device {self.name!r} memory_bytes", self.memory_bytes)
+        check_number(f"device {self.name!r} memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s)
         if not self.peak_flops:
             raise ConfigError(f"device {self.name!r} needs peak_flops for at least one dtype, e.g. {{'bfloat16': 989e12}}")
         for dtype, flops in self.peak_flops:
-            _require_positive(f"device {self.name!r} peak_flops[{dtype!r}]", flops)
+            check_number(f"device {self.name!r} peak_flops[{dtype!r}]", flops)
 
     def peak_flops_for(self, dtype: str) -> float:
         """Peak dense FLOP/s for `dtype` ('bfloat16', 'float16', 'float32', ...)."""
@@ -62,16 +68,19 @@ class DeviceSpec:
 
     @classmethod
     def from_json(cls, data: dict) -> "DeviceSpec":
-        _check_keys("device", data, {"name", "peak_flops", "memory_bytes", "memory_bandwidth_bytes_per_s", "source"})
-        flops = data.get("peak_flops")
+        check_mapping("cluster device (a preset name such as 'h100', or a mapping)", data)
+        check_keys("device", data, {"name", "peak_flops", "memory_bytes", "memory_bandwidth_bytes_per_s", "source"},
+                   {"peak_flops", "memory_bytes", "memory_bandwidth_bytes_per_s"})
+        flops = data["peak_flops"]
         if not isinstance(flops, dict):
-            raise ConfigError(f"device peak_flops must be a mapping dtype -> FLOP/s, got {flops!r}")
+            raise ConfigError(f"device peak_flops={shown(flops)}: expected a mapping dtype -> FLOP/s, e.g. "
+                              f"{{bfloat16: 989e12}}")
         return cls(
-            name=str(data.get("name", "custom")),
+            name=check_str("device name", data.get("name", "custom")),
             peak_flops=tuple((str(k), _number(f"peak_flops[{k}]", v)) for k, v in flops.items()),
-            memory_bytes=_number("memory_bytes", data.get("memory_bytes")),
-            memory_bandwidth_bytes_per_s=_number("memory_bandwidth_bytes_per_s", data.get("memory_bandwidth_bytes_per_s")),
-            source=str(data.get("source", "")),
+            memory_bytes=_number("memory_bytes", data["memory_bytes"]),
+            memory_bandwidth_bytes_per_s=_number("memory_bandwidth_bytes_per_s", data["memory_bandwidth_bytes_per_s"]),
+            source=check_str("device source", data.get("source", "")),
         )
 
 
@@ -83,21 +92,19 @@ class LinkSpec:
     latency_s: float
 
     def __post_init__(self) -> None:
-        _require_positive("link bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
-        if self.latency_s < 0:
-            raise ConfigError(f"link latency_s must be >= 0, got {self.latency_s!r}")
+        check_number("link bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
+        check_number("link latency_s", self.latency_s, strict=False)
 
     def to_json(self) -> dict:
         return {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "latency_s": self.latency_s}
 
     @classmethod
     def from_json(cls, data: dict, what: str = "link") -> "LinkSpec":
-        if not isinstance(data, dict):
-            raise ConfigError(f"{what} must be a mapping with bandwidth_bytes_per_s and latency_s, got {data!r}")
-        _check_keys(what, data, {"bandwidth_bytes_per_s", "latency_s"})
+        check_mapping(f"{what} (with bandwidth_bytes_per_s and latency_s)", data)
+        check_keys(what, data, {"bandwidth_bytes_per_s", "latency_s"}, {"bandwidth_bytes_per_s", "latency_s"})
         return cls(
-            bandwidth_bytes_per_s=_number(f"{what}.bandwidth_bytes_per_s", data.get("bandwidth_bytes_per_s")),
-            latency_s=_number(f"{what}.latency_s", data.get("latency_s")),
+            bandwidth_bytes_per_s=_number(f"{what}.bandwidth_bytes_per_s", data["bandwidth_bytes_per_s"]),
+            latency_s=_number(f"{what}.latency_s", data["latency_s"]),
         )
 
 
@@ -114,8 +121,12 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         for what, value in (("num_nodes", self.num_nodes), ("gpus_per_node", self.gpus_per_node)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"cluster {what} must be a positive integer, got {value!r}")
+            check_int(f"cluster {what}", value)
+        if self.world_size > MAX_WORLD_SIZE:
+            raise ConfigError(f"cluster {self.num_nodes} x {self.gpus_per_node} = {self.world_size:,} devices: expected "
+                              f"at most {MAX_WORLD_SIZE:,} (the search enumerates the divisors of the world size); "
+                              f"plan for fewer devices")
+        check_str("cluster name", self.name)
 
     @property
     def world_size(self) -> int:
@@ -139,21 +150,25 @@ class ClusterSpec:
         """Keys: num_nodes (or nodes), gpus_per_node, device (a preset name or a mapping),
         intra_node and inter_node ({bandwidth_bytes_per_s, latency_s}; default to the preset's
         links when device is a preset name), name."""
-        if not isinstance(data, dict):
-            raise ConfigError(f"a cluster file must hold a mapping, got {type(data).__name__}")
-        _check_keys("cluster", data, {"name", "num_nodes", "nodes", "gpus_per_node", "device", "intra_node", "inter_node"})
-        device_data = data.get("device")
+        check_mapping("cluster", data)
+        check_keys("cluster", data, {"name", "num_nodes", "nodes", "gpus_per_node", "device", "intra_node", "inter_node"},
+                   {"device"})
+        if "nodes" in data and "num_nodes" in data:
+            raise ConfigError("cluster gives both 'nodes' and 'num_nodes'; keep one")
+        device_data = data["device"]
         base = preset(device_data) if isinstance(device_data, str) else None
-        device = base.device if base else DeviceSpec.from_json(device_data or {})
+        device = base.device if base else DeviceSpec.from_json(device_data)
         intra = LinkSpec.from_json(data["intra_node"], "intra_node") if "intra_node" in data else _default_link(base, "intra_node")
         inter = LinkSpec.from_json(data["inter_node"], "inter_node") if "inter_node" in data else _default_link(base, "inter_node")
+        if "gpus_per_node" not in data and base is None:
+            raise ConfigError("cluster needs gpus_per_node when device is not a preset name")
         return cls(
-            num_nodes=int(_number("num_nodes", data.get("num_nodes", data.get("nodes", 1)))),
-            gpus_per_node=int(_number("gpus_per_node", data.get("gpus_per_node", base.gpus_per_node if base else None))),
+            num_nodes=check_int("cluster num_nodes", data.get("num_nodes", data.get("nodes", 1))),
+            gpus_per_node=check_int("cluster gpus_per_node", data.get("gpus_per_node", base.gpus_per_node if base else 0)),
             device=device,
             intra_node=intra,
             inter_node=inter,
-            name=str(data.get("name", "")),
+            name=check_str("cluster name", data.get("name", "")),
         )
 
     def with_nodes(self, num_nodes: int, gpus_per_node: int | None = None) -> "ClusterSpec":
@@ -204,6 +219,7 @@ def preset_names() -> list[str]:
 
 def preset(name: str) -> ClusterSpec:
     """The one-node preset for a device name ('h100', 'a100-80g', 'h200', 'cpu')."""
+    check_str("device", name)
     key = PRESET_ALIASES.get(name.lower(), name.lower())
     presets = _presets()
     if key not in presets:
@@ -213,8 +229,9 @@ def preset(name: str) -> ClusterSpec:
 
 def parse_cluster(text: str) -> ClusterSpec:
     """A cluster from shorthand (`128x8xh100`, `8xh200`) or from a YAML/JSON file path."""
+    check_str("cluster (a shorthand such as 128x8xh100 or a file path)", text)
     path = Path(text)
-    if path.suffix.lower() in (".json", ".yaml", ".yml") or path.is_file():
+    if path.suffix.lower() in (".json", ".yaml", ".yml") or path_kind(path) == "file":
         return load_cluster_file(path)
     match = _SHORTHAND_RE.match(text.strip())
     if not match:
@@ -232,21 +249,9 @@ def parse_cluster(text: str) -> ClusterSpec:
 def load_cluster_file(path: str | Path) -> ClusterSpec:
     """Read a cluster from YAML or JSON (keys documented in `ClusterSpec.from_json`)."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"cluster file {str(path)!r} does not exist")
-    text = path.read_text()
-    if path.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"cluster file {str(path)!r} is not valid JSON: {exc}") from exc
-    else:
-        import yaml  # lazily: only file-based clusters need it
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"cluster file {str(path)!r} is not valid YAML: {exc}") from exc
+    text = read_text(path, "cluster file")
+    # a file whose name says neither is read as YAML, which also reads JSON
+    data = parse_mapping(path, text, "cluster file", yaml_file=path.suffix.lower() != ".json")
     spec = ClusterSpec.from_json(data)
     return spec if spec.name else ClusterSpec(**{**spec.__dict__, "name": path.stem})
 
@@ -258,21 +263,24 @@ def _default_link(base: ClusterSpec | None, which: str) -> LinkSpec:
 
 
 def _number(what: str, value) -> float:
-    """Accept ints, floats and numeric strings (YAML 1.1 reads '80e9' as a string)."""
-    if isinstance(value, bool) or value is None:
-        raise ConfigError(f"{what} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{what} must be a number, got {value!r}") from None
+    """Ints, floats and numeric strings (YAML 1.1 reads '80e9' as a string) as a float; the range (and
+    finiteness) is checked by the dataclass the number goes into."""
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond the float range: refused as not finite where it is checked
+            return math.inf
+        except ValueError:
+            pass
+    raise ConfigError(f"{what}={shown(value)}: expected a number (e.g. 80e9)")
 
 
-def _require_positive(what: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ConfigError(f"{what} must be a positive number, got {value!r}")
-
-
-def _check_keys(what: str, data: dict, allowed: set[str]) -> None:
-    unknown = set(data) - allowed
-    if unknown:
-        raise ConfigError(f"{what} has unknown keys {sorted(unknown)}; allowed keys: {sorted(allowed)}")
+def cluster_mismatch(planned: ClusterSpec, given: ClusterSpec) -> str | None:
+    """Why a plan made for `planned` must not run on `given`, or None. The device and the layout
+    (nodes x GPUs per node) decide every time and memory limit the plan was priced and fitted under,
+    so both must be the plan's; the links may differ (a hardware profile calibrates them)."""
+    same_layout = (planned.num_nodes, planned.gpus_per_node) == (given.num_nodes, given.gpus_per_node)
+    if planned.device.name == given.device.name and same_layout:
+        return None
+    return (f"the plan was made for {planned.describe()} but the cluster given is {given.describe()}; "
+            f"search again for this cluster, or run on the plan's (pass plan.cluster)")

@@ -20,12 +20,14 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from autoplan.cluster import ClusterSpec
-from autoplan.errors import PlanError
+from autoplan.errors import AutoplanError, PlanError
 from autoplan.mesh import MeshShape
-from autoplan.placement import Placement, check_axis, parse_placement
-from autoplan.plan_json import strategies_from_json, strategies_to_json
+from autoplan.placement import Placement
+from autoplan.plan_json import axis_from_json, mesh_from_json, op_from_json, strategies_from_json, strategies_to_json
 from autoplan.strategies import Strategy
 from autoplan.validity import RECOMPUTE_POLICIES, SCHEDULES
+from autoplan.validate import (check_choice, check_int, check_keys, check_list, check_mapping, check_number, check_output_file,
+                               check_str, check_tokens, parse_mapping, read_text, record, shown)
 
 PLAN_VERSION = 2  # 2: each op carries its resolved strategy and module path; the recompute set
 # version 1 plans still load (show, explain, compare); the runtime asks for a re-made plan to run one
@@ -34,6 +36,10 @@ DTYPES = ("bfloat16", "float16", "float32")
 KERNELS = ("auto", "triton", "torch")  # runtime.kernels backends: "auto" is Triton on CUDA only
 
 AxisPlacements = tuple[tuple[str, Placement], ...]  # ((axis, placement), ...) for axes that matter
+PLAN_KEYS = {"version", "model", "cluster", "mesh", "microbatch_size", "num_microbatches", "global_batch", "seq_len",
+             "dtype", "kernels", "zero_stage", "recompute", "schedule", "stages", "placements", "predicted",
+             "provenance", "strategies", "recompute_nodes"}
+OPTIONAL_PLAN_KEYS = {"dtype", "kernels", "recompute_nodes", "strategies"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,12 @@ class ModelRef:
     fingerprint: str
     num_layers: int
     num_parameters: int
+
+    def __post_init__(self) -> None:
+        check_str("plan model.name", self.name, PlanError)
+        check_str("plan model.fingerprint", self.fingerprint, PlanError)
+        check_int("plan model.num_layers", self.num_layers, 1, PlanError)
+        check_int("plan model.num_parameters", self.num_parameters, 1, PlanError)
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,10 @@ class StageSpec:
     last_layer: int
     chunk: int = 0
 
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            check_int(f"plan stage {f.name}", getattr(self, f.name), 0, PlanError)
+
 
 @dataclass(frozen=True)
 class TimeBreakdown:
@@ -60,6 +76,9 @@ class TimeBreakdown:
     communication_s: float  # exposed (not overlapped) communication
     bubble_s: float
     optimizer_s: float
+
+    def __post_init__(self) -> None:
+        _check_amounts("predicted time_breakdown", self)
 
     def total_s(self) -> float:
         return self.compute_s + self.communication_s + self.bubble_s + self.optimizer_s
@@ -72,6 +91,9 @@ class MemoryBreakdown:
     optimizer_bytes: float
     activations_bytes: float
     temporary_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_amounts("predicted memory_breakdown", self)
 
     def total_bytes(self) -> float:
         return sum(getattr(self, f.name) for f in fields(self))
@@ -86,6 +108,10 @@ class Predicted:
     memory: MemoryBreakdown
     time: TimeBreakdown
 
+    def __post_init__(self) -> None:
+        for name in ("step_time_s", "mfu", "tokens_per_s", "peak_memory_bytes"):
+            check_number(f"plan predicted {name}", getattr(self, name), strict=False, error=PlanError)
+
     def to_json(self) -> dict:
         return {
             "step_time_s": self.step_time_s,
@@ -98,14 +124,15 @@ class Predicted:
 
     @classmethod
     def from_json(cls, data: dict) -> "Predicted":
-        _check_keys("predicted", data, {"step_time_s", "mfu", "tokens_per_s", "peak_memory_bytes", "memory_breakdown", "time_breakdown"})
+        keys = {"step_time_s", "mfu", "tokens_per_s", "peak_memory_bytes", "memory_breakdown", "time_breakdown"}
+        check_keys("plan predicted", check_mapping("plan predicted", data, PlanError), keys, keys, PlanError)
         return cls(
             step_time_s=data["step_time_s"],
             mfu=data["mfu"],
             tokens_per_s=data["tokens_per_s"],
             peak_memory_bytes=data["peak_memory_bytes"],
-            memory=MemoryBreakdown(**data["memory_breakdown"]),
-            time=TimeBreakdown(**data["time_breakdown"]),
+            memory=record(MemoryBreakdown, data["memory_breakdown"], "plan predicted memory_breakdown", PlanError),
+            time=record(TimeBreakdown, data["time_breakdown"], "plan predicted time_breakdown", PlanError),
         )
 
 
@@ -123,11 +150,18 @@ class OpPlacement:
     module: str = ""
     resolved: Strategy | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("node", "strategy", "module"):
+            check_str(f"plan op {name}", getattr(self, name), PlanError)
+
 
 @dataclass(frozen=True)
 class ParamPlacement:
     name: str
     placements: AxisPlacements
+
+    def __post_init__(self) -> None:
+        check_str("plan parameter name", self.name, PlanError)
 
 
 @dataclass(frozen=True)
@@ -136,6 +170,13 @@ class Provenance:
     search_time_s: float
     solver: str = ""
     notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_str("plan provenance.autoplan_version", self.autoplan_version, PlanError)
+        check_number("plan provenance.search_time_s", self.search_time_s, strict=False, error=PlanError)
+        check_str("plan provenance.solver", self.solver, PlanError)
+        for note in self.notes:
+            check_str("plan provenance note", note, PlanError)
 
 
 @dataclass(frozen=True)
@@ -211,25 +252,23 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict) -> "Plan":
-        if not isinstance(data, dict):
-            raise PlanError(f"a plan must be a JSON object, got {type(data).__name__}")
+        """The Plan of `to_json`'s object; PlanError naming the key that is missing, of the wrong type or
+        out of range (every part is checked as it is built: ModelRef, StageSpec, ... and `_validate`)."""
+        check_mapping("plan", data, PlanError)
         version = data.get("version")
-        if version not in READABLE_VERSIONS:
-            raise PlanError(f"plan version {version!r} is not supported; this autoplan reads versions "
+        if not any(type(version) is int and version == v for v in READABLE_VERSIONS):
+            raise PlanError(f"plan version {shown(version)} is not supported; this autoplan reads versions "
                             f"{', '.join(map(str, READABLE_VERSIONS))}. Re-run `autoplan search` to make a new plan.")
-        allowed = {"version", "model", "cluster", "mesh", "microbatch_size", "num_microbatches", "global_batch", "seq_len", "dtype",
-                   "kernels", "zero_stage", "recompute", "schedule", "stages", "placements", "predicted", "provenance", "strategies",
-                   "recompute_nodes"}
-        _check_keys("plan", data, allowed)
-        missing = sorted(allowed - {"dtype", "kernels", "recompute_nodes", "strategies"} - set(data))
-        if missing:
-            raise PlanError(f"plan is missing keys {missing}")
-        placements = data["placements"]
-        prov = data["provenance"]
+        check_keys("plan", data, PLAN_KEYS, PLAN_KEYS - OPTIONAL_PLAN_KEYS, PlanError)
+        placements = check_mapping("plan placements", data["placements"], PlanError)
+        check_keys("plan placements", placements, {"parameters", "ops"}, error=PlanError)
+        ops = check_mapping("plan placements.ops", placements.get("ops", {}), PlanError)
+        parameters = check_mapping("plan placements.parameters", placements.get("parameters", {}), PlanError)
+        prov = check_mapping("plan provenance", data["provenance"], PlanError)
         return cls(
-            model=ModelRef(**data["model"]),
-            cluster=ClusterSpec.from_json(data["cluster"]),
-            mesh=MeshShape.from_json(data["mesh"]),
+            model=record(ModelRef, data["model"], "plan model", PlanError),
+            cluster=_part("cluster", ClusterSpec.from_json, data["cluster"]),
+            mesh=_part("mesh", mesh_from_json, data["mesh"]),
             microbatch_size=data["microbatch_size"],
             num_microbatches=data["num_microbatches"],
             global_batch=data["global_batch"],
@@ -239,25 +278,29 @@ class Plan:
             zero_stage=data["zero_stage"],
             recompute=data["recompute"],
             schedule=data["schedule"],
-            stages=tuple(StageSpec(**s) for s in data["stages"]),
-            params=tuple(ParamPlacement(n, _axis_from_json(p)) for n, p in placements.get("parameters", {}).items()),
-            ops=tuple(OpPlacement(n, o["strategy"], _axis_from_json(o.get("output", {})), o.get("module", ""), resolved)
-                      for (n, o), resolved in zip(placements.get("ops", {}).items(),
-                                                  strategies_from_json(data.get("strategies", []), placements.get("ops", {})))),
-            recompute_nodes=tuple(data.get("recompute_nodes", ())),
+            stages=tuple(record(StageSpec, st, "plan stage", PlanError) for st in check_list("plan stages", data["stages"])),
+            params=tuple(ParamPlacement(n, axis_from_json(p, f"parameter {n!r}")) for n, p in parameters.items()),
+            ops=tuple(OpPlacement(n, *op_from_json(n, o), resolved)
+                      for (n, o), resolved in zip(ops.items(), strategies_from_json(data.get("strategies", []), ops))),
+            recompute_nodes=tuple(check_list("plan recompute_nodes", data.get("recompute_nodes", []))),
             predicted=Predicted.from_json(data["predicted"]),
-            provenance=Provenance(**{**prov, "notes": tuple(prov.get("notes", ()))}),
+            provenance=record(Provenance, {**prov, "notes": tuple(check_list("plan provenance.notes", prov.get("notes", [])))},
+                              "plan provenance", PlanError),
         )
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1)
 
     def save(self, path: str | Path) -> None:
-        """Write atomically: a crash mid-write never leaves a truncated plan at `path`."""
-        path = Path(path)
+        """Write atomically: a crash mid-write never leaves a truncated plan at `path`. PlanError where no file
+        can be written there (a folder, a parent that is a file, no permission)."""
+        path = check_output_file(path, "plan output", PlanError)
         text = self.dumps() + "\n"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        except OSError as exc:
+            raise PlanError(f"cannot write the plan to {str(path)!r}: {exc.strerror or exc}; choose another path") from None
         try:
             with os.fdopen(fd, "w") as handle:
                 handle.write(text)
@@ -268,40 +311,44 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        path = Path(path)
-        if not path.is_file():
-            raise PlanError(f"plan file {str(path)!r} does not exist")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"plan file {str(path)!r} is not valid JSON: {exc}") from exc
-        return cls.from_json(data)
+        """The plan in the JSON file at `path`; PlanError when it is missing, a folder, not JSON or not a plan."""
+        return cls.from_json(parse_mapping(path, read_text(path, "plan file", PlanError), "plan file", PlanError,
+                                           yaml_file=False))
 
 
 def _axis_json(placements: AxisPlacements) -> dict:
     return {axis: str(p) for axis, p in placements}
 
 
-def _axis_from_json(data: dict) -> AxisPlacements:
-    return tuple((check_axis(axis), parse_placement(text)) for axis, text in data.items())
+def _part(key: str, build, data):
+    """`build(data)`, with an error about it said to be in the plan's `key`."""
+    try:
+        return build(data)
+    except AutoplanError as exc:
+        raise PlanError(f"plan {key}: {exc}") from None
 
 
-def _check_keys(what: str, data: dict, allowed: set[str]) -> None:
-    unknown = set(data) - allowed
-    if unknown:
-        raise PlanError(f"{what} has unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+def _check_amounts(what: str, parts) -> None:
+    """Every field of a breakdown is a finite amount >= 0 (seconds or bytes)."""
+    for f in fields(parts):
+        check_number(f"plan {what}.{f.name}", getattr(parts, f.name), strict=False, error=PlanError)
 
 
 def _validate(plan: Plan) -> None:
-    """Cross-field checks; each message names the values that disagree."""
+    """Types and ranges, then cross-field checks; each message names the values that disagree."""
+    for name in ("microbatch_size", "num_microbatches", "global_batch", "seq_len"):
+        check_int(f"plan {name}", getattr(plan, name), 1, PlanError)
+    check_tokens(plan.global_batch, plan.seq_len, PlanError)
+    check_choice("plan version", plan.version, READABLE_VERSIONS, PlanError)
+    check_choice("plan zero_stage", plan.zero_stage, (0, 1, 2, 3), PlanError)
+    for node in plan.recompute_nodes:
+        check_str("plan recompute_nodes entry", node, PlanError)
     if plan.mesh.world_size != plan.cluster.world_size:
         raise PlanError(f"mesh {plan.mesh} has {plan.mesh.world_size} ranks but the cluster {plan.cluster.describe()} has {plan.cluster.world_size}")
     if plan.microbatch_size * plan.num_microbatches * plan.mesh.batch_shards != plan.global_batch:
         shards = f"dp {plan.mesh.dp}" + (f" x ep {plan.mesh.ep}" if plan.mesh.ep_as == "dp" else " (ep as cp)")
         raise PlanError(f"global_batch {plan.global_batch} != microbatch_size {plan.microbatch_size} x num_microbatches "
                         f"{plan.num_microbatches} x {shards}")
-    if plan.zero_stage not in (0, 1, 2, 3):
-        raise PlanError(f"zero_stage {plan.zero_stage!r} must be 0, 1, 2 or 3")
     if plan.recompute not in RECOMPUTE_POLICIES:
         raise PlanError(f"recompute {plan.recompute!r} must be one of {RECOMPUTE_POLICIES}")
     if plan.schedule not in SCHEDULES:

@@ -57,6 +57,7 @@ from pathlib import Path
 
 import torch
 
+from autoplan.cli.args import OneLineParser, existing_file, non_negative_int, positive_float, positive_int
 from autoplan.step_meter import StepMeter
 from autoplan.errors import AutoplanError, CollectiveError, TrainingDivergedError
 
@@ -64,27 +65,27 @@ SYNTHETIC_PERIOD = 97  # tokens; prime, so windows at different offsets differ
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="autoplan.train", description="Train a model under an autoplan plan (run under torchrun).")
+    p = OneLineParser(prog="autoplan.train", description="Train a model under an autoplan plan (run under torchrun).")
     p.add_argument("--model", required=True, help="a known model name, e.g. tiny-llama")
     p.add_argument("--plan", help="a plan JSON file; searched for the launched world when absent")
     p.add_argument("--cluster", help="cluster for the search (default: 1 x WORLD_SIZE x cpu, or the plan's)")
-    p.add_argument("--global-batch", type=int, default=8, help="sequences per step (when searching)")
-    p.add_argument("--seq", type=int, default=32, help="tokens per sequence (when searching)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", help="a text file; default: synthetic tokens")
+    p.add_argument("--global-batch", type=positive_int, default=8, help="sequences per step (when searching)")
+    p.add_argument("--seq", type=positive_int, default=32, help="tokens per sequence (when searching)")
+    p.add_argument("--steps", type=non_negative_int, default=20)
+    p.add_argument("--lr", type=positive_float, default=1e-3)
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--data", type=existing_file, help="a text file; default: synthetic tokens")
     p.add_argument("--save", help="save a checkpoint here at the end (and every --save-every steps)")
-    p.add_argument("--save-every", type=int, default=0,
+    p.add_argument("--save-every", type=non_negative_int, default=0,
                    help="also save every N steps, all into DIR/step-NNNNNN (0: only at the end, into DIR)")
-    p.add_argument("--keep", type=int, default=0,
+    p.add_argument("--keep", type=non_negative_int, default=0,
                    help="with --save-every: keep only the newest K numbered checkpoints (0: all)")
     p.add_argument("--resume", help="continue from this checkpoint (saved under any plan of the model), "
                                     "or from the newest complete one in a folder of numbered checkpoints")
     p.add_argument("--auto-resume", action="store_true",
                    help="resume from --save DIR when it holds a complete checkpoint (implied on a "
                         "torchrun restart)")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=positive_float, default=300.0, metavar="SECONDS",
                    help="how long a collective waits for the other ranks before the job fails "
                         "(default 300)")
     p.add_argument("--log-json", help="rank 0 writes the per-step losses here")

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from autoplan.errors import AutoplanError, ConfigError
 from autoplan.profiler.profile import HardwareProfile, local_device_name
+from autoplan.validate import check_output_file
 
 if TYPE_CHECKING:
     import torch
@@ -179,6 +180,7 @@ def cmd_profile(args) -> int:
     import torch
     import torch.distributed as dist
 
+    check_output_file(args.output, "profile output -o")  # before minutes of measuring, not after
     device = _device(args.device)
     if args.threads is not None:
         if args.threads < 1:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from autoplan.errors import ConfigError
+from autoplan.validate import path_kind
 
 PROFILE_VERSION = 1
 DEVICE_KINDS = ("cpu", "cuda")
@@ -281,8 +282,10 @@ class HardwareProfile:
     def load(cls, path: str | Path, expect_device: str | None = None) -> "HardwareProfile":
         """Read and validate `path`; with `expect_device`, refuse a profile of another device."""
         path = Path(path)
-        if not path.is_file():
-            raise ProfileError(f"profile file {str(path)!r} does not exist; make one with `autoplan profile -o {path}`")
+        kind = path_kind(path)
+        if kind != "file":
+            state = "does not exist" if kind == "missing" else f"is not a file ({kind})"
+            raise ProfileError(f"profile file {str(path)!r} {state}; make one with `autoplan profile -o FILE`")
         try:
             data = json.loads(path.read_text())  # NaN / Infinity parse, then fail validation by name
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoplan.cluster import ClusterSpec, parse_cluster
+from autoplan.cluster import ClusterSpec, cluster_mismatch, parse_cluster
 from autoplan.errors import ConfigError, PlanError
 from autoplan.models.config import ModelConfig
 from autoplan.plan import Plan
@@ -89,11 +89,7 @@ def check_plan(plan: Plan, config: ModelConfig, cluster: ClusterSpec | str | Non
         raise PlanError(f"model fingerprint {config.fingerprint()} ({config.name}) != plan model "
                         f"fingerprint {plan.model.fingerprint} ({plan.model.name}); this plan was "
                         f"made for another model: re-run the search for this one")
-    if cluster is not None:
-        spec = parse_cluster(cluster) if isinstance(cluster, str) else cluster
-        if spec.world_size != plan.mesh.world_size:
-            raise PlanError(f"cluster {spec.describe()} has {spec.world_size} devices but the plan "
-                            f"mesh {plan.mesh} has {plan.mesh.world_size} ranks")
+    check_cluster(plan, cluster)
     stages_per_rank = max(1, len(plan.stages) // plan.mesh.pp)
     problems = configuration_problems(config, plan.mesh, plan.global_batch, plan.seq_len, plan.microbatch_size,
                                       plan.zero_stage, plan.recompute, plan.schedule, stages_per_rank,
@@ -102,6 +98,17 @@ def check_plan(plan: Plan, config: ModelConfig, cluster: ClusterSpec | str | Non
     if plan.schedule != SCHEDULE_INTERLEAVED and len(plan.stages) > plan.mesh.pp:
         raise PlanError(f"the plan has {len(plan.stages)} stages for pp={plan.mesh.pp} (virtual stages) but "
                         f"schedule {plan.schedule!r}: use '{SCHEDULE_INTERLEAVED}'")
+
+
+def check_cluster(plan: Plan, cluster: ClusterSpec | str | None) -> None:
+    """The cluster given must be the plan's (`autoplan.cluster.cluster_mismatch`: device and layout),
+    whichever runtime runs it; None: not checked."""
+    if cluster is None:
+        return
+    spec = parse_cluster(cluster) if isinstance(cluster, str) else cluster
+    mismatch = cluster_mismatch(plan.cluster, spec)
+    if mismatch:
+        raise PlanError(mismatch)
 
 
 def device_memory_bytes(device: torch.device) -> tuple[float, str]:

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoplan.cluster import ClusterSpec, parse_cluster
+from autoplan.cluster import ClusterSpec
 from autoplan.errors import AutoplanError, ConfigError, PlanError
 from autoplan.plan import Plan
-from autoplan.runtime.launch import (_check_backend, _device, _device_for, _init_process_group, _timeout,
+from autoplan.runtime.launch import (_check_backend, check_cluster, _device, _device_for, _init_process_group, _timeout,
                                      _launched_world_size, check_memory_fits)
 from autoplan.runtime.module_plan import ModulePlan, module_plan
 from autoplan.runtime.module_program import ModuleProgram, block_lists, plan_mesh
@@ -36,11 +36,7 @@ RUNS_AXES = ("dp", "tp")
 
 def check_module_plan(plan: Plan, model: nn.Module, cluster: ClusterSpec | str | None = None) -> ModulePlan:
     """Every check that needs no communication (module docstring, step 1); the module plan."""
-    if cluster is not None:
-        spec = parse_cluster(cluster) if isinstance(cluster, str) else cluster
-        if spec.world_size != plan.mesh.world_size:
-            raise PlanError(f"cluster {spec.describe()} has {spec.world_size} devices but the plan "
-                            f"mesh {plan.mesh} has {plan.mesh.world_size} ranks")
+    check_cluster(plan, cluster)
     other = {a: d for a, d in plan.mesh.degrees().items() if a not in RUNS_AXES and d > 1}
     if other:
         raise PlanError(f"the plan uses {other}; the runtime for your own module runs dp and tp "

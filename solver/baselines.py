@@ -26,7 +26,7 @@ from autoplan.errors import ConfigError
 from autoplan.plan import Plan
 from autoplan.solver.context import VARIANT_ILP, VARIANT_MEGATRON, BaselineResult, GraphSource, SearchContext
 from autoplan.cost_model.step_config import Config
-from autoplan.solver.space import SearchOptions, divisors, memory_lower_bound
+from autoplan.solver.space import SearchOptions, divisors, divisors_up_to, memory_lower_bound
 from autoplan.strategies import StrategyRegistry
 
 BASELINE_NAMES = ("megatron", "fsdp")
@@ -77,7 +77,7 @@ def fsdp_baseline(ctx: SearchContext, options: SearchOptions | None = None) -> B
     world, batch = ctx.cluster.world_size, ctx.global_batch
     if batch % world:
         return Baseline("fsdp", None, f"the global batch {batch} is not divisible by dp = world = {world}")
-    sizes = sorted((d for d in divisors(batch // world) if d <= options.max_microbatch_size), reverse=True)
+    sizes = sorted(divisors_up_to(batch // world, options.max_microbatch_size), reverse=True)
     for recompute in options.recompute:
         for mbs in sizes:
             priced = _fits(ctx, Config.of(1, 1, 1, 1, world, mbs, batch // (world * mbs), 3, recompute), VARIANT_ILP)

@@ -3,19 +3,21 @@
 A configuration (`Config`) fixes the mesh pp x dp x ep x cp x tp, the microbatch size and count, the
 ZeRO stage, the recompute policy and the pipeline schedule. Enumerated (`enumerate_configs`):
 
-    tp   divides the GPUs per node (tensor parallelism stays inside a node) and the world size
-    cp   1, 2, 4, ... while the sequence rules hold (`parallel_dims.cp_problem`)
+    tp   divides the GPUs per node (tensor parallelism stays inside a node) and the world size, and splits
+         the attention heads and kv heads (`validity.tp_problem`, the rule `estimate` applies), so that
+         the search returns no plan that `estimate` of its mesh refuses
+    cp   1, 2, 4, ... while the sequence rules hold (`validity.cp_problem`)
     pp   divides world / (tp cp), at most the number of layers
     D    = world / (tp cp pp), the data-parallel degree, must divide the global batch
     ep   divides D and the experts (MoE models only); the mesh's dp axis is D / ep
     ep_as what the ep ranks are to the non-expert layers (`MeshShape.ep_as`): "dp" (the batch split over
          dp x ep: D must divide the global batch), and "cp" for MoE models with ep > 1 where the sequence
-         rules hold for cp x ep (`parallel_dims.cp_problem`; cp may be 1): each sequence split over cp x ep,
+         rules hold for cp x ep (`validity.cp_problem`; cp may be 1): each sequence split over cp x ep,
          the batch over dp alone (dp must divide it); not at microbatches where ep_as = "dp" does the same
          work per rank with less communication (`_dominated_by_ep_as_dp`)
     etp  the experts' tensor-parallel degree (`MeshShape.etp`): tp, and for MoE models with tp > 1 every
          smaller divisor of tp where ep x tp / etp divides the experts, etp the experts' FFN width and
-         tp x cp the sequence (`parallel_dims.etp_problem`)
+         tp x cp the sequence (`validity.etp_problem`)
     mbs  divides global_batch / B, at most `max_microbatch_size`; m = global_batch / (B mbs), with B the batch
          shards: D, or dp under ep_as = "cp"
     schedule 1F1B, or interleaved 1F1B with v virtual stages when pp > 1, the layers divide by pp v
@@ -49,12 +51,13 @@ from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.memory import model_state_bytes, state_bytes_for
 from autoplan.cost_model.parallel_dims import axes_group
 from autoplan.validity import (SCHEDULE_1F1B, SCHEDULE_INTERLEAVED, cp_problem, etp_problem, nearest_multiples,
-                               pipeline_problem, zero_problem)
+                               pipeline_problem, tp_problem, zero_problem)
 from autoplan.cost_model.step_config import ITEMSIZE, Config
 from autoplan.errors import ConfigError, InfeasibleError
 from autoplan.mesh import DEFAULT_ORDER, MeshShape
 from autoplan.models.config import ModelConfig
 from autoplan.validity import RECOMPUTE_POLICIES, ZERO_STAGES
+from autoplan.validate import check_int
 
 MIN_TOKENS_PER_CP_RANK = 1024  # a search heuristic, not a rule: `_worth_cp`
 
@@ -75,11 +78,23 @@ class SearchOptions:
     orders: bool = True  # also try the other orders of the axes over ranks (`mesh_orders`)
 
     def __post_init__(self) -> None:
-        if self.max_microbatch_size < 1:
-            raise ConfigError(f"max_microbatch_size={self.max_microbatch_size} must be >= 1")
-        if not set(self.zero_stages) <= set(ZERO_STAGES) or not set(self.recompute) <= set(RECOMPUTE_POLICIES):
+        check_int("SearchOptions max_microbatch_size", self.max_microbatch_size)
+        for name in ("pipeline", "context_parallel", "expert_parallel", "expert_tensor_parallel", "ep_over_cp", "orders"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"SearchOptions {name}={getattr(self, name)!r}: expected True or False")
+        for v in _tuple("virtual_stages", self.virtual_stages):
+            check_int("SearchOptions virtual_stages entry", v, minimum=2)
+        zero, recompute = _tuple("zero_stages", self.zero_stages), _tuple("recompute", self.recompute)
+        if not all(type(z) is int for z in zero) or not set(zero) <= set(ZERO_STAGES) or \
+                not set(recompute) <= set(RECOMPUTE_POLICIES):
             raise ConfigError(f"zero_stages {self.zero_stages} must be within {ZERO_STAGES} and recompute "
                               f"{self.recompute} within {RECOMPUTE_POLICIES}")
+
+
+def _tuple(name: str, value: object) -> tuple:
+    if not isinstance(value, tuple):
+        raise ConfigError(f"SearchOptions {name}={value!r}: expected a tuple")
+    return value
 
 
 # Orders of the axes over ranks tried besides the default (tp innermost): cp or ep innermost keeps a
@@ -111,7 +126,21 @@ def mesh_orders(tp: int, cp: int, pp: int, ep: int, dp: int, gpus_per_node: int,
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n >= 1, ascending, found in O(sqrt n) steps."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def divisors_up_to(n: int, limit: int) -> list[int]:
+    """The divisors of n >= 1 that are at most `limit`, ascending (n may be huge, the limit is small)."""
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def tp_degrees(model: ModelConfig, cluster: ClusterSpec) -> list[int]:
+    """The tp searched (module docstring): divisors of the GPUs per node that divide the world size and split
+    the attention heads and kv heads as `estimate` demands (`validity.tp_problem`)."""
+    return [t for t in divisors(cluster.gpus_per_node)
+            if cluster.world_size % t == 0 and tp_problem(model.heads, model.kv_heads, t) is None]
 
 
 def _cp_degrees(model: ModelConfig, tp: int, seq_len: int, room: int, options: SearchOptions) -> list[int]:
@@ -133,7 +162,7 @@ def enumerate_meshes(model: ModelConfig, cluster: ClusterSpec, global_batch: int
                      options: SearchOptions) -> list[tuple[int, int, int, int, int, str]]:
     """(tp, cp, pp, ep, dp axis, ep_as) of every mesh the module docstring allows."""
     world, found = cluster.world_size, []
-    for tp in (t for t in divisors(cluster.gpus_per_node) if world % t == 0):
+    for tp in tp_degrees(model, cluster):
         for cp in _cp_degrees(model, tp, seq_len, world // tp, options):
             for pp in divisors(world // (tp * cp)):
                 if pp > model.num_layers or (pp > 1 and not options.pipeline):
@@ -162,19 +191,19 @@ def _ep_roles(model: ModelConfig, global_batch: int, seq_len: int, degrees: tupl
 
 def _no_mesh_message(model: ModelConfig, cluster: ClusterSpec, global_batch: int, options: SearchOptions) -> str:
     world = cluster.world_size
-    largest = max(t * p for t in divisors(cluster.gpus_per_node) if world % t == 0
+    largest = max(t * p for t in tp_degrees(model, cluster)
                   for p in divisors(world // t) if p <= model.num_layers and (p == 1 or options.pipeline))
     smallest_dp = world // largest
     near = ", ".join(map(str, nearest_multiples(global_batch, smallest_dp)))
     return (f"global batch {global_batch} is not divisible by dp={smallest_dp}, the smallest data-parallel degree "
-            f"world / (tp x pp) allows on {cluster.describe()} (tp <= {cluster.gpus_per_node}, pp <= "
-            f"{model.num_layers} layers); nearest that work: {near}")
+            f"world / (tp x pp) allows on {cluster.describe()} (tp dividing {cluster.gpus_per_node} GPUs per node "
+            f"and the heads, pp <= {model.num_layers} layers); nearest that work: {near}")
 
 
 def expert_tp_degrees(model: ModelConfig, tp: int, cp: int, ep: int, seq_len: int,
                       options: SearchOptions) -> tuple[int | None, ...]:
     """The etp searched for a mesh: None (= tp) always, then every smaller divisor of tp, ascending, that
-    runs (`parallel_dims.etp_problem`). `cp`: how many ways the dense layers split the sequence (x ep under
+    runs (`validity.etp_problem`). `cp`: how many ways the dense layers split the sequence (x ep under
     ep_as = "cp")."""
     if not options.expert_tensor_parallel or tp == 1 or not model.experts:
         return (None,)
@@ -211,8 +240,8 @@ def _mesh_configs(model: ModelConfig, global_batch: int, options: SearchOptions,
     recompute."""
     tp, cp, pp, ep, dp = degrees
     per_rank, configs = global_batch // (dp if ep_as == "cp" else dp * ep), []
-    for mbs in (d for d in divisors(per_rank) if d <= options.max_microbatch_size
-                and not _dominated_by_ep_as_dp(global_batch, dp, ep, d, ep_as)):
+    for mbs in (d for d in divisors_up_to(per_rank, options.max_microbatch_size)
+                if not _dominated_by_ep_as_dp(global_batch, dp, ep, d, ep_as)):
         m = per_rank // mbs
         schedules = [(s, v) for s, v in [(SCHEDULE_1F1B, 1)] + [(SCHEDULE_INTERLEAVED, v) for v in options.virtual_stages]
                      if pipeline_problem(model.num_layers, pp, s, v, m) is None]
@@ -283,21 +312,47 @@ def time_lower_bound_s(cfg: Config, flops: FlopsPerSequence, flops_per_s: float)
     return (cfg.num_microbatches + (cfg.pp - 1) / cfg.virtual_stages) * per_microbatch_s / cfg.pp
 
 
+def nearest_gpus(model: ModelConfig, cluster: ClusterSpec, seq_len: int, dtype: str) -> int | None:
+    """About how many of the cluster's devices could hold the model at `seq_len`, or None when no number can.
+
+    A lower bound in the spirit of `memory_lower_bound`, on G devices with 10% of each left for buffers
+    (budget B = 0.9 x capacity): the model states S = N x (weight + grad + optimizer bytes) sharded over all
+    G ranks (ZeRO-3), and the activations of one sequence, X = L x T x hidden x itemsize (every layer keeps at
+    least its input), split at most tp x cp x pp ways, where tp x cp <= heads (each rank keeps whole heads)
+    and pp <= L. So a rank holds >= S / G + X / min(G, heads x L), and G is the smallest with that <= B."""
+    state = state_bytes_for(dtype)
+    states = (state.weight + state.grad + state.optimizer) * model.num_parameters()
+    activations = model.num_layers * seq_len * model.hidden * ITEMSIZE[dtype]
+    budget, widest = 0.9 * cluster.device.memory_bytes, model.heads * model.num_layers
+    gpus = math.ceil((states + activations) / budget)
+    if gpus > widest:  # past heads x L ranks the activations split no further
+        left = budget - activations / widest
+        if left <= 0:
+            return None
+        gpus = max(widest + 1, math.ceil(states / left))
+    return max(cluster.world_size + 1, gpus)
+
+
 def too_small_message(model: ModelConfig, cluster: ClusterSpec, seq_len: int, dtype: str, smallest: float,
                       smallest_cfg: Config | None, bound: bool) -> str:
-    """The cluster cannot hold the model: by how much, and about how many GPUs would."""
+    """The cluster cannot hold the model: by how much, and about how many GPUs would (`nearest_gpus`)."""
     state = state_bytes_for(dtype)
     per_param = state.weight + state.grad + state.optimizer
     have = cluster.device.memory_bytes
-    # everything sharded over every rank (ZeRO-3 over all of them), 10% left for activations and buffers
-    gpus = max(cluster.world_size + 1, math.ceil(per_param * model.num_parameters() / (0.9 * have)))
-    nodes = -(-gpus // cluster.gpus_per_node)
     where = f" ({smallest_cfg.describe()})" if smallest_cfg else ""
+    gpus = nearest_gpus(model, cluster, seq_len, dtype)
+    if gpus is None:
+        keep = model.num_layers * seq_len * model.hidden * ITEMSIZE[dtype] / (model.heads * model.num_layers)
+        helps = (f"a shorter sequence than {seq_len}: no number of {cluster.device.name} GPUs could work, since one "
+                 f"sequence's activations split over every head and layer still need {keep / 1e9:.1f} GB per GPU")
+    else:
+        nodes = -(-gpus // cluster.gpus_per_node)
+        helps = (f"more GPUs (the nearest cluster that could work has about {gpus} GPUs: {nodes} nodes of "
+                 f"{cluster.gpus_per_node}), or a shorter sequence than {seq_len}")
     return (f"{model.name} ({model.num_parameters() / 1e9:.1f} B parameters, {per_param:.0f} bytes each with Adam) "
             f"does not fit {cluster.describe()}: the smallest configuration needs {'at least ' if bound else ''}"
             f"{smallest / 1e9:.1f} GB per GPU{where} but each {cluster.device.name} has {have / 1e9:.1f} GB "
-            f"({(smallest - have) / 1e9:.1f} GB over). What would help: more GPUs (the nearest cluster that could "
-            f"work has about {gpus} GPUs: {nodes} nodes of {cluster.gpus_per_node}), or a shorter sequence than {seq_len}")
+            f"({(smallest - have) / 1e9:.1f} GB over). What would help: {helps}")
 
 
 def infeasible(model: ModelConfig, cluster: ClusterSpec, seq_len: int, dtype: str, smallest: float,

@@ -225,8 +225,10 @@ def test_keep_without_numbered_checkpoints_is_refused_before_training():
     from autoplan.errors import AutoplanError
     from autoplan.train import build_parser, train
 
-    for extra in (["--keep", "2"], ["--keep", "2", "--save", "ck"],
-                  ["--keep", "-1", "--save", "ck", "--save-every", "5"]):
+    for extra in (["--keep", "2"], ["--keep", "2", "--save", "ck"]):
         args = build_parser().parse_args(["--model", "tiny-gpt"] + extra)
         with pytest.raises(AutoplanError, match="--keep.*with --save DIR --save-every N"):
             train(args)  # refused before any process group is needed
+    with pytest.raises(SystemExit) as refused:  # a negative count does not parse (one line, exit 2)
+        build_parser().parse_args(["--model", "tiny-gpt", "--keep", "-1", "--save", "ck", "--save-every", "5"])
+    assert refused.value.code == 2

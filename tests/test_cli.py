@@ -72,10 +72,10 @@ def test_console_script_runs_as_module():
 
 
 @pytest.mark.parametrize("argv", [["search"], ["show"]])
-def test_missing_arguments_are_usage_errors(argv):
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
+def test_missing_arguments_are_usage_errors(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "required" in err and "--help" in err
 
 
 def test_search_plans_a_hugging_face_config(tmp_path, capsys):

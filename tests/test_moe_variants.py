@@ -55,10 +55,10 @@ def test_published_and_chosen_sizes():
     ("tiny-deepseek", dict(dense_layers=3), "dense_layers=3 leaves no MoE layer of num_layers=3"),
     ("tiny-deepseek", dict(dense_ffn_hidden=0), "dense_layers=1 and dense_ffn_hidden=0 must be both 0"),
     ("tiny-moe", dict(dense_ffn_hidden=64), "dense_layers=0 and dense_ffn_hidden=64"),
-    ("tiny-deepseek", dict(shared_experts=-1), "shared_experts=-1 must be a non-negative integer"),
-    ("tiny-deepseek", dict(shared_experts=True), "shared_experts=True must be a non-negative integer"),
+    ("tiny-deepseek", dict(shared_experts=-1), "shared_experts=-1: expected an integer >= 0"),
+    ("tiny-deepseek", dict(shared_experts=True), "shared_experts=True: expected an integer >= 0"),
     ("tiny-bigmac", dict(expert_hidden=64), "expert_hidden=64 must be below hidden=64"),
-    ("tiny-bigmac", dict(expert_hidden=2.5), "expert_hidden=2.5 must be a non-negative integer"),
+    ("tiny-bigmac", dict(expert_hidden=2.5), "expert_hidden=2.5: expected an integer >= 0"),
     ("tiny-llama", dict(shared_experts=2), "shared_experts=2: these fields are only for family 'moe'"),
     ("tiny-llama", dict(expert_hidden=16, dense_layers=1), "dense_layers=1, expert_hidden=16: these fields"),
 ])

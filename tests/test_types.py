@@ -162,7 +162,7 @@ def test_cluster_file_errors_name_the_key(tmp_path):
         parse_cluster(str(path))
     path.write_text(json.dumps({"num_nodes": 2, "gpus_per_node": 8, "device": {"name": "g", "peak_flops": {"bfloat16": 1e14},
                                                                               "memory_bytes": "lots", "memory_bandwidth_bytes_per_s": 1e12}}))
-    with pytest.raises(ConfigError, match="memory_bytes must be a number, got 'lots'"):
+    with pytest.raises(ConfigError, match="memory_bytes='lots': expected a number"):
         parse_cluster(str(path))
 
 

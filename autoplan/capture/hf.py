@@ -77,11 +77,14 @@ from torch import nn
 
 from autoplan.capture import CapturedGraph, NodeInfo
 from autoplan.errors import AutoplanError, ConfigError
+from autoplan.capture.hf_config import check_supported, hf_count, hf_number
 from autoplan.capture.hf_convert import GraphConverter, HfLayout
 from autoplan.models.config import ModelConfig
+from autoplan.validate import check_number, one_line, parse_mapping, path_kind, read_text
 
 CONFIG_VOLATILE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
                    "_attn_implementation", "_experts_implementation", "_commit_hash")
+HIDDEN, HEADS = ("hidden_size", "n_embd"), ("num_attention_heads", "n_head")  # the keys of each, by family
 
 
 class CaptureError(AutoplanError):
@@ -94,28 +97,29 @@ class CaptureError(AutoplanError):
 def load_hf_config(path: str | Path):
     """A transformers config from `config.json` (a file, or a directory holding one); no network."""
     path = Path(path)
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
+    folder = path_kind(path) == "folder"
+    file = path / "config.json" if folder else path
+    if path_kind(file) != "file":
         raise ConfigError(f"{path}: no such file or directory with a config.json; give the path of a "
                           f"Hugging Face config.json or of a checkpoint directory holding one")
-    try:
-        data = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(data, dict) or "model_type" not in data:
-        raise ConfigError(f"{file}: a Hugging Face config needs a 'model_type' key (e.g. 'llama', "
+    data = dict(parse_mapping(file, read_text(file, "Hugging Face config"), "Hugging Face config", yaml_file=False))
+    if not isinstance(data.get("model_type"), str):
+        raise ConfigError(f"{file}: a Hugging Face config needs a 'model_type' string (e.g. 'llama', "
                           f"'gpt2', 'mixtral', 'qwen2_moe'); found keys {sorted(data)[:12]}")
     from transformers import AutoConfig  # lazy: transformers is an optional (dev) dependency
 
-    data = dict(data)
     model_type = data.pop("model_type")
     try:
         config = AutoConfig.for_model(model_type, **data)
     except (ValueError, KeyError) as e:
-        raise ConfigError(f"{file}: transformers does not know model_type {model_type!r} ({e}); "
+        raise ConfigError(f"{file}: transformers does not know model_type {model_type!r} ({one_line(e)[:300]}); "
                           f"upgrade transformers or fix the config") from None
-    config._name_or_path = str(file.parent.name if path.is_dir() or file.name == "config.json"
+    except Exception as e:  # noqa: BLE001 - transformers' own checks of the values (TypeError, strict-dataclass errors)
+        raise ConfigError(f"{file}: transformers refused this {model_type!r} config: {one_line(e)[:300]}; "
+                          f"fix that key") from None
+    config._name_or_path = str(file.parent.name if folder or file.name == "config.json"
                                else file.stem)
+    check_supported(config, str(file))
     return config
 
 
@@ -130,19 +134,17 @@ def _get(config, *names: str, default=None):
 def hf_model_info(config) -> dict:
     """What the strategy rules read (`ModelConfig.rule_info`), from the HF config itself, so a
     head_dim other than hidden / heads is right."""
-    hidden, heads = _get(config, "hidden_size", "n_embd"), _get(config, "num_attention_heads", "n_head")
-    head_dim = _get(config, "head_dim", default=hidden // heads)
-    return {"head_dim": int(head_dim), "ffn_hidden": int(_ffn_hidden(config))}
+    hidden, heads = hf_count(config, HIDDEN), hf_count(config, HEADS)
+    return {"head_dim": hf_count(config, ("head_dim",), hidden // heads), "ffn_hidden": _ffn_hidden(config)}
 
 
 def _ffn_hidden(config) -> int:
-    hidden = _get(config, "hidden_size", "n_embd")
-    return int(_get(config, "moe_intermediate_size", "intermediate_size", "n_inner", default=4 * hidden))
+    return hf_count(config, ("moe_intermediate_size", "intermediate_size", "n_inner"), 4 * hf_count(config, HIDDEN))
 
 
 def _experts(config) -> tuple[int, int]:
-    experts = int(_get(config, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0)
-    top_k = int(_get(config, "num_experts_per_tok", "moe_topk", default=0) or 0) if experts else 0
+    experts = hf_count(config, ("num_local_experts", "num_experts", "n_routed_experts"), 0, minimum=0)
+    top_k = hf_count(config, ("num_experts_per_tok", "moe_topk"), 0, minimum=0) if experts else 0
     return experts, top_k
 
 
@@ -150,23 +152,25 @@ def hf_model_config(config, name: str | None = None) -> ModelConfig:
     """The `ModelConfig` summary of an HF config: family (gpt: learned positions and LayerNorm, as
     GPT-2; moe: routed experts; llama otherwise), layers, hidden, heads, kv heads, ffn (the routed
     experts' for MoE), vocab, max positions, experts, top_k. Shared experts (Qwen2-MoE) and tied
-    embeddings are not in the summary's `num_parameters`; the captured graph has the exact count."""
-    hidden = int(_get(config, "hidden_size", "n_embd"))
-    heads = int(_get(config, "num_attention_heads", "n_head"))
-    kv_heads = int(_get(config, "num_key_value_heads", default=heads))
+    embeddings are not in the summary's `num_parameters`; the captured graph has the exact count. Configs
+    autoplan cannot model faithfully are refused (`hf_config.unsupported_reason`)."""
+    check_supported(config, _model_name(config))
+    hidden, heads = hf_count(config, HIDDEN), hf_count(config, HEADS)
+    kv_heads = hf_count(config, ("num_key_value_heads",), heads)
     experts, top_k = _experts(config)
     model_type = getattr(config, "model_type", "hf")
     family = "moe" if experts else ("gpt" if model_type in ("gpt2", "gpt_neo", "gptj", "opt", "gpt_bigcode")
                                     and kv_heads == heads else "llama")
     rope = _get(config, "rope_theta", default=None)
     if rope is None:
-        rope = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        parameters = getattr(config, "rope_parameters", None)
+        rope = (parameters if isinstance(parameters, dict) else {}).get("rope_theta", 10000.0)
     return ModelConfig(
-        name or _model_name(config), family, int(_get(config, "num_hidden_layers", "n_layer")), hidden,
-        heads, kv_heads, _ffn_hidden(config), int(config.vocab_size),
-        int(_get(config, "max_position_embeddings", "n_positions", default=2048)), experts, top_k,
-        float(_get(config, "rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", default=1e-5)),
-        float(rope))
+        name or _model_name(config), family, hf_count(config, ("num_hidden_layers", "n_layer")), hidden,
+        heads, kv_heads, _ffn_hidden(config), hf_count(config, ("vocab_size",)),
+        hf_count(config, ("max_position_embeddings", "n_positions"), 2048), experts, top_k,
+        hf_number(config, ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"), 1e-5),
+        check_number("Hugging Face config rope_theta", rope))
 
 
 def _model_name(config) -> str:
@@ -216,6 +220,8 @@ def capture_hf(model_or_config, batch_size: int, seq_len: int, dtype: torch.dtyp
             raise ConfigError(f"capture_hf: {key}={value!r} must be a positive integer")
     if isinstance(model_or_config, (str, Path)):
         model_or_config = load_hf_config(model_or_config)
+    if not isinstance(model_or_config, nn.Module):
+        check_supported(model_or_config, _model_name(model_or_config))
     model = model_or_config if isinstance(model_or_config, nn.Module) else build_hf_model(model_or_config, dtype)
     config = getattr(model, "config", None)
     _check_model(model, config, seq_len, dtype)

@@ -10,7 +10,9 @@
     autoplan models
     autoplan profile -o profile.json          # measure this machine (under torchrun: collectives too)
 
-Bad input exits with status 2 and a message on stderr that says what to change.
+Bad input exits with status 2 and one line on stderr that says what was given, what was expected and what
+to change (`--debug` adds the traceback); an error autoplan did not expect shows its traceback and asks for
+a report (status 1).
 """
 
 from __future__ import annotations
@@ -18,21 +20,23 @@ from __future__ import annotations
 import argparse
 import sys
 
+from autoplan.cli.args import OneLineParser, exit_on_error, positive_float, positive_int, report_bug
 from autoplan.validity import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED
 from autoplan.errors import AutoplanError
+from autoplan.validate import check_output_file, path_kind
 
 
 def _search_parser(sub) -> None:
     p = sub.add_parser("search", help="find the fastest plan for a model on a cluster and write it")
     _model_options(p, hf=True)
     p.add_argument("--cluster", required=True, help="NODESxGPUSxDEVICE (e.g. 128x8xh100) or a cluster YAML/JSON file")
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-    p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per optimizer step")
+    p.add_argument("--seq", type=positive_int, required=True, help="tokens per sequence")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON to stdout instead of the tables")
     p.add_argument("--no-fold", action="store_true", help="solve the unfolded graph (slower; for comparison)")
-    p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit per solve, seconds")
+    p.add_argument("--time-limit", type=positive_float, default=60.0, help="ILP time limit per solve, seconds")
     _profile_option(p)
     from autoplan.cli.explain import add_search_options
 
@@ -66,22 +70,22 @@ def _estimate_parser(sub) -> None:
     p = sub.add_parser("estimate", help="price one configuration you give (how fast would my config be?)")
     _model_options(p)
     p.add_argument("--cluster", required=True, help="NODESxGPUSxDEVICE (e.g. 128x8xh100) or a cluster YAML/JSON file")
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-    p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per optimizer step")
+    p.add_argument("--seq", type=positive_int, required=True, help="tokens per sequence")
     for axis in ("tp", "pp", "cp", "ep"):
-        p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} degree (default 1)")
-    p.add_argument("--dp", type=int, help="dp degree (default: world / (tp pp cp ep))")
-    p.add_argument("--etp", type=int, help="the MoE experts' tensor-parallel degree, a divisor of tp: tp (default; "
+        p.add_argument(f"--{axis}", type=positive_int, default=1, help=f"{axis} degree (default 1)")
+    p.add_argument("--dp", type=positive_int, help="dp degree (default: world / (tp pp cp ep))")
+    p.add_argument("--etp", type=positive_int, help="the MoE experts' tensor-parallel degree, a divisor of tp: tp (default; "
                    "each expert's FFN split over tp), 1 (experts whole, the tp ranks folded into expert parallelism) "
                    "or in between (each FFN split over etp ranks, tp / etp of them folded into expert parallelism)")
     p.add_argument("--ep-as", default="dp", choices=("dp", "cp"),
                    help="what the ep ranks are to the non-expert layers: dp (default; the batch split over dp x ep) "
                    "or cp (each sequence split over cp x ep, attention's context-parallel group spanning them)")
-    p.add_argument("--mbs", type=int, default=1, help="microbatch size (default 1)")
+    p.add_argument("--mbs", type=positive_int, default=1, help="microbatch size (default 1)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage (default 1)")
     p.add_argument("--recompute", default="selective", choices=("none", "selective", "full"))
     p.add_argument("--schedule", default=SCHEDULE_1F1B, choices=(SCHEDULE_1F1B, SCHEDULE_INTERLEAVED))
-    p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
+    p.add_argument("--virtual-stages", type=positive_int, default=1, help="model chunks per pipeline rank (interleaved)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("-o", "--output", metavar="FILE", help="write the priced plan JSON here")
     p.add_argument("--json", action="store_true", help="print only the `predicted` block as JSON")
@@ -89,7 +93,8 @@ def _estimate_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autoplan", description="Automatic parallelism planner for PyTorch training.")
+    parser = OneLineParser(prog="autoplan", description="Automatic parallelism planner for PyTorch training.")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error too")
     sub = parser.add_subparsers(dest="command", required=True)
     _search_parser(sub)
     show = sub.add_parser("show", help="print a saved plan")
@@ -103,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_explain_parser(sub)
     add_compare_parser(sub)
     add_profile_parser(sub)
+    for command in sub.choices.values():  # --debug after the command too; SUPPRESS keeps a --debug given before it
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error too")
     return parser
 
 
@@ -117,9 +124,8 @@ def cmd_search(args) -> int:
     from autoplan.cli.explain import save_top, search_progress, search_report
     from autoplan.api import search_plans
 
+    check_outputs(args)
     cluster = parse_cluster(args.cluster)
-    if args.global_batch < 1 or args.seq < 1 or args.top < 1:
-        raise AutoplanError(f"--global-batch ({args.global_batch}), --seq ({args.seq}) and --top ({args.top}) must be positive")
     captured = _hf_capture(args) if args.hf_config else {}
     config = captured.pop("config") if captured else _load_model_config(args)
     with search_progress() as progress:
@@ -160,6 +166,7 @@ def cmd_estimate(args) -> int:
     from autoplan.mesh import MeshShape
     from autoplan.api import estimate
 
+    check_outputs(args)
     config = _load_model_config(args)
     cluster = parse_cluster(args.cluster)
     others = args.tp * args.pp * args.cp * args.ep
@@ -212,8 +219,22 @@ def cmd_models(args) -> int:
     return 0
 
 
+def check_outputs(args) -> None:
+    """Refuse an output path no file can be written to before the work that fills it, not after."""
+    if getattr(args, "output", None):
+        check_output_file(args.output, "-o")
+    save_top = getattr(args, "save_top", None)
+    if save_top and path_kind(save_top) not in ("folder", "missing"):
+        raise AutoplanError(f"--save-top {save_top!r} is not a folder; expected a folder to write plan-1.json ... into")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Parse `argv` and run the command: 0 on success, 2 for bad input (one line on stderr; a usage error
+    too), 1 with a traceback for an error autoplan did not expect."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:  # --help (0) or a usage error (2), already printed
+        return done.code if isinstance(done.code, int) else 2
     from autoplan.cli.explain import cmd_compare, cmd_explain
     from autoplan.profiler.cli import cmd_profile
 
@@ -222,8 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handlers[args.command](args)
     except AutoplanError as exc:
-        print(f"autoplan {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return exit_on_error(f"autoplan {args.command}", exc, args.debug)
+    except Exception as exc:  # noqa: BLE001 - anything else is a bug: shown in full, with a request to report it
+        return report_bug(f"autoplan {args.command}", exc, argv)
 
 
 if __name__ == "__main__":

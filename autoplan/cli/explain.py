@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Callable, Iterator
 
+from autoplan.cli.args import positive_int
 from autoplan.plan import Plan
 
 GB = 1e9
@@ -279,7 +280,7 @@ def add_explain_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("plan", help="a plan JSON file")
     p.add_argument("--model-config", metavar="FILE", help="the model's config file, for per-op costs of a model that is not a preset")
     p.add_argument("--no-ops", action="store_true", help="skip the per-op table (no capture)")
-    p.add_argument("--max-ops", type=int, default=12, help="op families to list (default 12)")
+    p.add_argument("--max-ops", type=positive_int, default=12, help="op families to list (default 12)")
     p.add_argument("--profile", metavar="FILE", help="price the per-op table with this hardware profile, as "
                                                      "`estimate --profile` / `search --profile` priced the plan")
     return p
@@ -294,7 +295,7 @@ def add_compare_parser(sub) -> argparse.ArgumentParser:
 
 def add_search_options(parser: argparse.ArgumentParser) -> None:
     """--top and --baseline for `autoplan search`."""
-    parser.add_argument("--top", type=int, default=1, metavar="K", help="print the K best plans side by side")
+    parser.add_argument("--top", type=positive_int, default=1, metavar="K", help="print the K best plans side by side")
     parser.add_argument("--baseline", choices=("megatron", "fsdp", "all"), action="append",
                         help="also print a Megatron-style and/or FSDP plan priced by the same model (repeatable)")
     parser.add_argument("--save-top", metavar="DIR", help="with --top, write plan-1.json ... plan-K.json here")

@@ -23,12 +23,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 from autoplan.errors import ConfigError
+from autoplan.validate import (MAX_EXACT, approx, check_choice, check_int, check_keys, check_mapping, check_number, check_str,
+                               load_mapping)
 
 FAMILIES = ("gpt", "llama", "moe")
+# Bounds of what can be planned at all (not of what fits). Capture and costing walk every layer (about 6 ms
+# per layer on a CPU) and the deepest published LLMs have ~130 (Llama 3 405B: 126), so 4096 layers is far
+# beyond any real model yet still captured in under a minute. Parameter counts, and every tensor's element
+# count with them, must stay exact in float64 and inside torch's int64 sizes: below 2^53 (about 9e15, thousands
+# of times the largest published models).
+MAX_LAYERS = 4096
+MAX_PARAMETERS = MAX_EXACT
 _SHAPE_FIELDS = ("family", "num_layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
                  "max_seq", "experts", "top_k", "norm_eps", "rope_theta")
 # MoE layout fields: fingerprinted only when set, so configs without them keep their fingerprints.
@@ -58,11 +67,14 @@ class ModelConfig:
     expert_hidden: int = 0  # moe only: BigMac's low width r < hidden the experts run at (0: hidden)
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ConfigError(f"model {self.name!r}: family={self.family!r} is unknown; "
-                              f"expected one of {list(FAMILIES)}")
+        check_str("model name", self.name)
+        check_choice(f"model {self.name!r}: family", self.family, FAMILIES)
         for key in ("num_layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "max_seq"):
-            _check_positive_int(self.name, key, getattr(self, key))
+            check_int(f"model {self.name!r}: {key}", getattr(self, key))
+        for key in ("experts", "top_k") + _MOE_LAYOUT_FIELDS:
+            check_int(f"model {self.name!r}: {key}", getattr(self, key), minimum=0)
+        for key in ("norm_eps", "rope_theta"):
+            check_number(f"model {self.name!r}: {key}", getattr(self, key))
         if self.hidden % self.heads:
             raise ConfigError(f"model {self.name!r}: hidden={self.hidden} is not divisible by "
                               f"heads={self.heads}; choose hidden as a multiple of heads")
@@ -74,9 +86,16 @@ class ModelConfig:
                               f"kv_heads={self.kv_heads}, heads={self.heads}; use family 'llama' "
                               f"for grouped-query attention")
         self._check_moe_fields()
-        if not (self.norm_eps > 0 and self.rope_theta > 0):
-            raise ConfigError(f"model {self.name!r}: norm_eps={self.norm_eps} and rope_theta="
-                              f"{self.rope_theta} must both be > 0")
+        self._check_size()
+
+    def _check_size(self) -> None:
+        if self.num_layers > MAX_LAYERS:
+            raise ConfigError(f"model {self.name!r}: num_layers={self.num_layers} is more than autoplan plans "
+                              f"({MAX_LAYERS}: capture and costing walk every layer); use fewer layers")
+        if self.num_parameters() >= MAX_PARAMETERS:
+            raise ConfigError(f"model {self.name!r}: {approx(self.num_parameters())} parameters is more than autoplan "
+                              f"plans (below 2^53 = {MAX_PARAMETERS:.3g}, where counts stay exact); use smaller "
+                              f"hidden, ffn_hidden, vocab, max_seq or experts")
 
     def _check_moe_fields(self) -> None:
         if self.family != "moe":
@@ -87,14 +106,12 @@ class ModelConfig:
                 raise ConfigError(f"model {self.name!r}: {given}: these fields are only for "
                                   f"family 'moe'; set them to 0")
             return
-        if not (isinstance(self.experts, int) and self.experts >= 2):
+        if self.experts < 2:
             raise ConfigError(f"model {self.name!r}: family 'moe' needs experts >= 2, "
                               f"got experts={self.experts!r}")
-        if not (isinstance(self.top_k, int) and 1 <= self.top_k <= self.experts):
+        if not 1 <= self.top_k <= self.experts:
             raise ConfigError(f"model {self.name!r}: top_k={self.top_k!r} must be in "
                               f"1..experts={self.experts}")
-        for key in _MOE_LAYOUT_FIELDS:
-            _check_non_negative_int(self.name, key, getattr(self, key))
         if self.dense_layers >= self.num_layers:
             raise ConfigError(f"model {self.name!r}: dense_layers={self.dense_layers} leaves no MoE "
                               f"layer of num_layers={self.num_layers}; use dense_layers <= "
@@ -132,10 +149,11 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, d: dict) -> ModelConfig:
-        allowed = [f.name for f in fields(cls)]
-        unknown = sorted(set(d) - set(allowed))
-        if unknown:
-            raise ConfigError(f"model config has unknown keys {unknown}; allowed keys: {allowed}")
+        """The config of a mapping with the field names as keys; unknown or missing keys are refused."""
+        check_mapping("model config", d)
+        allowed = {f.name for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        check_keys(f"model config {d['name']!r}" if "name" in d else "model config", d, allowed, required)
         return cls(**d)
 
     def fingerprint(self) -> str:
@@ -169,30 +187,11 @@ class ModelConfig:
         return self.moe_layers * 3 * self.experts * self.expert_width * self.ffn_hidden
 
 
-def _check_non_negative_int(name: str, key: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ConfigError(f"model {name!r}: {key}={value!r} must be a non-negative integer")
-
-
-def _check_positive_int(name: str, key: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"model {name!r}: {key}={value!r} must be a positive integer")
-
-
 def load_model_config(path: str | Path) -> ModelConfig:
     """Read a model config from JSON (.json) or YAML (.yaml/.yml); `layers` aliases `num_layers`
     and `name` defaults to the file stem."""
     path = Path(path)
-    text = path.read_text()
-    if path.suffix in (".yaml", ".yml"):
-        import yaml  # lazy: only YAML files need it
-
-        data = yaml.safe_load(text)
-    else:
-        data = json.loads(text)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
-    data = dict(data)
+    data = dict(load_mapping(path, "model config file"))
     if "layers" in data:
         if "num_layers" in data:
             raise ConfigError(f"{path}: give either 'layers' or 'num_layers', not both")
