@@ -12,9 +12,11 @@ rank as with the ep ranks splitting the batch)
                 one rank: over ep, or over ep x tp / etp when etp < tp, `parallel_dims`)
               + the expert-TP all-gather / reduce-scatter of the dispatched rows (1 < etp < tp)
 
-Stages: 1F1B uses the stage DP (`solver.stages`, time-optimal partition, memory-checked, re-solved
-under the memory limit only when it does not fit); interleaved 1F1B uses uniform chunks. Each stage
-also pays its p2p sends (`cost_model.pipeline`). Per optimizer step:
+Stages: a given partition (`Config.stage_layers`, layers per chunk in flow order), else the stage DP
+(`solver.stages`: the time-optimal layers per pipeline rank with the embedding and head weighed,
+memory-checked, re-solved under the memory limit only when it does not fit), each rank's layers split
+into its v chunks (`cost_model.pipeline.chunk_sizes`; v = 1 under 1F1B). Each stage also pays its p2p
+sends (`cost_model.pipeline`). Per optimizer step:
 
     compute_s       = m * compute of the slowest stage
     communication_s = m * (communication of the slowest stage, p2p included) + exposed data-parallel
@@ -65,8 +67,9 @@ from autoplan.cost_model.compute import Efficiency, op_time_s
 from autoplan.cost_model.memory import model_state_bytes, state_bytes_for, temporary_bytes
 from autoplan.cost_model.parallel_dims import (axes_group, expert_all_to_all_s, expert_tp_exchange_s,
                                                ulysses_all_to_all_s)
-from autoplan.validity import SCHEDULE_INTERLEAVED
-from autoplan.cost_model.pipeline import (Part, StageProblem, in_flight_microbatches, interleaved_chunks, p2p_per_microbatch_s, pipeline_time_s)
+from autoplan.validity import stage_min_layers
+from autoplan.cost_model.pipeline import (Part, StageProblem, chunk_ranges, chunk_sizes, in_flight_microbatches,
+                                          p2p_per_microbatch_s, pipeline_time_s)
 from autoplan.models.config import ModelConfig
 from autoplan.cost_model.parts import BlockCosts, PartCost
 from autoplan.plan import MemoryBreakdown, TimeBreakdown
@@ -249,25 +252,42 @@ class StepModel:
         last = Part(t.post_s, sum(st.post[2:]), block.post.activation_bytes(r), block.post.transient_bytes(r))
         return StageProblem(t.time, st.static, a["activation"], a["transient"],
                             np.array([in_flight_microbatches(s, pp, m, v) for s in range(pp)]),
-                            self.env.memory_limit_bytes, first, last, np.full(pp, p2p), np.full(pp, st.temporary))
+                            self.env.memory_limit_bytes, first, last, np.full(pp, p2p), np.full(pp, st.temporary),
+                            np.array(stage_min_layers(pp, v)))
 
     def _ranges(self, block: BlockCosts, cfg: Config, problem: StageProblem) -> list[list[tuple[int, int]]]:
-        """Layer ranges per stage: uniform chunks (interleaved), else the stage DP (module docstring)."""
-        if cfg.schedule == SCHEDULE_INTERLEAVED:
-            chunks = interleaved_chunks(problem.num_layers, cfg.pp, cfg.virtual_stages)
-            return [[(a, b) for st, _, a, b in chunks if st == s] for s in range(cfg.pp)]
-        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg), cfg.pp)
+        """Layer ranges of each pipeline rank, chunk by chunk: the given partition, else the stage DP's layers
+        per rank split into v chunks (module docstring)."""
+        sizes = cfg.stage_layers
+        if sizes is None:
+            sizes = chunk_sizes(np.diff(self._bounds(block, cfg, problem)), cfg.virtual_stages)
+        ranges: list[list[tuple[int, int]]] = [[] for _ in range(cfg.pp)]
+        for rank, _, a, b in chunk_ranges(sizes, cfg.pp):
+            ranges[rank].append((a, b))
+        return ranges
+
+    def _bounds(self, block: BlockCosts, cfg: Config, problem: StageProblem) -> tuple[int, ...]:
+        """The stage DP's ranks: the fastest partition (memory aside: what it depends on is the key), or,
+        where that does not fit, the fastest that does (keyed by the rest of the problem too)."""
+        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg), cfg.pp,
+               cfg.virtual_stages)
         if key not in self._partitions:
             fastest = self.partition(StageProblem(problem.layer_time_s, problem.layer_static_bytes,
-                                                    problem.layer_activation_bytes, problem.layer_transient_bytes,
-                                                    problem.in_flight, np.inf, problem.first, problem.last))
+                                                  problem.layer_activation_bytes, problem.layer_transient_bytes,
+                                                  problem.in_flight, np.inf, problem.first, problem.last,
+                                                  min_layers=problem.min_layers))
             self._partitions[key] = fastest.bounds
         bounds = self._partitions[key]
-        pairs = list(zip(bounds[:-1], bounds[1:]))
-        if cfg.pp > 1 and max(problem.stage_memory_bytes(s, a, b) for s, (a, b) in enumerate(pairs)) > problem.memory_limit_bytes:
+        if cfg.pp == 1 or max(problem.stage_memory_bytes(s, a, b) for s, (a, b) in
+                              enumerate(zip(bounds[:-1], bounds[1:]))) <= problem.memory_limit_bytes:
+            return bounds
+        # in flight (pp, m, v), model states (ZeRO over the data ranks), temporaries and sends: the rest
+        tight = key + (cfg.num_microbatches, cfg.zero_stage, cfg.data_ranks, float(problem.overhead_s[0]),
+                       float(problem.extra_bytes[0]))
+        if tight not in self._partitions:
             fitting = self.partition(problem)
-            pairs = list(fitting.ranges) if fitting is not None else pairs
-        return [[pair] for pair in pairs]
+            self._partitions[tight] = bounds if fitting is None else fitting.bounds
+        return self._partitions[tight]
 
     # ------------------------------------------------------------------ pricing
     def price(self, block: BlockCosts, cfg: Config) -> Priced:
@@ -310,7 +330,7 @@ class StepModel:
             sums["backward"] += p.backward_s(r)
         transient = 0.0
         if r == "full":
-            transient = max([float(problem.layer_transient_bytes[a:b].max()) for a, b in ranges]
+            transient = max([float(problem.layer_transient_bytes[a:b].max()) for a, b in ranges if b > a]
                             + [p.transient_bytes(r) for p, _ in ends])
         activations = float(problem.in_flight[stage]) * sums["activation"] + transient
         shard = cfg.data_ranks if cfg.zero_stage >= 1 else 1

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.compute import Efficiency
@@ -214,17 +214,19 @@ def _plans(ctx: SearchContext, ranking: _Best, found_baselines, stats: SearchSta
 
 def check_config(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, mesh: MeshShape,
                  microbatch_size: int, zero_stage: int, recompute: str, schedule: str, virtual_stages: int,
-                 heads_rule: bool = True) -> Config:
+                 heads_rule: bool = True, stage_layers: Sequence[int] | None = None) -> Config:
     """A Config for a user-given configuration; ConfigError naming the first rule it breaks
     (`autoplan.validity`: the rules the runtime applies too) and values that would work.
-    `heads_rule`: tp must split the attention heads (off when an assignment decides the strategies)."""
+    `heads_rule`: tp must split the attention heads (off when an assignment decides the strategies);
+    `stage_layers`: the layers of each pipeline chunk in flow order (None: the stage search's)."""
     if mesh.world_size != cluster.world_size:
         raise ConfigError(f"mesh {mesh} has pp x dp x ep x cp x tp = {mesh.world_size} ranks but the cluster "
                           f"{cluster.describe()} has {cluster.world_size}")
+    given = None if stage_layers is None else tuple(int(n) for n in stage_layers)
     check(configuration_problems(config, mesh, global_batch, seq_len, microbatch_size, zero_stage, recompute,
-                                 schedule, virtual_stages, heads_rule))
+                                 schedule, virtual_stages, heads_rule, given))
     m = global_batch // (mesh.batch_shards * microbatch_size)
-    return Config(mesh, microbatch_size, m, zero_stage, recompute, schedule, virtual_stages)
+    return Config(mesh, microbatch_size, m, zero_stage, recompute, schedule, virtual_stages, given)
 
 
 def price_given(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, cfg: Config, *,

@@ -71,7 +71,8 @@ def _stages_text(plan: Plan) -> list[str]:
         return [f"  one stage: layers 0-{plan.model.num_layers - 1}"]
     by_stage: dict[int, list[str]] = defaultdict(list)
     for s in sorted(plan.stages, key=lambda s: (s.stage, s.chunk)):
-        by_stage[s.stage].append(f"{s.first_layer}-{s.last_layer - 1}")
+        # a chunk may hold no layer: the embedding alone (first) or the head alone (last)
+        by_stage[s.stage].append(f"{s.first_layer}-{s.last_layer - 1}" if s.last_layer > s.first_layer else "none")
     lines = [f"  stage {stage}: layers {', '.join(by_stage[stage])}" for stage in sorted(by_stage)]
     return lines if len(lines) <= 12 else lines[:5] + [f"  ... ({len(lines) - 10} stages)"] + lines[-5:]
 
