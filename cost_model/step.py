@@ -243,6 +243,10 @@ class StepModel:
         return (cfg.num_microbatches + (cfg.pp - 1) / cfg.virtual_stages) * total / cfg.pp
 
     # ------------------------------------------------------------------ stages
+    def stage_problem(self, block: BlockCosts, cfg: Config) -> StageProblem:
+        """The partition problem of `cfg` with the tp solution `block` (what `price` partitions)."""
+        return self._problem(block, cfg, self.times(block, cfg), self.states(block, cfg))
+
     def _problem(self, block: BlockCosts, cfg: Config, t: _Times, st: _States) -> StageProblem:
         pp, m, v, r = cfg.pp, cfg.num_microbatches, cfg.virtual_stages, cfg.recompute
         a = block.arrays(r)

@@ -27,6 +27,8 @@ Dynamic program over (stage, end layer), O(pp L^2), vectorised over the start an
 
 Memory is compared with a relative tolerance of MEMORY_RTOL. The answer is best[pp-1][L]; ties go to the smallest start layer of each stage, walking back from the
 last, so the result is deterministic. `partition_brute_force` tries every composition (tests only).
+`partition_fits` says, in O(pp L), whether any partition meets the memory limit: the search asks it
+before pricing a configuration, so that one that cannot fit costs no DP and no pricing.
 """
 
 from __future__ import annotations
@@ -85,6 +87,18 @@ def _range_tables(problem: StageProblem) -> tuple[np.ndarray, np.ndarray, np.nda
     return (sums(problem.layer_time_s), sums(problem.layer_static_bytes), sums(problem.layer_activation_bytes), peak)
 
 
+def _with_ends(problem: StageProblem, s: int, time_s, memory, transient):
+    """Stage s's seconds, memory before its activations, and transient bytes: its ranges' sums and peak
+    plus what the stage adds itself (sends, temporaries, the embedding on the first, the head on the last)."""
+    time_s, memory, flight = time_s + problem.overhead_s[s], memory + problem.extra_bytes[s], problem.in_flight[s]
+    for part, here in ((problem.first, s == 0), (problem.last, s == problem.num_stages - 1)):
+        if here:
+            time_s = time_s + part.time_s
+            memory = memory + part.static_bytes + flight * part.activation_bytes
+            transient = np.maximum(transient, part.transient_bytes)
+    return time_s, memory, transient
+
+
 def partition_stages(problem: StageProblem) -> StagePartition | None:
     """The partition minimising the slowest stage under the memory limit (module docstring), or None
     when no partition fits (or there are fewer layers than the stages' minimums)."""
@@ -97,16 +111,9 @@ def partition_stages(problem: StageProblem) -> StagePartition | None:
     best[0] = 0.0
     choice = np.zeros((pp, L + 1), dtype=np.int64)
     for s in range(pp):
-        time_s, memory, transient = times + problem.overhead_s[s], static + problem.extra_bytes[s], peak
-        parts = [(problem.first, s == 0), (problem.last, s == pp - 1)]
-        flight = problem.in_flight[s]
-        for part, here in parts:
-            if here:
-                time_s = time_s + part.time_s
-                memory = memory + part.static_bytes + flight * part.activation_bytes
-                transient = np.maximum(transient, part.transient_bytes)
+        time_s, memory, transient = _with_ends(problem, s, times, static, peak)
         fits = (span >= problem.min_layers[s]) & (
-            memory + flight * act + transient <= problem.memory_limit_bytes * (1 + MEMORY_RTOL))
+            memory + problem.in_flight[s] * act + transient <= problem.memory_limit_bytes * (1 + MEMORY_RTOL))
         candidate = np.where(fits, np.maximum(best[:, None], time_s), np.inf)
         choice[s] = np.argmin(candidate, axis=0)
         best = candidate[choice[s], np.arange(L + 1)]
@@ -116,6 +123,31 @@ def partition_stages(problem: StageProblem) -> StagePartition | None:
     for s in range(pp - 1, -1, -1):
         bounds.append(int(choice[s][bounds[-1]]))
     return evaluate_partition(problem, bounds[::-1])
+
+
+def partition_fits(problem: StageProblem) -> bool:
+    """Whether any partition meets the memory limit, time aside: whether `partition_stages` finds one, in
+    O(pp L). Stage by stage, each takes the longest range that fits, leaving the later stages their
+    minimums; a stage that starts later holds a sub-range of what it could have held, so reaching
+    further never hurts and the greedy walk is exact."""
+    pp, L = problem.num_stages, problem.num_layers
+    later = np.concatenate((np.cumsum(problem.min_layers[::-1])[::-1], [0.0]))  # minimums of stages s..pp-1
+    if later[0] > L:
+        return False
+    static, act = (np.concatenate(([0.0], np.cumsum(a))) for a in (problem.layer_static_bytes,
+                                                                   problem.layer_activation_bytes))
+    limit, start = problem.memory_limit_bytes * (1 + MEMORY_RTOL), 0
+    for s in range(pp):
+        ends = np.arange(start, L + 1)
+        peak = np.concatenate(([0.0], np.maximum.accumulate(problem.layer_transient_bytes[start:])))
+        _, memory, transient = _with_ends(problem, s, 0.0, static[ends] - static[start], peak)
+        fits = memory + problem.in_flight[s] * (act[ends] - act[start]) + transient <= limit  # True, then False
+        reach = L if fits.all() else start + int(np.argmin(fits)) - 1
+        end = min(reach, L - int(later[s + 1]))
+        if end - start < problem.min_layers[s]:
+            return False
+        start = end
+    return start == L
 
 
 def partition_brute_force(problem: StageProblem) -> StagePartition | None:

@@ -320,6 +320,21 @@ def test_cluster_too_small_says_how_many_gpus_would_do():
         search_plans("gpt3-13b", "1x2xh100", 8, 2048)
 
 
+def test_when_nothing_fits_the_error_names_the_configuration_closest_to_fitting():
+    """Configurations that fit no stage partition are not priced; the error still names the closest one."""
+    cluster = small_gpus(2, 0.2)
+    with pytest.raises(InfeasibleError) as error:
+        search_plans(MID, cluster, 64, 4096, options=OPTIONS)
+    ctx = search_context(MID, cluster, 64, 4096)
+    priced = [ctx.price(cfg, variant) for cfg in enumerate_configs(MID, cluster, 64, 4096, OPTIONS)
+              if memory_lower_bound(MID, cfg, 4096, "bfloat16") <= cluster.device.memory_bytes
+              for variant in ((VARIANT_ILP, VARIANT_MEGATRON) if cfg.tp > 1 else (VARIANT_ILP,))]
+    closest = min(p.peak_memory_bytes for p in priced)
+    named = {f"needs {p.peak_memory_bytes / 1e9:.1f} GB per GPU ({p.config.describe()})" for p in priced
+             if p.peak_memory_bytes <= closest * (1 + 1e-12)}
+    assert not any(p.fits for p in priced) and any(text in str(error.value) for text in named)
+
+
 def test_unsplittable_batch_in_the_search_names_batches_that_work():
     with pytest.raises(ConfigError, match=r"global batch 7 is not divisible by dp=2.*nearest that work: 6, 8"):
         search_plans("tiny-gpt", "4x2xh100", 7, 64)  # tp <= 2 GPUs per node, pp <= 2 layers: dp >= 2

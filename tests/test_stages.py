@@ -11,7 +11,7 @@ from autoplan.cost_model.pipeline import (chunk_ranges, chunk_sizes, in_flight_m
 from autoplan.errors import AutoplanError, ConfigError
 from autoplan.mesh import MeshShape
 from autoplan.cost_model.pipeline import Part, StageProblem
-from autoplan.solver.stages import (evaluate_partition, partition_brute_force,
+from autoplan.solver.stages import (evaluate_partition, partition_brute_force, partition_fits,
                                     partition_stages)
 from autoplan.validity import pipeline_problem, stage_layers_text, stage_min_layers, stages_problem
 
@@ -145,6 +145,19 @@ def test_dp_with_stage_minimums_matches_brute_force(seed):
     if fast is not None:
         assert fast.bottleneck_s == pytest.approx(slow.bottleneck_s, rel=1e-12)
         assert all(b - a >= n for (a, b), n in zip(fast.ranges, minimums))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_greedy_fit_check_agrees_with_the_dp(seed):
+    rng = np.random.default_rng(300 + seed)
+    pp = int(rng.integers(1, 6))
+    layers = int(rng.integers(pp, 12))
+    base = random_problem(rng, layers, pp, tight=float(rng.uniform(-0.3, 1.2))) if layers <= 8 else StageProblem(
+        rng.uniform(0.5, 2, layers), rng.uniform(0, 3, layers), rng.uniform(0, 1, layers), rng.uniform(0, 2, layers),
+        np.array([float(pp - s) for s in range(pp)]), float(rng.uniform(2, 20)), Part(0.1, 1.0, 0.5), Part(0.2, 2.0))
+    for minimums in (base.min_layers, rng.integers(0, 3, pp)):
+        problem = StageProblem(**{**base.__dict__, "min_layers": minimums})
+        assert partition_fits(problem) == (partition_stages(problem) is not None)
 
 
 def test_a_heavy_head_gets_a_stage_of_its_own_where_that_is_fastest():

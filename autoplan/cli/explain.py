@@ -324,7 +324,8 @@ def search_report(result, baselines: list[str] | None) -> str:
     rows += [(b.name, b.plan, b.reason) for b in result.baselines if b.name in wanted]
     s = result.stats
     footer = (f"{s.configurations} configurations, {s.pruned_by_memory} pruned by memory, {s.pruned_by_time} by time, "
-              f"{s.priced} priced, {s.ilp_solves} intra-op solves, {s.search_time_s:.2f} s")
+              f"{s.cannot_fit} fit no stage partition, {s.priced} priced, {s.ilp_solves} intra-op solves, "
+              f"{s.search_time_s:.2f} s")
     return side_by_side(rows) + "\n" + footer
 
 
