@@ -13,7 +13,8 @@ The bubble fraction is (pp - 1) / (v m) of the steady state, as in the paper.
 
 Point-to-point: per microbatch and per chunk, a stage receives the activation of the stage before and
 sends its own forward, and the same for gradients backward; a send and a receive run at once on the
-full-duplex link, so each stage pays 2 * v * (B / bw + alpha) per microbatch, with B the bytes of the
+full-duplex link, so each stage pays 2 * v * (B / bw + alpha + c) per microbatch (c: a call's fixed cost,
+`cost_model.comm`), with B the bytes of the
 boundary tensor per rank, over the link the pp axis crosses (`comm.link_for_axis`). With tensor
 parallelism each rank sends only its 1 / tp of the boundary: with sequence parallelism it holds only
 that; without, Megatron's scatter / gather optimisation (Narayanan et al. 2021, section 4.1) sends 1 / tp
@@ -154,12 +155,14 @@ def pipeline_time_s(stage_times_s: Sequence[float], num_microbatches: int, virtu
     return num_microbatches * slowest, (sum(stage_times_s) - slowest) / virtual_stages
 
 
-def p2p_per_microbatch_s(boundary_bytes: float, cluster: ClusterSpec, mesh: MeshShape, virtual_stages: int = 1) -> float:
-    """Seconds of stage-to-stage sends one stage pays per microbatch (0 without pipelining)."""
+def p2p_per_microbatch_s(boundary_bytes: float, cluster: ClusterSpec, mesh: MeshShape, virtual_stages: int = 1,
+                         call_s: float = 0.0) -> float:
+    """Seconds of stage-to-stage sends one stage pays per microbatch (0 without pipelining); `call_s`: the
+    fixed cost of each send (`cost_model.comm`)."""
     if mesh.pp == 1:
         return 0.0
     link = link_for_axis(cluster, mesh, "pp")
-    return 2 * virtual_stages * p2p_time_s(boundary_bytes, link.bandwidth_bytes_per_s, link.latency_s)
+    return 2 * virtual_stages * (call_s + p2p_time_s(boundary_bytes, link.bandwidth_bytes_per_s, link.latency_s))
 
 
 def chunk_sizes(rank_layers: Sequence[int], virtual_stages: int) -> tuple[int, ...]:

@@ -62,7 +62,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from autoplan.cluster import ClusterSpec
-from autoplan.cost_model.comm import AxisGroup, group_collective_time_s
+from autoplan.cost_model.comm import AxisGroup
 from autoplan.cost_model.compute import Efficiency, op_time_s
 from autoplan.cost_model.memory import model_state_bytes, state_bytes_for, temporary_bytes
 from autoplan.cost_model.parallel_dims import (axes_group, expert_all_to_all_s, expert_tp_exchange_s,
@@ -182,16 +182,16 @@ class StepModel:
             kv_width = max(part.kv_width, context * env.model.head_dim)  # kv heads repeated up to the group's size
             total += ulysses_all_to_all_s(cfg.microbatch_size * env.seq_len, part.q_width, kv_width, itemsize,
                                           env.cluster, self.group(cfg, cfg.mesh.context_axes),
-                                          env.efficiency.collectives)
+                                          env.efficiency)
         if cfg.mesh.expert_parallel > 1 and part.moe_layers:  # tokens / tp each under etp < tp (moe_token_share)
             tokens = float(block.microbatch) * env.seq_len * part.moe_token_share
             total += part.moe_layers * expert_all_to_all_s(tokens, env.model.expert_width, env.model.top_k, itemsize,
                                                            env.cluster, self.group(cfg, cfg.mesh.expert_axes),
-                                                           env.efficiency.collectives)
+                                                           env.efficiency)
             if 1 < cfg.mesh.etp < cfg.tp:  # the etp peers of one set of experts exchange the dispatched rows
                 total += part.moe_layers * expert_tp_exchange_s(
                     tokens, env.model.expert_width, env.model.top_k, itemsize, env.cluster,
-                    self.group(cfg, cfg.mesh.expert_tp_axes), env.efficiency.collectives)
+                    self.group(cfg, cfg.mesh.expert_tp_axes), env.efficiency)
         return total
 
     def _links(self, cfg: Config) -> tuple[AxisGroup, ...]:
@@ -251,7 +251,7 @@ class StepModel:
         pp, m, v, r = cfg.pp, cfg.num_microbatches, cfg.virtual_stages, cfg.recompute
         a = block.arrays(r)
         boundary = block.boundary_full_bytes / cfg.tp  # Megatron's scatter / gather: 1 / tp of it per rank
-        p2p = p2p_per_microbatch_s(boundary, self.env.cluster, cfg.mesh, v)
+        p2p = p2p_per_microbatch_s(boundary, self.env.cluster, cfg.mesh, v, self.env.efficiency.collective_call_s)
         first = Part(t.pre_s, sum(st.pre[2:]), block.pre.activation_bytes(r), block.pre.transient_bytes(r))
         last = Part(t.post_s, sum(st.post[2:]), block.post.activation_bytes(r), block.post.transient_bytes(r))
         return StageProblem(t.time, st.static, a["activation"], a["transient"],
@@ -361,8 +361,8 @@ class StepModel:
         groups = ((sums["dense"], self.group(cfg, ("dp", "ep", "cp"))), (sums["expert"], self.group(cfg, ("dp", "cp"))))
 
         def collective(kind: str, bytes_per_param: float) -> float:
-            return sum(buckets * group_collective_time_s(kind, bytes_per_param * count / buckets, self.env.cluster, g,
-                                                         self.env.efficiency.collectives)
+            return sum(buckets * self.env.efficiency.collective_s(kind, bytes_per_param * count / buckets,
+                                                                  self.env.cluster, g)
                        for count, g in groups if count and g.size > 1)
 
         def beyond(traffic: float, window: float) -> float:  # the last bucket never hides (module docstring)

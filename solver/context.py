@@ -15,7 +15,7 @@ from autoplan.capture.blocks import fold_graph
 from autoplan.capture.graph import CapturedGraph
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.assignment import TpSolution, tp_solution
-from autoplan.cost_model.comm import COLLECTIVE_KINDS, AxisGroup, group_collective_time_s
+from autoplan.cost_model.comm import COLLECTIVE_KINDS, AxisGroup
 from autoplan.cost_model.compute import Efficiency
 from autoplan.cost_model.intra_op import CostContext, attention_head_dim
 from autoplan.cost_model.memory import is_batched, param_placements, selective_recompute_nodes
@@ -155,9 +155,9 @@ class SearchContext:
     def costs_no_less(self, group: AxisGroup) -> bool:
         """Whether every collective over `group` takes at least as long as over a group of its size inside
         one node, at every size (the times are affine in the bytes: compare intercept and slope)."""
-        inside, measured = AxisGroup(group.size, 1, group.size), self.efficiency.collectives
+        inside = AxisGroup(group.size, 1, group.size)
         if group not in self._no_less:
-            at = [[group_collective_time_s(kind, b, self.cluster, g, measured) for b in (0.0, 1e9)]
+            at = [[self.efficiency.collective_s(kind, b, self.cluster, g) for b in (0.0, 1e9)]
                   for kind in COLLECTIVE_KINDS for g in (group, inside)]
             self._no_less[group] = all(s0 >= i0 and s1 - s0 >= i1 - i0 for (s0, s1), (i0, i1) in zip(at[::2], at[1::2]))
         return self._no_less[group]
@@ -182,7 +182,8 @@ class SearchContext:
             params=params, ops=ops, predicted=self.predicted(priced),
             provenance=Provenance(__version__, search_time_s, sol.solver if solver is None else solver,
                                   notes + _uncovered_note(self.graph, self.registry) + fits
-                                  + (self.efficiency.kernels.note(self.efficiency.memory),)),
+                                  + (self.efficiency.kernels.note(self.efficiency.memory),
+                                     self.efficiency.floor_note())),
             dtype=self.dtype, kernels=self.efficiency.kernels.option,
             recompute_nodes=selective_recompute_nodes(self.graph) if cfg.recompute == "selective" else ())
 

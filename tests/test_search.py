@@ -376,8 +376,9 @@ def test_an_order_keeping_the_heavy_group_inside_a_node_is_priced_faster():
 
 
 def test_search_picks_a_non_default_order_when_it_is_strictly_better():
-    # 4 GPUs per node, a network 50x slower than NVLink: cp4 inside a node (cp innermost) beats every default-
-    # order plan, which would keep tp inside and spread the cp all-to-alls over the network
+    # 4 GPUs per node, a network 50x slower than NVLink: an order that keeps the heavy group inside a node beats
+    # every default-order plan (without launch floors: cp4 innermost; with them the tp4 solution replicates the
+    # ops too small to gain from sharding, and tp4 x dp2 with dp innermost wins)
     cluster = slow_network(2, 4, 50.0)
     # etp = 1 (ep2 x tp4 with the experts folded) would also rescue the default order here: left out, so that
     # the test measures the order alone
@@ -387,11 +388,11 @@ def test_search_picks_a_non_default_order_when_it_is_strictly_better():
     default = search_plans(MID_MOE, cluster, 2, 4096, options=dataclasses.replace(options, orders=False),
                          baselines=False)
     best = chosen.plans[0]
-    assert best.mesh.order == CP_INNER and best.mesh.cp > 1
+    assert best.mesh.order in (CP_INNER, DP_INNER)
     assert best.predicted.step_time_s < 0.9 * default.plans[0].predicted.step_time_s
-    assert chosen.priced[0].config.order == CP_INNER
+    assert chosen.priced[0].config.order == best.mesh.order
     back = Plan.from_json(best.to_json())
-    assert back.mesh.order == CP_INNER and back == best
+    assert back.mesh.order == best.mesh.order and back == best
     again = search_plans(MID_MOE, cluster, 2, 4096, options=options, baselines=False)
     assert [p.to_json()["mesh"] for p in again.plans] == [p.to_json()["mesh"] for p in chosen.plans]
     assert again.plans[0].predicted.step_time_s == best.predicted.step_time_s
