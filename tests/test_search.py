@@ -81,6 +81,15 @@ def test_parts_add_up_to_the_intra_op_objective(mid):
     assert len(block.distinct) <= 2 and block.num_layers == MID.num_layers  # identical layers priced once
 
 
+def test_solutions_of_one_assignment_share_their_parts_and_keep_their_microbatch(mid):
+    one, two = mid.solution(4, 1, VARIANT_MEGATRON), mid.solution(4, 2, VARIANT_MEGATRON)
+    assert one.groups is two.groups and one.solution.strategies is two.solution.strategies  # one pass over the nodes
+    assert (one.solution.microbatch_size, two.solution.microbatch_size) == (1, 2)
+    assert two.solution.cost.total_s > 1.2 * one.solution.cost.total_s  # each priced at its own microbatch
+    block = mid.block(4, Fraction(2), VARIANT_MEGATRON)
+    assert block.total_s("none") == pytest.approx(two.solution.cost.total_s, rel=1e-9)
+
+
 def test_pipeline_step_follows_the_1f1b_and_interleaved_formulas(mid):
     for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
         cfg = Config.of(tp=2, cp=1, pp=4, ep=1, dp=2, microbatch_size=1, num_microbatches=32, zero_stage=1,
