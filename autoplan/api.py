@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from autoplan.capture import CapturedGraph, capture
 from autoplan.cluster import ClusterSpec, parse_cluster
@@ -61,12 +61,13 @@ def plan_from_assignment(graph: CapturedGraph, config: ModelConfig, cluster: Clu
                          zero_stage: int, recompute: str, *, registry: StrategyRegistry | None = None,
                          dtype: str = "bfloat16", efficiency: Efficiency | None = None,
                          search_time_s: float = 0.0, solver: str = "", notes: tuple[str, ...] = (),
-                         schedule: str = "1f1b", virtual_stages: int = 1) -> Plan:
+                         schedule: str = "1f1b", virtual_stages: int = 1,
+                         stage_layers: Sequence[int] | None = None) -> Plan:
     """The Plan of a given strategy assignment (node name -> strategy name; missing nodes replicate),
-    with its predicted step time and memory; stages from the stage DP when pp > 1."""
+    with its predicted step time and memory; stages as `estimate` makes them."""
     batch = microbatch_size * num_microbatches * mesh.batch_shards
     cfg = check_config(config, cluster, batch, graph.seq_len, mesh, microbatch_size, zero_stage, recompute, schedule,
-                       virtual_stages, heads_rule=False)
+                       virtual_stages, heads_rule=False, stage_layers=stage_layers)
     return price_given(config, cluster, batch, graph.seq_len, cfg, assignment=assignment, dtype=dtype,
                        efficiency=efficiency, registry=registry, fold=True, time_limit_s=60.0, graph=graph,
                        notes=notes, search_time_s=search_time_s, solver=solver)
@@ -197,14 +198,17 @@ def estimate(model: ModelConfig | str, cluster: ClusterSpec | str, global_batch:
              fold: bool = True, time_limit_s: float = 60.0, efficiency: Efficiency | None = None,
              registry: StrategyRegistry | None = None, graph: CapturedGraph | None = None,
              schedule: str = "1f1b", virtual_stages: int = 1, profile: "HardwareProfile | None" = None,
-             kernels: str = "auto") -> Plan:
+             kernels: str = "auto", stage_layers: Sequence[int] | None = None) -> Plan:
     """The Plan of one given configuration (any pp, dp, ep, cp, tp), the intra-op solver choosing the
-    strategies; it may not fit (its notes say). Bad values raise ConfigError naming values that work."""
+    strategies; it may not fit (its notes say). Bad values raise ConfigError naming values that work.
+    `stage_layers`: the layers of each of the pp x v pipeline chunks in the order the layers flow through
+    them (chunk c of pipeline rank s at position c pp + s; `autoplan.validity.stages_problem`), e.g.
+    Llama 3 405B's (0, 1, ..., 1, 0) on pp=16, v=8; None: the stage search's partition."""
     check_arguments("estimate", locals())
     config, cluster = resolve_inputs(model, cluster, global_batch, seq_len, dtype)
     cluster, efficiency = calibrate(cluster, efficiency, profile, kernels, dtype)
     cfg = check_config(config, cluster, global_batch, seq_len, mesh, microbatch_size, zero_stage, recompute, schedule,
-                       virtual_stages)
+                       virtual_stages, stage_layers=stage_layers)
     return price_given(config, cluster, global_batch, seq_len, cfg, assignment=None, dtype=dtype, efficiency=efficiency,
                        registry=registry, fold=fold, time_limit_s=time_limit_s,
                        graph=graph_source(config, seq_len, dtype, graph),

@@ -223,6 +223,12 @@ class Plan:
         return self.global_batch * self.seq_len
 
     # ---------------------------------------------------------------- JSON
+    @property
+    def stage_layers(self) -> tuple[int, ...]:
+        """Layers of each pipeline chunk in the order the layers flow through them (chunk c of stage s at
+        position c pp + s), as `autoplan estimate --stage-layers` takes them."""
+        return tuple(s.last_layer - s.first_layer for s in sorted(self.stages, key=lambda s: (s.chunk, s.stage)))
+
     def to_json(self) -> dict:
         table, ops = strategies_to_json(self.ops, _axis_json)
         return {

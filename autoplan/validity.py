@@ -11,8 +11,12 @@ configurations without a problem. So what the runtime refuses, `estimate` refuse
     ep       divides the experts and the data-parallel ranks dp x ep
     etp      divides tp; ep x tp / etp divides the experts, etp the experts' FFN width, tp x C the sequence
     batch    global_batch = microbatch x m x batch shards (dp x ep, or dp under ep_as = "cp")
-    pp       at most the layers; 1F1B needs m >= pp; interleaved 1F1B needs v >= 2 chunks per rank, the
-             layers divisible by pp x v (uniform chunks) and m divisible by pp
+    pp       pp x v chunks (v = 1 without interleaving), in the order the layers flow through them (chunk c
+             of pipeline rank s at position c pp + s): each holds a contiguous range of at least one layer,
+             except the first (which may hold only the embedding) and the last (only the final norm, head
+             and loss), so at least pp v - 2 layers; chunk sizes need not be equal (`stages_problem` for a
+             given partition). 1F1B needs m >= pp; interleaved 1F1B needs pp > 1, v >= 2 chunks per rank
+             and m divisible by pp (Megatron-LM's rule, which the bubble formula assumes)
     ZeRO     0-3; ZeRO-2/3 (FSDP2) only without pp and ep (the runtime shards over dp alone)
 
 Search heuristics (configurations that run but never pay, such as fewer than 1024 tokens per
@@ -125,16 +129,27 @@ def batch_problem(global_batch: int, data_parallel: int, microbatch_size: int, n
             f"{step}; nearest that work: {near}")
 
 
+def stage_min_layers(pp: int, virtual_stages: int) -> tuple[int, ...]:
+    """The fewest layers each pipeline rank holds: v chunks of one layer, less one on the first rank (its first
+    chunk may hold only the embedding) and one on the last (its last chunk only the head). Without a pipeline
+    the one stage holds every layer."""
+    if pp == 1:
+        return (1,)
+    return tuple(virtual_stages - (s == 0) - (s == pp - 1) for s in range(pp))
+
+
 def pipeline_problem(num_layers: int, pp: int, schedule: str, virtual_stages: int, num_microbatches: int
                      ) -> str | None:
     """Why this pipeline schedule cannot run, or None (module docstring)."""
-    if pp > num_layers:
-        return f"pp={pp} exceeds the {num_layers} layers; use pp <= {num_layers}"
+    chunks, fewest = pp * virtual_stages, sum(stage_min_layers(pp, virtual_stages))
+    if num_layers < fewest:
+        return (f"pp={pp} x v={virtual_stages} = {chunks} pipeline chunks need at least {fewest} layers (one per "
+                f"chunk; the first and the last may hold only the embedding and the head) but the model has "
+                f"{num_layers}; use pp x v <= {num_layers + 2}")
     if schedule == SCHEDULE_INTERLEAVED:
-        if pp == 1 or virtual_stages < 2 or num_layers % (pp * virtual_stages) or num_microbatches % pp:
-            return (f"interleaved 1F1B needs pp > 1, v >= 2 chunks per pipeline rank, the {num_layers} layers "
-                    f"divisible by pp x v = {pp * virtual_stages} and the {num_microbatches} microbatches "
-                    f"divisible by pp={pp}")
+        if pp == 1 or virtual_stages < 2 or num_microbatches % pp:
+            return (f"interleaved 1F1B needs pp > 1, v >= 2 chunks per pipeline rank and the {num_microbatches} "
+                    f"microbatches divisible by pp={pp}; got pp={pp}, v={virtual_stages}")
         return None
     if schedule not in SCHEDULES or virtual_stages != 1:
         return (f"schedule {schedule!r} with v={virtual_stages}: use '{SCHEDULE_1F1B}' (v=1) or "
@@ -142,6 +157,36 @@ def pipeline_problem(num_layers: int, pp: int, schedule: str, virtual_stages: in
     if schedule == SCHEDULE_1F1B and pp > 1 and num_microbatches < pp:
         return (f"schedule '1f1b' needs num_microbatches >= pp: got {num_microbatches} < {pp}; raise the "
                 f"microbatch count (a smaller microbatch) or lower pp")
+    return None
+
+
+def stage_layers_text(stage_layers: "tuple[int, ...]") -> str:
+    """Layers per chunk as `--stage-layers` reads them, runs written N*K: (0, 1, 1, 1, 0) -> "0,1*3,0"."""
+    runs: list[list[int]] = []
+    for n in stage_layers:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return ",".join(f"{n}*{k}" if k > 1 else str(n) for n, k in runs)
+
+
+def stages_problem(num_layers: int, pp: int, virtual_stages: int, stage_layers: "tuple[int, ...]") -> str | None:
+    """Why a given partition cannot run, or None: `stage_layers` lists the layers of each of the pp x v chunks
+    in the order the layers flow through them (chunk c of pipeline rank s at position c pp + s); they sum to
+    the layers, and each holds at least one but the first and the last (module docstring)."""
+    chunks, text = pp * virtual_stages, stage_layers_text(stage_layers)
+    order = "one per pipeline rank" if virtual_stages == 1 else (
+        f"chunk 0 of ranks 0..{pp - 1}, then chunk 1 of each, and so on")
+    if len(stage_layers) != chunks or sum(stage_layers) != num_layers:
+        return (f"stage layers {text} ({len(stage_layers)} chunks, {sum(stage_layers)} layers) must list "
+                f"pp x v = {pp} x {virtual_stages} = {chunks} chunk sizes ({order}) summing to the model's "
+                f"{num_layers} layers")
+    short = [k for k, n in enumerate(stage_layers) if n < (0 if k in (0, chunks - 1) else 1)]
+    if short:
+        return (f"stage layers {text}: chunk {short[0]} holds {stage_layers[short[0]]} layers; every chunk "
+                f"holds at least one layer, except the first and the last, which may hold none (only the "
+                f"embedding, only the head)")
     return None
 
 
@@ -157,9 +202,11 @@ def zero_problem(zero_stage: int, pp: int, ep: int) -> str | None:
 
 def configuration_problems(model: "ModelConfig", mesh: "MeshShape", global_batch: int, seq_len: int,
                            microbatch_size: int, zero_stage: int, recompute: str, schedule: str,
-                           virtual_stages: int, heads_rule: bool = True) -> list[str]:
+                           virtual_stages: int, heads_rule: bool = True,
+                           stage_layers: "tuple[int, ...] | None" = None) -> list[str]:
     """Every rule this configuration breaks (module docstring), in a fixed order; [] when it can run.
-    `heads_rule`: tp must split the attention heads (off when a given assignment decides the strategies)."""
+    `heads_rule`: tp must split the attention heads (off when a given assignment decides the strategies);
+    `stage_layers`: a given partition (`stages_problem`; None: the planner's)."""
     folded = mesh.ep_as == "cp"  # the ep ranks split the sequence with cp: the rules see cp x ep
     shards = mesh.batch_shards * microbatch_size
     found = [
@@ -171,8 +218,11 @@ def configuration_problems(model: "ModelConfig", mesh: "MeshShape", global_batch
         zero_problem(zero_stage, mesh.pp, mesh.ep),
         None if recompute in RECOMPUTE_POLICIES else f"recompute={recompute!r} must be one of {RECOMPUTE_POLICIES}",
     ]
-    if not found[4]:
-        found.append(pipeline_problem(model.num_layers, mesh.pp, schedule, virtual_stages, global_batch // shards))
+    pipeline = None if found[4] else pipeline_problem(model.num_layers, mesh.pp, schedule, virtual_stages,
+                                                      global_batch // shards)
+    found.append(pipeline)
+    if stage_layers is not None and not pipeline:
+        found.append(stages_problem(model.num_layers, mesh.pp, virtual_stages, tuple(stage_layers)))
     return [p for p in found if p]
 
 

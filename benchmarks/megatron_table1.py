@@ -20,7 +20,9 @@ software the paper ran, which is part of what was measured (`MEGATRON_2021`):
 Everything else is the one global cost model (`autoplan.cost_model`), the same for every row: no
 per-row factor. Two things the paper does not state are assumed, the same way for every row: the
 number of model chunks v of the interleaved schedule (the smallest v >= 2 that divides the layers per
-stage; Table 1 lists none) and ZeRO stage 0 (Megatron-LM of 2021 kept full optimizer states).
+stage; Table 1 lists none) and ZeRO stage 0 (Megatron-LM of 2021 kept full optimizer states). The
+layers are split evenly over the chunks, as Megatron-LM of 2021 did (`Row.stage_layers`; the stage
+search would weigh the head and move layers off the last stage).
 
 FLOPs are counted as the paper does (its equation 3, recomputation included):
 
@@ -91,6 +93,12 @@ class Row:
         return min(v for v in range(2, per_stage + 1) if per_stage % v == 0) if per_stage > 1 else 1
 
     @property
+    def stage_layers(self) -> tuple[int, ...] | None:
+        """Equal chunks, layers / (pp v) each (module docstring); None without pipelining."""
+        chunks = self.pp * self.virtual_stages
+        return (self.layers // chunks,) * chunks if self.pp > 1 else None
+
+    @property
     def schedule(self) -> str:
         return "interleaved-1f1b" if self.virtual_stages > 1 else "1f1b"
 
@@ -132,7 +140,7 @@ def price_published(row: Row, graph=None) -> Plan:
     """The published configuration through `autoplan.api.estimate` (module docstring)."""
     return estimate(row.config(), row.cluster(), row.batch, SEQ, mesh=row.mesh(), microbatch_size=1, zero_stage=0,
                     recompute="full", dtype=DTYPE, efficiency=MEGATRON_2021, graph=graph, schedule=row.schedule,
-                    virtual_stages=row.virtual_stages)
+                    virtual_stages=row.virtual_stages, stage_layers=row.stage_layers)
 
 
 def price_as_run(row: Row, graph) -> Plan:
@@ -141,7 +149,7 @@ def price_as_run(row: Row, graph) -> Plan:
     assignment = megatron_assignment(graph, default_registry(), row.tp, config.rule_info(), sequence_parallel=False)
     return plan_from_assignment(graph, config, row.cluster(), row.mesh(), assignment, 1, row.batch // row.dp, 0, "full",
                                 dtype=DTYPE, efficiency=MEGATRON_2021, schedule=row.schedule,
-                                virtual_stages=row.virtual_stages)
+                                virtual_stages=row.virtual_stages, stage_layers=row.stage_layers)
 
 
 def describe(plan: Plan) -> str:

@@ -21,10 +21,17 @@ bandwidth measured by nccl-tests across nodes). Its latency is hierarchical: (k-
 plus (r-1) intra-node hops per ring pass. An all-to-all across nodes sends (n-r)/n of each rank's
 bytes through its own NIC and (r-1)/n over NVLink, concurrently.
 
+Every call also pays a fixed cost, whatever its size (`call_s`, `Efficiency.collective_call_s`):
+the launch of its kernel and the protocol's setup, which the per-hop alpha above does not hold. NCCL's
+own model (src/graph/tuning.cc) prices a call as baseLat + steps x hwLat + bytes / bw, with baseLat
+6.6 us for a ring under the LL protocol that small messages use (8.4 us Simple): that base is the
+call cost. A point-to-point send pays it too.
+
 A hardware profile's collective fits (`calibration.CollectiveCalibration`), when given, replace the
-datasheet link for groups inside one node: t = latency + message * ring_factor / bus bandwidth, with the
-message as nccl-tests counts it (B, or B / n per rank for an all-to-all); groups across nodes keep the
-ClusterSpec's links (a profile of one machine says nothing about its network).
+datasheet link for groups inside one node (their latency measured whole, the call cost in it):
+t = latency + message * ring_factor / bus bandwidth, with the message as nccl-tests counts it (B, or
+B / n per rank for an all-to-all); groups across nodes keep the ClusterSpec's links (a profile of one
+machine says nothing about its network).
 
 Ignored (a profile measures them): protocol efficiency (NCCL reaches ~80-90% of link bandwidth
 on large messages), tree / NVLS / SHARP algorithms for small messages, contention between
@@ -115,9 +122,10 @@ def link_for_axis(cluster: ClusterSpec, mesh: MeshShape, axis: str) -> LinkSpec:
 
 
 def collective_time_s(kind: str, nbytes: float, cluster: ClusterSpec, mesh: MeshShape, axis: str,
-                      measured: CollectiveCalibration | None = None) -> float:
+                      measured: CollectiveCalibration | None = None, call_s: float = 0.0) -> float:
     """Time of one `kind` collective over a group of mesh `axis` (B = full tensor bytes; module doc)."""
-    return group_collective_time_s(kind, nbytes, cluster, AxisGroup.of(mesh, axis, cluster.gpus_per_node), measured)
+    group = AxisGroup.of(mesh, axis, cluster.gpus_per_node)
+    return group_collective_time_s(kind, nbytes, cluster, group, measured, call_s)
 
 
 def measured_time_s(kind: str, nbytes: float, n: int, bandwidth_bytes_per_s: float, latency_s: float) -> float:
@@ -128,8 +136,9 @@ def measured_time_s(kind: str, nbytes: float, n: int, bandwidth_bytes_per_s: flo
 
 
 def group_collective_time_s(kind: str, nbytes: float, cluster: ClusterSpec, group: AxisGroup,
-                            measured: CollectiveCalibration | None = None) -> float:
-    """`collective_time_s` for a precomputed `AxisGroup` (the per-op pricing calls this in a loop)."""
+                            measured: CollectiveCalibration | None = None, call_s: float = 0.0) -> float:
+    """`collective_time_s` for a precomputed `AxisGroup` (the per-op pricing calls this in a loop);
+    `call_s`: the fixed cost of the call (module docstring), not added to a measured fit, which holds it."""
     n, nodes, per_node = group.size, group.nodes, group.ranks_per_node
     formula = collective_formula(kind)
     if n == 1:
@@ -139,13 +148,13 @@ def group_collective_time_s(kind: str, nbytes: float, cluster: ClusterSpec, grou
         fit = measured.link(kind, n) if measured is not None else None
         if fit is not None:
             return measured_time_s(kind, nbytes, n, *fit)
-        return formula(nbytes, n, intra.bandwidth_bytes_per_s, intra.latency_s)
+        return call_s + formula(nbytes, n, intra.bandwidth_bytes_per_s, intra.latency_s)
     hops = (nodes - 1) * inter.latency_s + (per_node - 1) * intra.latency_s
     if kind == "all_to_all":
         local = nbytes / n
         remote_s = (n - per_node) / n * local / inter.bandwidth_bytes_per_s
         local_s = (per_node - 1) / n * local / intra.bandwidth_bytes_per_s
-        return max(remote_s, local_s) + hops
+        return call_s + max(remote_s, local_s) + hops
     bandwidth = min(intra.bandwidth_bytes_per_s, per_node * inter.bandwidth_bytes_per_s)
     passes = 2 if kind == "all_reduce" else 1
-    return formula(nbytes, n, bandwidth, 0.0) + passes * hops
+    return call_s + formula(nbytes, n, bandwidth, 0.0) + passes * hops

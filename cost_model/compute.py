@@ -1,6 +1,7 @@
 """Compute time: a roofline per kernel, with shape-dependent GEMM efficiency.
 
-    kernel_time_s = max(flops / (peak_flops[dtype] * e_gemm(m, n, k)),  bytes / (hbm_bandwidth * e_memory))
+    kernel_time_s = max(flops / (peak_flops[dtype] * e_gemm(m, n, k)),  bytes / (hbm_bandwidth * e_memory),
+                        floor)
 
 and an op's time is the sum over the kernels it launches (they run one after another on the device):
 
@@ -40,9 +41,29 @@ of a step could skip it, which is ignored).
 FLOPs of memory-bound ops are priced at the tensor-core rate, which keeps every op at least as long as
 its FLOPs at the best GEMM rate (the search's time bound relies on it); they are memory-bound anyway.
 
-Ignored: kernel launch overheads (~5 us; the smallest kernels of the built-in models run for tens of
-microseconds at a microbatch of one sequence), overlap between kernels, L2 cache reuse between kernels,
-hidden dropout (the built-in models have none), the bias adds of linear layers (fused in GEMM epilogues).
+The floor (`Efficiency.kernel_floor_s`): no kernel takes less than a fixed time, whatever its size:
+its launch, and the gap an eager framework leaves between small kernels. 7 us by default, the
+`kernel_launch_overhead` floor of meta-pytorch/autoparallel's compute model
+(autoparallel/cost_models/compute_estimation.py); `autoplan profile` measures it on the device
+(`profiler.launch`), and a loaded profile replaces the default. Kernels per op, forward / backward:
+
+    linear          1 GEMM / 2 GEMMs (dX, dW)
+    attention       flash: 1 / 2 (FlashAttention-2's backward: a row-sum pre-pass, then the main kernel);
+                    materialized: one per kernel of `attention_kernels`
+    moe             3 / 6: the expert projections' grouped GEMMs (routing and permutation not counted)
+    norm            1 / 2 (dx, then the weight gradient's partial sums reduced)
+    elementwise     1 / 1;   embedding 1 / 2 (the zero fill, then the scatter-add);
+    cross-entropy   2 / 3 (cast and log-softmax / one-hot gradient, log-softmax backward, cast back)
+    accumulation    one per parameter tensor of the op, in backward (into .grad)
+
+Where the model prices several kernels as one roofline (a memory-bound op), the op takes at least
+its kernels x the floor. A fused pair under Triton (silu * mul) still pays a floor per node, as it
+pays the bytes of both (conservative). With the default GEMM curve a tiny GEMM already takes about
+TAU0_S / ceiling (`calibration`), above the floor; the floor binds on memory-bound kernels, on
+GEMMs under a flat or measured efficiency, and on the optimizer's step.
+
+Ignored: overlap between kernels, L2 cache reuse between kernels, hidden dropout (the built-in models
+have none), the bias adds of linear layers (fused in GEMM epilogues) and their bias gradients.
 """
 
 from __future__ import annotations
@@ -51,6 +72,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from autoplan.cluster import ClusterSpec, DeviceSpec
+from autoplan.cost_model.comm import AxisGroup, group_collective_time_s
 from autoplan.cost_model.calibration import CollectiveCalibration, GemmEfficiency, device_spec_from_profile
 from autoplan.cost_model.kernels import FusedKernels, fused_kernels, node_kernel
 from autoplan.errors import ConfigError
@@ -66,6 +88,14 @@ FP32_BYTES = 4
 PASS_THROUGH = frozenset({"add", "iadd", "add_", "sub", "isub", "sub_"})
 COPY_LIKE = frozenset({"neg", "float", "to"})
 BINARY_PRODUCT = frozenset({"mul", "imul", "mul_", "truediv", "div"})
+# no kernel runs in less (module docstring): meta-pytorch/autoparallel's kernel_launch_overhead
+KERNEL_FLOOR_S = 7e-6
+# fixed cost of one collective call: NCCL's base latency of a ring, LL protocol (the one small messages
+# use), NVIDIA/nccl src/graph/tuning.cc baseLat {Ring, LL} = 6.6 us (`cost_model.comm`)
+COLLECTIVE_CALL_S = 6.6e-6
+# memory-bound ops: kernels (forward, backward) each launches (module docstring)
+OP_KERNELS = {"norm": (1, 2), "elementwise": (1, 1), "embedding": (1, 2), "cross_entropy": (2, 3)}
+MOE_KERNELS = (3, 6)
 
 
 @dataclass(frozen=True)
@@ -105,6 +135,10 @@ class Efficiency:
     collectives: CollectiveCalibration | None = None
     overlap_grad_reduce: bool = True
     kernels: FusedKernels = FusedKernels()
+    kernel_floor_s: float = KERNEL_FLOOR_S
+    collective_call_s: float = COLLECTIVE_CALL_S
+    floor_source: str = ("kernel floor: meta-pytorch/autoparallel's 7 us; collective call: NCCL's ring LL base "
+                         "latency, 6.6 us (cost_model.compute)")
     _by_kernel: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -112,6 +146,24 @@ class Efficiency:
             value = getattr(self, name)
             if value is not None and not 0 < value <= 1:
                 raise ConfigError(f"efficiency {name}={value!r} must be in (0, 1]")
+        for name in ("kernel_floor_s", "collective_call_s"):
+            if not 0 <= getattr(self, name) < 1e-2:
+                raise ConfigError(f"efficiency {name}={getattr(self, name)!r} must be in [0, 0.01) seconds "
+                                  f"(a fixed cost per kernel or call, microseconds; 0 turns it off)")
+
+    def collective_s(self, kind: str, nbytes: float, cluster: ClusterSpec, group: AxisGroup) -> float:
+        """One collective over `group` (`comm.group_collective_time_s`): a profile's fit inside a node where
+        there is one, else the ring formula plus the fixed cost of a call."""
+        return group_collective_time_s(kind, nbytes, cluster, group, self.collectives, self.collective_call_s)
+
+    def floor_note(self) -> str:
+        """The fixed costs this efficiency prices, and where they come from (for a plan's notes)."""
+        return (f"fixed costs: {self.kernel_floor_s * 1e6:.1f} us per kernel, {self.collective_call_s * 1e6:.1f} us "
+                f"per collective call outside a profile's fits ({self.floor_source})")
+
+    def kernels_s(self, roofline_s: float, kernels: int = 1) -> float:
+        """An op's time: its roofline, and at least `kernels` launches at the floor (module docstring)."""
+        return max(roofline_s, kernels * self.kernel_floor_s) if kernels else roofline_s
 
     def resolved(self, device: DeviceSpec) -> "Efficiency":
         """This efficiency with the default GEMM curve of `device` where none was given (do it once per
@@ -153,7 +205,8 @@ def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "Har
     and the device's default GEMM curve. With one (it must be of the cluster's kind of device, else
     ProfileError): the measured HBM bandwidth (`device_spec_from_profile`), the measured GEMM
     efficiencies (`GemmEfficiency.from_profile`; they replace a flat `matmul`), and the measured
-    collective fits for groups inside a node; the attention kernel and memory fraction stay as given.
+    collective fits for groups inside a node, and its measured launch floor where it has one; the attention
+    kernel and memory fraction stay as given.
     `kernels` (plan.kernels; None keeps `efficiency.kernels`): the fused kernels on this cluster, with
     the profile's measured kernel efficiencies where they are Triton (`cost_model.kernels`). `dtype`: the
     plan's; a profile without GEMMs of that dtype is refused (ProfileError) rather than priced from the
@@ -169,6 +222,10 @@ def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "Har
     calibrated = replace(efficiency, matmul=None, gemm=GemmEfficiency.from_profile(profile, device),
                          collectives=collectives, source=f"{efficiency.source}; calibrated by the profile of "
                                                          f"{profile.device_name!r} ({profile.created})")
+    if profile.kernel_floor_s is not None:
+        calibrated = replace(calibrated, kernel_floor_s=profile.kernel_floor_s,
+                             floor_source=f"kernel floor measured by `autoplan profile` on {profile.device_name!r}; "
+                                          f"collective call: NCCL's ring LL base latency (cost_model.compute)")
     return replace(cluster, device=device), calibrated
 
 
@@ -180,13 +237,15 @@ def _check_profile_dtype(profile: "HardwareProfile", dtype: str | None) -> None:
                            f"`autoplan profile --dtype {dtype}`")
 
 
-def op_time_s(flops: float, nbytes: float, device: DeviceSpec, dtype: str, efficiency: Efficiency) -> float:
-    """Roofline time of an op doing `flops` FLOPs at the best GEMM rate and moving `nbytes` bytes of HBM traffic."""
+def op_time_s(flops: float, nbytes: float, device: DeviceSpec, dtype: str, efficiency: Efficiency,
+              kernels: int = 1) -> float:
+    """Roofline time of an op doing `flops` FLOPs at the best GEMM rate and moving `nbytes` bytes of HBM
+    traffic, in `kernels` launches of at least the floor each."""
     if flops < 0 or nbytes < 0:
         raise ConfigError(f"op_time_s needs flops >= 0 and bytes >= 0, got flops={flops}, bytes={nbytes}")
     compute_s = flops / (device.peak_flops_for(dtype) * efficiency.max_matmul(device, dtype))
     memory_s = nbytes / (device.memory_bandwidth_bytes_per_s * efficiency.memory)
-    return max(compute_s, memory_s)
+    return efficiency.kernels_s(max(compute_s, memory_s), kernels)
 
 
 def memory_time_s(nbytes: float, device: DeviceSpec, efficiency: Efficiency) -> float:
@@ -203,7 +262,7 @@ def gemm_time_s(m: float, n: float, k: float, itemsize: float, device: DeviceSpe
     flops = 2.0 * batch * m * n * k
     nbytes = batch * (m * k + k * n + m * n) * itemsize
     rate = device.peak_flops_for(dtype) * efficiency.gemm_efficiency(batch * m, n, k, device, dtype)
-    return max(flops / rate, memory_time_s(nbytes, device, efficiency))
+    return efficiency.kernels_s(max(flops / rate, memory_time_s(nbytes, device, efficiency)))
 
 
 def linear_time_s(m: float, n: float, k: float, itemsize: float, device: DeviceSpec, dtype: str,
@@ -245,7 +304,7 @@ def attention_time_s(batch_heads: float, seq: int, head_dim: int, itemsize: floa
         per_head = 2.0 * seq * seq * head_dim  # one T x T x d GEMM
         fwd = max(2 * batch_heads * per_head / rate, memory_time_s(4 * vectors, device, efficiency))
         bwd = max(4 * batch_heads * per_head / rate, memory_time_s(8 * vectors, device, efficiency))
-        return fwd, bwd
+        return efficiency.kernels_s(fwd, 1), efficiency.kernels_s(bwd, 2)
     scores = batch_heads * seq * seq  # elements of the T x T tensor
 
     def run(kernels: list[tuple[int, float]]) -> float:
@@ -254,7 +313,7 @@ def attention_time_s(batch_heads: float, seq: int, head_dim: int, itemsize: floa
             if gemms:  # a batched T x T x d GEMM: its own operands plus the T x T one
                 total += gemm_time_s(seq, seq, head_dim, itemsize, device, dtype, efficiency, batch_heads)
             else:
-                total += memory_time_s(scores * per_score, device, efficiency)
+                total += efficiency.kernels_s(memory_time_s(scores * per_score, device, efficiency))
         return total
 
     forward, backward = attention_kernels(efficiency.attention, itemsize)

@@ -45,9 +45,10 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 
 from autoplan.cluster import ClusterSpec
-from autoplan.cost_model.comm import AxisGroup, group_collective_time_s
-from autoplan.cost_model.compute import (Efficiency, attention_time_s, grad_accumulation_bytes, linear_time_s,
-                                         memory_op_bytes, memory_time_s, op_time_s)
+from autoplan.cost_model.comm import AxisGroup
+from autoplan.cost_model.compute import (MOE_KERNELS, OP_KERNELS, Efficiency, attention_time_s,
+                                         grad_accumulation_bytes, linear_time_s, memory_op_bytes, memory_time_s,
+                                         op_time_s)
 from autoplan.cost_model.memory import (StateBytes, comm_tensor_nbytes, local_nbytes, param_placements,
                                         scaled_nbytes, selective_recompute_nodes)
 from autoplan.errors import AutoplanError
@@ -88,7 +89,7 @@ class CostContext:
         return self.mesh.degree(self.axis)
 
     def collective_s(self, kind: str, nbytes: float) -> float:
-        return group_collective_time_s(kind, nbytes, self.cluster, self.group, self.efficiency.collectives)
+        return self.efficiency.collective_s(kind, nbytes, self.cluster, self.group)
 
 
 def attention_head_dim(graph: "CapturedGraph") -> int:
@@ -145,13 +146,14 @@ def _moe_shape(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tuple[
 
 def node_compute_s(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tuple[float, float]:
     """(forward, backward) seconds of the node's share under `strategy` at the microbatch: its kernels
-    at their rooflines (`cost_model.compute`), plus the weight-gradient accumulation in backward."""
+    at their rooflines, each at least the launch floor (`cost_model.compute`), plus the weight-gradient
+    accumulation in backward (one kernel per parameter tensor)."""
     if node.fwd_flops == 0 and node.fwd_bytes == 0:
         return 0.0, 0.0
     device, dtype, eff = ctx.cluster.device, ctx.dtype, ctx.efficiency
     params = _local_param_bytes(node, strategy, ctx.degree)
     share = ctx.batch_scale * strategy.compute_fraction
-    accumulate = memory_time_s(grad_accumulation_bytes(params), device, eff)
+    accumulate = eff.kernels_s(memory_time_s(grad_accumulation_bytes(params), device, eff), len(node.params))
     eff = eff.for_node(node, strategy.name)  # a fused Triton kernel's measured HBM efficiency, if any
     if node.op_kind == "linear":
         fwd, bwd = linear_time_s(*_linear_shape(node, strategy, ctx), node.output.nbytes / node.output.numel,
@@ -167,11 +169,12 @@ def node_compute_s(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tu
         moved = (node.fwd_bytes - _traffic_param_bytes(node)) * share + params
         fwd = max(node.fwd_flops * share / rate, memory_time_s(moved, device, eff))
         bwd = max(node.bwd_flops * share / rate, memory_time_s(2 * moved, device, eff))
-        return fwd, bwd + accumulate
+        return eff.kernels_s(fwd, MOE_KERNELS[0]), eff.kernels_s(bwd, MOE_KERNELS[1]) + accumulate
     fwd_bytes, bwd_bytes = memory_op_bytes(node, params)
     extra = params if node.op_kind != "embedding" else 0.0  # a norm reads its weights (the embedding's rows are in)
-    fwd = op_time_s(node.fwd_flops * share, fwd_bytes * share + extra, device, dtype, eff)
-    bwd = op_time_s(node.bwd_flops * share, bwd_bytes * share + extra, device, dtype, eff)
+    kernels = OP_KERNELS.get(node.op_kind, (1, 1))
+    fwd = op_time_s(node.fwd_flops * share, fwd_bytes * share + extra, device, dtype, eff, kernels[0])
+    bwd = op_time_s(node.bwd_flops * share, bwd_bytes * share + extra, device, dtype, eff, kernels[1])
     return fwd, bwd + accumulate
 
 

@@ -56,8 +56,8 @@ from __future__ import annotations
 import numpy as np
 
 from autoplan.cluster import ClusterSpec
-from autoplan.cost_model.calibration import CollectiveCalibration
-from autoplan.cost_model.comm import AxisGroup, group_collective_time_s
+from autoplan.cost_model.comm import AxisGroup
+from autoplan.cost_model.compute import Efficiency
 from autoplan.mesh import MeshShape
 
 
@@ -72,34 +72,36 @@ def axes_group(mesh: MeshShape, axes: tuple[str, ...], gpus_per_node: int) -> Ax
 
 
 def ulysses_all_to_all_s(tokens: float, q_width: float, kv_width: float, itemsize: float, cluster: ClusterSpec,
-                         group: AxisGroup, measured: CollectiveCalibration | None = None) -> float:
+                         group: AxisGroup, efficiency: Efficiency | None = None) -> float:
     """Forward + backward seconds of one layer's Ulysses all-to-alls for one microbatch (module docstring).
 
     tokens: mbs * T of the whole cp group; widths: features per tp rank of q (and the output) and of k, v."""
     if group.size == 1:
         return 0.0
-    q = group_collective_time_s("all_to_all", tokens * q_width * itemsize, cluster, group, measured)
-    kv = group_collective_time_s("all_to_all", tokens * kv_width * itemsize, cluster, group, measured)
+    efficiency = efficiency or Efficiency()  # the default: the datasheet links, a call cost each
+    q = efficiency.collective_s("all_to_all", tokens * q_width * itemsize, cluster, group)
+    kv = efficiency.collective_s("all_to_all", tokens * kv_width * itemsize, cluster, group)
     return 2 * (2 * q + 2 * kv)
 
 
 def expert_all_to_all_s(tokens_per_rank: float, hidden: int, top_k: int, itemsize: float, cluster: ClusterSpec,
-                        group: AxisGroup, measured: CollectiveCalibration | None = None) -> float:
+                        group: AxisGroup, efficiency: Efficiency | None = None) -> float:
     """Forward + backward seconds of one MoE layer's dispatch and combine for one microbatch."""
     if group.size == 1:
         return 0.0
     nbytes = group.size * tokens_per_rank * top_k * hidden * itemsize
-    return 4 * group_collective_time_s("all_to_all", nbytes, cluster, group, measured)
+    return 4 * (efficiency or Efficiency()).collective_s("all_to_all", nbytes, cluster, group)
 
 
 def expert_tp_exchange_s(tokens_per_rank: float, hidden: int, top_k: int, itemsize: float, cluster: ClusterSpec,
-                         group: AxisGroup, measured: CollectiveCalibration | None = None) -> float:
+                         group: AxisGroup, efficiency: Efficiency | None = None) -> float:
     """Forward + backward seconds of one MoE layer's expert-TP all-gather and reduce-scatter of the
     dispatched rows for one microbatch (module docstring); `tokens_per_rank`: the tokens this rank
     dispatches (already / tp)."""
     if group.size == 1:
         return 0.0
     nbytes = group.size * tokens_per_rank * top_k * hidden * itemsize
-    gather = group_collective_time_s("all_gather", nbytes, cluster, group, measured)
-    scatter = group_collective_time_s("reduce_scatter", nbytes, cluster, group, measured)
+    efficiency = efficiency or Efficiency()
+    gather = efficiency.collective_s("all_gather", nbytes, cluster, group)
+    scatter = efficiency.collective_s("reduce_scatter", nbytes, cluster, group)
     return 2 * (gather + scatter)

@@ -13,7 +13,8 @@ The bubble fraction is (pp - 1) / (v m) of the steady state, as in the paper.
 
 Point-to-point: per microbatch and per chunk, a stage receives the activation of the stage before and
 sends its own forward, and the same for gradients backward; a send and a receive run at once on the
-full-duplex link, so each stage pays 2 * v * (B / bw + alpha) per microbatch, with B the bytes of the
+full-duplex link, so each stage pays 2 * v * (B / bw + alpha + c) per microbatch (c: a call's fixed cost,
+`cost_model.comm`), with B the bytes of the
 boundary tensor per rank, over the link the pp axis crosses (`comm.link_for_axis`). With tensor
 parallelism each rank sends only its 1 / tp of the boundary: with sequence parallelism it holds only
 that; without, Megatron's scatter / gather optimisation (Narayanan et al. 2021, section 4.1) sends 1 / tp
@@ -29,8 +30,15 @@ Activations in flight (Narayanan et al. 2021, section 2.2; Korthikanti et al. 20
                  min(m, (2 (pp - s - 1) + (v - 1) pp + 1) / v) microbatches' worth; stage 0:
                  pp + (pp - 1) / v = pp (1 + (pp - 1) / (pp v)), Korthikanti's factor.
 
-Interleaving needs the layers divisible by pp * v (uniform chunks; chunk c of stage s holds layers
-[(c pp + s) k, (c pp + s + 1) k) with k = L / (pp v)) and m divisible by pp (Megatron-LM's rule).
+Stages of unequal size (Llama 3, Megatron-LM's --decoder-first/last-pipeline-num-layers): the pp x v
+chunks are listed in the order the layers flow through them, chunk c of pipeline rank s at position
+c pp + s, each a contiguous range of layers (`chunk_ranges`); every chunk holds at least one layer but
+the first, which may hold only the embedding, and the last, only the head (`autoplan.validity`). The
+stage search chooses how many layers each rank holds (`solver.stages`, over the ranks' contiguous
+ranges, the embedding and head weighed, each rank at least `validity.stage_min_layers`) and splits a
+rank's layers into its v chunks as evenly as it can (`chunk_sizes`): the first rank's first chunk and
+the last rank's last chunk take the smaller shares, beside the embedding and the head. With uneven
+chunks t_s still sums the rank's chunks, and the fill and drain are priced at its mean chunk t_s / v.
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ class StageProblem:
     last: Part = field(default_factory=Part)
     overhead_s: np.ndarray | None = None  # (pp,) per-stage seconds per microbatch, e.g. p2p sends
     extra_bytes: np.ndarray | None = None  # (pp,) per-stage bytes, e.g. temporary buffers
+    min_layers: np.ndarray | None = None  # (pp,) the fewest layers each stage holds (None: one each)
 
     def __post_init__(self) -> None:
         arrays = {}
@@ -86,7 +95,8 @@ class StageProblem:
         arrays["in_flight"] = np.asarray(self.in_flight, dtype=np.float64).reshape(pp)
         arrays["overhead_s"] = np.zeros(pp) if self.overhead_s is None else np.asarray(self.overhead_s, float)
         arrays["extra_bytes"] = np.zeros(pp) if self.extra_bytes is None else np.asarray(self.extra_bytes, float)
-        for name in ("overhead_s", "extra_bytes"):
+        arrays["min_layers"] = np.ones(pp) if self.min_layers is None else np.asarray(self.min_layers, float)
+        for name in ("overhead_s", "extra_bytes", "min_layers"):
             if arrays[name].shape != (pp,):
                 raise AutoplanError(f"stage problem: {name} must have one entry per stage ({pp}), got {arrays[name].shape}")
         joined = np.concatenate(list(arrays.values()))
@@ -145,18 +155,32 @@ def pipeline_time_s(stage_times_s: Sequence[float], num_microbatches: int, virtu
     return num_microbatches * slowest, (sum(stage_times_s) - slowest) / virtual_stages
 
 
-def p2p_per_microbatch_s(boundary_bytes: float, cluster: ClusterSpec, mesh: MeshShape, virtual_stages: int = 1) -> float:
-    """Seconds of stage-to-stage sends one stage pays per microbatch (0 without pipelining)."""
+def p2p_per_microbatch_s(boundary_bytes: float, cluster: ClusterSpec, mesh: MeshShape, virtual_stages: int = 1,
+                         call_s: float = 0.0) -> float:
+    """Seconds of stage-to-stage sends one stage pays per microbatch (0 without pipelining); `call_s`: the
+    fixed cost of each send (`cost_model.comm`)."""
     if mesh.pp == 1:
         return 0.0
     link = link_for_axis(cluster, mesh, "pp")
-    return 2 * virtual_stages * p2p_time_s(boundary_bytes, link.bandwidth_bytes_per_s, link.latency_s)
+    return 2 * virtual_stages * (call_s + p2p_time_s(boundary_bytes, link.bandwidth_bytes_per_s, link.latency_s))
 
 
-def interleaved_chunks(num_layers: int, pp: int, virtual_stages: int) -> tuple[tuple[int, int, int, int], ...]:
-    """(stage, chunk, first layer, last layer) of each uniform chunk of the interleaved schedule."""
-    chunks = pp * virtual_stages
-    if num_layers % chunks:
-        raise ConfigError(f"interleaving needs the {num_layers} layers divisible by pp x v = {pp} x {virtual_stages}")
-    k = num_layers // chunks
-    return tuple((s, c, (c * pp + s) * k, (c * pp + s + 1) * k) for c in range(virtual_stages) for s in range(pp))
+def chunk_sizes(rank_layers: Sequence[int], virtual_stages: int) -> tuple[int, ...]:
+    """Layers per chunk, in flow order (module docstring), from the layers of each pipeline rank: rank s's
+    n_s layers as v chunks of floor(n_s / v) or one more, the extra layers on the first rank's last chunks
+    and every other rank's first chunks (so the embedding's and the head's chunks get the smaller shares)."""
+    pp, per_rank = len(rank_layers), []
+    for s, n in enumerate(rank_layers):
+        base, extra = divmod(int(n), virtual_stages)
+        sizes = [base + (c < extra) for c in range(virtual_stages)]
+        per_rank.append(sizes[::-1] if s == 0 and pp > 1 else sizes)
+    return tuple(per_rank[s][c] for c in range(virtual_stages) for s in range(pp))
+
+
+def chunk_ranges(stage_layers: Sequence[int], pp: int) -> tuple[tuple[int, int, int, int], ...]:
+    """(rank, chunk, first layer, end layer) of each chunk, in flow order, from the layers per chunk in
+    flow order (position c pp + s is chunk c of rank s)."""
+    if not stage_layers or len(stage_layers) % pp:
+        raise ConfigError(f"{len(stage_layers)} chunk sizes do not make v chunks on each of pp={pp} pipeline ranks")
+    bounds = np.concatenate(([0], np.cumsum(stage_layers))).astype(int)
+    return tuple((k % pp, k // pp, int(bounds[k]), int(bounds[k + 1])) for k in range(len(stage_layers)))

@@ -12,9 +12,11 @@ rank as with the ep ranks splitting the batch)
                 one rank: over ep, or over ep x tp / etp when etp < tp, `parallel_dims`)
               + the expert-TP all-gather / reduce-scatter of the dispatched rows (1 < etp < tp)
 
-Stages: 1F1B uses the stage DP (`solver.stages`, time-optimal partition, memory-checked, re-solved
-under the memory limit only when it does not fit); interleaved 1F1B uses uniform chunks. Each stage
-also pays its p2p sends (`cost_model.pipeline`). Per optimizer step:
+Stages: a given partition (`Config.stage_layers`, layers per chunk in flow order), else the stage DP
+(`solver.stages`: the time-optimal layers per pipeline rank with the embedding and head weighed,
+memory-checked, re-solved under the memory limit only when it does not fit), each rank's layers split
+into its v chunks (`cost_model.pipeline.chunk_sizes`; v = 1 under 1F1B). Each stage also pays its p2p
+sends (`cost_model.pipeline`). Per optimizer step:
 
     compute_s       = m * compute of the slowest stage
     communication_s = m * (communication of the slowest stage, p2p included) + exposed data-parallel
@@ -60,13 +62,14 @@ from typing import Callable, Protocol
 import numpy as np
 
 from autoplan.cluster import ClusterSpec
-from autoplan.cost_model.comm import AxisGroup, group_collective_time_s
+from autoplan.cost_model.comm import AxisGroup
 from autoplan.cost_model.compute import Efficiency, op_time_s
 from autoplan.cost_model.memory import model_state_bytes, state_bytes_for, temporary_bytes
 from autoplan.cost_model.parallel_dims import (axes_group, expert_all_to_all_s, expert_tp_exchange_s,
                                                ulysses_all_to_all_s)
-from autoplan.validity import SCHEDULE_INTERLEAVED
-from autoplan.cost_model.pipeline import (Part, StageProblem, in_flight_microbatches, interleaved_chunks, p2p_per_microbatch_s, pipeline_time_s)
+from autoplan.validity import stage_min_layers
+from autoplan.cost_model.pipeline import (Part, StageProblem, chunk_ranges, chunk_sizes, in_flight_microbatches,
+                                          p2p_per_microbatch_s, pipeline_time_s)
 from autoplan.models.config import ModelConfig
 from autoplan.cost_model.parts import BlockCosts, PartCost
 from autoplan.plan import MemoryBreakdown, TimeBreakdown
@@ -179,16 +182,16 @@ class StepModel:
             kv_width = max(part.kv_width, context * env.model.head_dim)  # kv heads repeated up to the group's size
             total += ulysses_all_to_all_s(cfg.microbatch_size * env.seq_len, part.q_width, kv_width, itemsize,
                                           env.cluster, self.group(cfg, cfg.mesh.context_axes),
-                                          env.efficiency.collectives)
+                                          env.efficiency)
         if cfg.mesh.expert_parallel > 1 and part.moe_layers:  # tokens / tp each under etp < tp (moe_token_share)
             tokens = float(block.microbatch) * env.seq_len * part.moe_token_share
             total += part.moe_layers * expert_all_to_all_s(tokens, env.model.expert_width, env.model.top_k, itemsize,
                                                            env.cluster, self.group(cfg, cfg.mesh.expert_axes),
-                                                           env.efficiency.collectives)
+                                                           env.efficiency)
             if 1 < cfg.mesh.etp < cfg.tp:  # the etp peers of one set of experts exchange the dispatched rows
                 total += part.moe_layers * expert_tp_exchange_s(
                     tokens, env.model.expert_width, env.model.top_k, itemsize, env.cluster,
-                    self.group(cfg, cfg.mesh.expert_tp_axes), env.efficiency.collectives)
+                    self.group(cfg, cfg.mesh.expert_tp_axes), env.efficiency)
         return total
 
     def _links(self, cfg: Config) -> tuple[AxisGroup, ...]:
@@ -240,34 +243,55 @@ class StepModel:
         return (cfg.num_microbatches + (cfg.pp - 1) / cfg.virtual_stages) * total / cfg.pp
 
     # ------------------------------------------------------------------ stages
+    def stage_problem(self, block: BlockCosts, cfg: Config) -> StageProblem:
+        """The partition problem of `cfg` with the tp solution `block` (what `price` partitions)."""
+        return self._problem(block, cfg, self.times(block, cfg), self.states(block, cfg))
+
     def _problem(self, block: BlockCosts, cfg: Config, t: _Times, st: _States) -> StageProblem:
         pp, m, v, r = cfg.pp, cfg.num_microbatches, cfg.virtual_stages, cfg.recompute
         a = block.arrays(r)
         boundary = block.boundary_full_bytes / cfg.tp  # Megatron's scatter / gather: 1 / tp of it per rank
-        p2p = p2p_per_microbatch_s(boundary, self.env.cluster, cfg.mesh, v)
+        p2p = p2p_per_microbatch_s(boundary, self.env.cluster, cfg.mesh, v, self.env.efficiency.collective_call_s)
         first = Part(t.pre_s, sum(st.pre[2:]), block.pre.activation_bytes(r), block.pre.transient_bytes(r))
         last = Part(t.post_s, sum(st.post[2:]), block.post.activation_bytes(r), block.post.transient_bytes(r))
         return StageProblem(t.time, st.static, a["activation"], a["transient"],
                             np.array([in_flight_microbatches(s, pp, m, v) for s in range(pp)]),
-                            self.env.memory_limit_bytes, first, last, np.full(pp, p2p), np.full(pp, st.temporary))
+                            self.env.memory_limit_bytes, first, last, np.full(pp, p2p), np.full(pp, st.temporary),
+                            np.array(stage_min_layers(pp, v)))
 
     def _ranges(self, block: BlockCosts, cfg: Config, problem: StageProblem) -> list[list[tuple[int, int]]]:
-        """Layer ranges per stage: uniform chunks (interleaved), else the stage DP (module docstring)."""
-        if cfg.schedule == SCHEDULE_INTERLEAVED:
-            chunks = interleaved_chunks(problem.num_layers, cfg.pp, cfg.virtual_stages)
-            return [[(a, b) for st, _, a, b in chunks if st == s] for s in range(cfg.pp)]
-        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg), cfg.pp)
+        """Layer ranges of each pipeline rank, chunk by chunk: the given partition, else the stage DP's layers
+        per rank split into v chunks (module docstring)."""
+        sizes = cfg.stage_layers
+        if sizes is None:
+            sizes = chunk_sizes(np.diff(self._bounds(block, cfg, problem)), cfg.virtual_stages)
+        ranges: list[list[tuple[int, int]]] = [[] for _ in range(cfg.pp)]
+        for rank, _, a, b in chunk_ranges(sizes, cfg.pp):
+            ranges[rank].append((a, b))
+        return ranges
+
+    def _bounds(self, block: BlockCosts, cfg: Config, problem: StageProblem) -> tuple[int, ...]:
+        """The stage DP's ranks: the fastest partition (memory aside: what it depends on is the key), or,
+        where that does not fit, the fastest that does (keyed by the rest of the problem too)."""
+        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg), cfg.pp,
+               cfg.virtual_stages)
         if key not in self._partitions:
             fastest = self.partition(StageProblem(problem.layer_time_s, problem.layer_static_bytes,
-                                                    problem.layer_activation_bytes, problem.layer_transient_bytes,
-                                                    problem.in_flight, np.inf, problem.first, problem.last))
+                                                  problem.layer_activation_bytes, problem.layer_transient_bytes,
+                                                  problem.in_flight, np.inf, problem.first, problem.last,
+                                                  min_layers=problem.min_layers))
             self._partitions[key] = fastest.bounds
         bounds = self._partitions[key]
-        pairs = list(zip(bounds[:-1], bounds[1:]))
-        if cfg.pp > 1 and max(problem.stage_memory_bytes(s, a, b) for s, (a, b) in enumerate(pairs)) > problem.memory_limit_bytes:
+        if cfg.pp == 1 or max(problem.stage_memory_bytes(s, a, b) for s, (a, b) in
+                              enumerate(zip(bounds[:-1], bounds[1:]))) <= problem.memory_limit_bytes:
+            return bounds
+        # in flight (pp, m, v), model states (ZeRO over the data ranks), temporaries and sends: the rest
+        tight = key + (cfg.num_microbatches, cfg.zero_stage, cfg.data_ranks, float(problem.overhead_s[0]),
+                       float(problem.extra_bytes[0]))
+        if tight not in self._partitions:
             fitting = self.partition(problem)
-            pairs = list(fitting.ranges) if fitting is not None else pairs
-        return [[pair] for pair in pairs]
+            self._partitions[tight] = bounds if fitting is None else fitting.bounds
+        return self._partitions[tight]
 
     # ------------------------------------------------------------------ pricing
     def price(self, block: BlockCosts, cfg: Config) -> Priced:
@@ -310,7 +334,7 @@ class StepModel:
             sums["backward"] += p.backward_s(r)
         transient = 0.0
         if r == "full":
-            transient = max([float(problem.layer_transient_bytes[a:b].max()) for a, b in ranges]
+            transient = max([float(problem.layer_transient_bytes[a:b].max()) for a, b in ranges if b > a]
                             + [p.transient_bytes(r) for p, _ in ends])
         activations = float(problem.in_flight[stage]) * sums["activation"] + transient
         shard = cfg.data_ranks if cfg.zero_stage >= 1 else 1
@@ -337,8 +361,8 @@ class StepModel:
         groups = ((sums["dense"], self.group(cfg, ("dp", "ep", "cp"))), (sums["expert"], self.group(cfg, ("dp", "cp"))))
 
         def collective(kind: str, bytes_per_param: float) -> float:
-            return sum(buckets * group_collective_time_s(kind, bytes_per_param * count / buckets, self.env.cluster, g,
-                                                         self.env.efficiency.collectives)
+            return sum(buckets * self.env.efficiency.collective_s(kind, bytes_per_param * count / buckets,
+                                                                  self.env.cluster, g)
                        for count, g in groups if count and g.size > 1)
 
         def beyond(traffic: float, window: float) -> float:  # the last bucket never hides (module docstring)

@@ -30,6 +30,7 @@ class Config:
     recompute: str
     schedule: str = SCHEDULE_1F1B
     virtual_stages: int = 1
+    stage_layers: tuple[int, ...] | None = None  # layers per chunk in flow order, given; None: the stage search's
 
     @classmethod
     def of(cls, tp: int, cp: int, pp: int, ep: int, dp: int, microbatch_size: int, num_microbatches: int,
@@ -76,6 +77,8 @@ class Config:
 
     def describe(self) -> str:
         schedule = self.schedule if self.virtual_stages == 1 else f"{self.schedule} v={self.virtual_stages}"
+        if self.stage_layers is not None:
+            schedule += f", stage layers {','.join(map(str, self.stage_layers))}"
         order = "" if self.order == DEFAULT_ORDER else f" (order {' > '.join(self.order)})"
         return (f"{self.mesh}{order}, microbatch {self.microbatch_size} x {self.num_microbatches}, ZeRO-{self.zero_stage}, "
                 f"recompute {self.recompute}, {schedule}")

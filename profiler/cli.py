@@ -109,10 +109,12 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
     import torch.distributed as dist
 
     from autoplan.profiler.collectives import measure_collectives
+    from autoplan.profiler.launch import measure_kernel_floor
 
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     gemm, memory = _measure_device(device, quick, dtype) if rank == 0 else (None, None)
+    floor = measure_kernel_floor(device, quick) if rank == 0 else None
     fused, why = kernel_samples(device, quick, dtype) if rank == 0 and kernels else ((), None)
     if why is not None:
         print(f"fused-kernel efficiencies skipped: {why}; the cost model keeps its assumed efficiencies")
@@ -135,6 +137,7 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
         collectives=samples,
         fits=fits,
         kernels=fused,
+        kernel_floor_s=floor,
     )
 
 
@@ -155,6 +158,9 @@ def render_profile(profile: HardwareProfile, console=None) -> None:
         table.add_row(f"GEMM {dtype} ({len(samples)} shapes)",
                       f"{_tflops(low.flops_per_s)} at {_shape(low)} .. median {_tflops(median)} .. {_tflops(high.flops_per_s)} at {_shape(high)}")
     table.add_row("memory bandwidth", f"{profile.memory.bandwidth_bytes_per_s / 1e9:,.1f} GB/s (copy of {profile.memory.buffer_bytes / 2**20:,.0f} MiB)")
+    if profile.kernel_floor_s is not None:
+        table.add_row("launch floor", f"{profile.kernel_floor_s * 1e6:,.1f} us per back-to-back kernel (the least any "
+                      f"kernel is priced at)")
     if profile.kernels:
         from autoplan.cost_model.kernels import measured_efficiencies
 

@@ -12,6 +12,8 @@ anything the cost model uses from them:
   runtime's fused Triton kernels; achieved bandwidth = bytes / time_s, bytes the least HBM traffic of
   the pass. `cost_model.kernels` turns them into per-kernel efficiencies. Files written before this
   field load with none.
+- the launch floor (`profiler.launch`): seconds per back-to-back launch of a kernel that does nothing
+  measurable, the least any kernel takes as the runtime issues them. Older files load with none.
 
 `HardwareProfile.load` refuses, naming the problem, a file that is not JSON, lacks or adds keys,
 has another version, holds a non-positive or non-finite number, or was measured on another device
@@ -220,6 +222,7 @@ class HardwareProfile:
     collectives: tuple[CollectiveSample, ...] = ()
     fits: tuple[CollectiveFit, ...] = ()
     kernels: tuple[KernelSample, ...] = ()
+    kernel_floor_s: float | None = None  # `profiler.launch`; None: not measured
     version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
@@ -233,6 +236,8 @@ class HardwareProfile:
         _count("threads", self.threads)
         if not self.gemm:
             raise ProfileError("a profile needs at least one GEMM sample")
+        if self.kernel_floor_s is not None:
+            _positive("kernel_floor_s", self.kernel_floor_s)
 
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -248,7 +253,8 @@ class HardwareProfile:
         version = data.get("version") if isinstance(data, dict) else None
         if isinstance(data, dict) and version != PROFILE_VERSION:  # first: other versions have other keys
             raise ProfileError(f"profile version {version!r} is not supported; this autoplan reads version {PROFILE_VERSION}. Re-run `autoplan profile`.")
-        data = _fields_from_json(cls, "profile", {"kernels": [], **data} if isinstance(data, dict) else data)  # older files: no kernels
+        older = {"kernels": [], "kernel_floor_s": None}  # fields that older files lack
+        data = _fields_from_json(cls, "profile", {**older, **data} if isinstance(data, dict) else data)
         for key in ("gemm", "collectives", "fits", "kernels"):
             if not isinstance(data[key], list):
                 raise ProfileError(f"profile {key} must be a JSON list, got {type(data[key]).__name__}")

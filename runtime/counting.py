@@ -58,6 +58,7 @@ from autoplan.models.config import ModelConfig
 from autoplan.placement import Replicate
 from autoplan.plan import Plan
 from autoplan.runtime.groups import GROUP_AXES, kind_axes
+from autoplan.runtime.pipeline import stage_walk
 from autoplan.runtime.rewrite import resolve_strategies
 from autoplan.strategies import EXPERT_WEIGHTS, Strategy
 
@@ -120,13 +121,7 @@ def _needs_grad(graph: CapturedGraph) -> dict[str, bool]:
 
 def node_stages(graph: CapturedGraph, plan: Plan) -> dict[str, int]:
     """Global pipeline stage of every captured node (as runtime.pipeline assigns them)."""
-    by_layer = {layer: s.chunk * plan.mesh.pp + s.stage for s in plan.stages
-                for layer in range(s.first_layer, s.last_layer)}
-    found, current = {}, 0
-    for node in graph.nodes:
-        current = by_layer[node.layer] if node.layer is not None else current
-        found[node.name] = current
-    return found
+    return dict(zip((n.name for n in graph.nodes), stage_walk((n.layer for n in graph.nodes), plan)))
 
 
 def expected_collectives(plan: Plan, config: ModelConfig, pp_index: int = 0,

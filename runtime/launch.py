@@ -93,7 +93,8 @@ def check_plan(plan: Plan, config: ModelConfig, cluster: ClusterSpec | str | Non
     stages_per_rank = max(1, len(plan.stages) // plan.mesh.pp)
     problems = configuration_problems(config, plan.mesh, plan.global_batch, plan.seq_len, plan.microbatch_size,
                                       plan.zero_stage, plan.recompute, plan.schedule, stages_per_rank,
-                                      heads_rule=False)  # the plan's strategies decide how heads split
+                                      heads_rule=False,  # the plan's strategies decide how heads split
+                                      stage_layers=plan.stage_layers)
     check(problems, PlanError)
     if plan.schedule != SCHEDULE_INTERLEAVED and len(plan.stages) > plan.mesh.pp:
         raise PlanError(f"the plan has {len(plan.stages)} stages for pp={plan.mesh.pp} (virtual stages) but "

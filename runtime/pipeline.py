@@ -3,10 +3,12 @@ torch.distributed.pipelining.
 
 Stages. The plan's `StageSpec(stage, first_layer, last_layer, chunk)` puts layers on pipeline rank
 `stage`; with virtual stages (chunks) the global stage index is `chunk * pp + stage`, so rank p holds
-stages p, p + pp, ... (the placement `ScheduleInterleaved1F1B` expects). Every node of the rewritten
-graph goes to the stage of its layer (`node_layer`); a node outside the layers goes to the stage of
-the nodes before it (embeddings to the first stage; final norm and head to the last). The loss and
-the nodes that depend only on the targets become the schedule's `loss_fn(output, targets)`.
+stages p, p + pp, ... (the placement `ScheduleInterleaved1F1B` expects). Stages may differ in size, and
+the first and the last may hold no layer (`autoplan.validity`). Every node of the rewritten graph goes
+to the stage of its layer (`node_layer`); a node outside the layers goes to the stage of the nodes
+before it (the embedding to the first stage), and after the last layer to the last stage (final norm
+and head): `stage_walk`. The loss and the nodes that depend only on the targets become the schedule's
+`loss_fn(output, targets)`.
 
 Each stage is a GraphModule (`StageProgram.module`, readable with `.code`) whose inputs are the
 values that earlier stages make and it or later ones use, and whose outputs are those that later
@@ -22,6 +24,7 @@ are scaled by 1 / microbatches (the schedules' default), the loss being each mic
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 import torch.fx as fx
@@ -59,6 +62,19 @@ def layer_stages(plan: Plan) -> dict[int, int]:
     return found
 
 
+def stage_walk(layers: Iterable[int | None], plan: Plan) -> list[int]:
+    """The global stage of each node, in graph order, from its layer (None: outside the layers): its layer's
+    stage; outside the layers the stage of the node before it (0 before the first layer), but after the
+    last layer the last stage, which may hold no layer (module docstring)."""
+    by_layer, last_layer, last = layer_stages(plan), plan.model.num_layers - 1, num_stages(plan) - 1
+    found, current, done = [], 0, False
+    for layer in layers:
+        done = done or layer == last_layer
+        current = by_layer[layer] if layer is not None else (last if done else current)
+        found.append(current)
+    return found
+
+
 def num_stages(plan: Plan) -> int:
     return len(plan.stages)
 
@@ -71,8 +87,7 @@ def rank_stages(plan: Plan, pp_index: int) -> list[int]:
 def assign(gm: fx.GraphModule, infos: dict[str, NodeInfo], plan: Plan
            ) -> tuple[dict[fx.Node, int], set[fx.Node], fx.Node]:
     """(stage of every computing node, the loss part's nodes, the loss node)."""
-    by_layer, last = layer_stages(plan), num_stages(plan) - 1
-    graph = gm.graph
+    last, graph = num_stages(plan) - 1, gm.graph
     output = next(n for n in graph.nodes if n.op == "output")
     loss = output.args[0]
     if not isinstance(loss, fx.Node) or loss.op != "call_module":
@@ -80,13 +95,9 @@ def assign(gm: fx.GraphModule, infos: dict[str, NodeInfo], plan: Plan
                         "output (loss = self.loss(logits, targets))")
     targets = [n for n in graph.nodes if n.op == "placeholder"][1:]
     loss_part = {loss} | _derived_only_from(graph, set(targets))
-    stage, current = {}, 0
-    for node in graph.nodes:
-        if node.op in ("placeholder", "get_attr", "output") or node in loss_part:
-            continue
-        layer = node_layer(node, infos)
-        current = by_layer[layer] if layer is not None else current
-        stage[node] = current
+    computing = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output") and n not in loss_part]
+    stage = dict(zip(computing, stage_walk((node_layer(n, infos) for n in computing), plan)))
+    for node, current in stage.items():
         for arg in node.all_input_nodes:
             if stage.get(arg, 0) > current:
                 raise PlanError(f"node {node.name!r} (stage {current}) uses {arg.name!r} from the "

@@ -5,6 +5,7 @@ baselines (`solver.baselines`); and the Plan of a priced configuration.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -14,10 +15,10 @@ from autoplan import __version__
 from autoplan.capture.blocks import fold_graph
 from autoplan.capture.graph import CapturedGraph
 from autoplan.cluster import ClusterSpec
-from autoplan.cost_model.assignment import TpSolution, tp_solution
-from autoplan.cost_model.comm import COLLECTIVE_KINDS, AxisGroup, group_collective_time_s
+from autoplan.cost_model.assignment import tp_solution
+from autoplan.cost_model.comm import COLLECTIVE_KINDS, AxisGroup
 from autoplan.cost_model.compute import Efficiency
-from autoplan.cost_model.intra_op import CostContext, attention_head_dim
+from autoplan.cost_model.intra_op import CostContext, attention_head_dim, make_context
 from autoplan.cost_model.intra_op_problem import graph_strategies
 from autoplan.cost_model.memory import is_batched, param_placements, selective_recompute_nodes
 from autoplan.cost_model.parts import BlockCosts, SolutionParts, block_costs, solution_parts
@@ -27,7 +28,7 @@ from autoplan.mesh import MeshShape
 from autoplan.models.config import ModelConfig
 from autoplan.placement import Replicate, Shard
 from autoplan.plan import ModelRef, OpPlacement, ParamPlacement, Plan, Predicted, Provenance, StageSpec
-from autoplan.solver.intra_op import megatron_assignment, solve_tp
+from autoplan.solver.intra_op import megatron_assignment, solve_assignment
 from autoplan.cost_model.step_config import Config
 from autoplan.solver.space import FlopsPerSequence
 from autoplan.solver.stages import partition_stages
@@ -73,6 +74,7 @@ class SearchContext:
         self.steps = StepModel(StepEnv(config, cluster, seq_len, dtype, self.efficiency), partition_stages)
         self._blocks: dict[tuple, BlockCosts] = {}
         self._solutions: dict[tuple, SolutionParts] = {}
+        self._by_assignment: dict[tuple, SolutionParts] = {}  # (tp, etp, assignment): `_parts`
         self._assignments: dict[tuple, dict[str, str]] = {}
         self._spread: dict[tuple, AxisGroup | None] = {}
         self._no_less: dict[AxisGroup, bool] = {}
@@ -104,25 +106,40 @@ class SearchContext:
             # tp innermost: the solver sees its own group
             mesh = MeshShape(dp=self.cluster.world_size // tp, tp=tp, etp=etp)
             if variant == VARIANT_ILP and 1 < etp < tp:
-                sol = self._folded_ilp_solution(tp, microbatch, mesh)
+                chosen, solver, status = self._folded_ilp_choice(tp, microbatch)
             elif variant == VARIANT_ILP:
-                sol = solve_tp(self.graph, self.registry, self.info, self.cluster, mesh, microbatch, self.dtype,
-                               self.efficiency, self.fold, self.time_limit_s, self.fold_map)
+                chosen, solver, status = solve_assignment(self.graph, self.registry, self.info, self.cluster, mesh,
+                                                          microbatch, self.dtype, self.efficiency, self.fold,
+                                                          self.time_limit_s, self.fold_map)
                 self.ilp_solves += 1
             else:
                 chosen = dict(assignment) if assignment is not None else self.assignment(variant, tp, etp)
-                sol = tp_solution(self.graph, self.registry, self.info, self.cluster, mesh, microbatch, chosen,
-                                  self.dtype, self.efficiency, variant)
-            self._solutions[key] = solution_parts(self.graph, sol)
+                solver, status = variant, "optimal"
+            self._solutions[key] = self._parts(mesh, microbatch, chosen, solver, status)
         return self._solutions[key]
 
-    def _folded_ilp_solution(self, tp: int, microbatch: int, mesh: MeshShape) -> TpSolution:
+    def _parts(self, mesh: MeshShape, microbatch: int, chosen: Mapping[str, str], solver: str, status: str
+               ) -> SolutionParts:
+        """An assignment split into parts at `microbatch`. Its strategies, saved tensors and tallies do not
+        depend on the microbatch (`block` prices the parts at each), and the solver often chooses the same
+        assignment at several: those passes over every node run once per distinct assignment, each
+        microbatch getting its own TpSolution."""
+        shared = (mesh.tp, mesh.etp, tuple(sorted(chosen.items())))
+        if shared not in self._by_assignment:
+            sol = tp_solution(self.graph, self.registry, self.info, self.cluster, mesh, microbatch, chosen,
+                              self.dtype, self.efficiency, solver, status)
+            self._by_assignment[shared] = solution_parts(self.graph, sol)
+        parts = self._by_assignment[shared]
+        ctx = make_context(self.graph, self.cluster, mesh, microbatch, self.dtype, self.efficiency)
+        sol = dataclasses.replace(parts.solution, microbatch_size=microbatch, solver=solver, status=status, ctx=ctx)
+        return dataclasses.replace(parts, solution=sol)
+
+    def _folded_ilp_choice(self, tp: int, microbatch: int) -> tuple[dict[str, str], str, str]:
         """The intra-op optimum under 1 < etp < tp without another ILP: every etp < tp gives each MoE its one
         strategy "expert" with the same placements, so the problems differ by a constant (the MoE's expert GEMM
-        width) and share their argmin; the etp = 1 solve's choice, priced at this etp."""
+        width) and share their argmin; the etp = 1 solve's choice (priced at this etp by the caller)."""
         whole = self.solution(tp, microbatch, VARIANT_ILP, etp=1).solution
-        return tp_solution(self.graph, self.registry, self.info, self.cluster, mesh, microbatch, whole.assignment,
-                           self.dtype, self.efficiency, whole.solver, whole.status)
+        return whole.assignment, whole.solver, whole.status
 
     def block(self, tp: int, microbatch: Fraction, variant: str = VARIANT_ILP,
               assignment: Mapping[str, str] | None = None, mesh: MeshShape | None = None,
@@ -156,9 +173,9 @@ class SearchContext:
     def costs_no_less(self, group: AxisGroup) -> bool:
         """Whether every collective over `group` takes at least as long as over a group of its size inside
         one node, at every size (the times are affine in the bytes: compare intercept and slope)."""
-        inside, measured = AxisGroup(group.size, 1, group.size), self.efficiency.collectives
+        inside = AxisGroup(group.size, 1, group.size)
         if group not in self._no_less:
-            at = [[group_collective_time_s(kind, b, self.cluster, g, measured) for b in (0.0, 1e9)]
+            at = [[self.efficiency.collective_s(kind, b, self.cluster, g) for b in (0.0, 1e9)]
                   for kind in COLLECTIVE_KINDS for g in (group, inside)]
             self._no_less[group] = all(s0 >= i0 and s1 - s0 >= i1 - i0 for (s0, s1), (i0, i1) in zip(at[::2], at[1::2]))
         return self._no_less[group]
@@ -184,7 +201,8 @@ class SearchContext:
             provenance=Provenance(__version__, search_time_s, sol.solver if solver is None else solver,
                                   notes + _uncovered_note(self.graph, self.registry)
                                   + self._replicated_note(cfg.tp, cfg.etp) + fits
-                                  + (self.efficiency.kernels.note(self.efficiency.memory),)),
+                                  + (self.efficiency.kernels.note(self.efficiency.memory),
+                                     self.efficiency.floor_note())),
             dtype=self.dtype, kernels=self.efficiency.kernels.option,
             recompute_nodes=selective_recompute_nodes(self.graph) if cfg.recompute == "selective" else ())
 

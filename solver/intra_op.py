@@ -11,7 +11,7 @@ from autoplan.capture.blocks import FoldedGraph, fold_graph
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.assignment import TpSolution, tp_solution
 from autoplan.cost_model.compute import Efficiency
-from autoplan.cost_model.intra_op_problem import assignment_from_choice, build_intra_op_problem
+from autoplan.cost_model.intra_op_problem import assignment_from_choice, build_intra_op_problem, graph_strategies
 from autoplan.mesh import MeshShape
 from autoplan.solver.folded import solve_folded
 from autoplan.solver.ilp import solve_ilp
@@ -21,24 +21,32 @@ if TYPE_CHECKING:
     from autoplan.capture.graph import CapturedGraph
 
 
-def solve_tp(graph: CapturedGraph, registry: StrategyRegistry, info: Mapping, cluster: ClusterSpec, mesh: MeshShape,
-             microbatch_size: int, dtype: str, efficiency: Efficiency, fold: bool, time_limit_s: float,
-             fold_map: FoldedGraph | None = None) -> TpSolution:
-    """The intra-op optimum for one (tp, microbatch): with `fold`, each kind of block solved once per pair
-    of boundary placements and the tables chained (`autoplan.capture.blocks`, `autoplan.solver.folded`; `fold_map` passes a `fold_graph(graph)`
-    made before); without, one ILP over the unfolded graph. Both reach the same objective. The mesh's etp
-    decides the MoE layers' strategies (`strategies.moe_strategies`)."""
+def solve_assignment(graph: CapturedGraph, registry: StrategyRegistry, info: Mapping, cluster: ClusterSpec,
+                     mesh: MeshShape, microbatch_size: int, dtype: str, efficiency: Efficiency, fold: bool,
+                     time_limit_s: float, fold_map: FoldedGraph | None = None) -> tuple[dict[str, str], str, str]:
+    """(assignment, solver, status) of the intra-op optimum for one (tp, microbatch): with `fold`, each kind of
+    block solved once per pair of boundary placements and the tables chained (`autoplan.capture.blocks`,
+    `autoplan.solver.folded`; `fold_map` passes a `fold_graph(graph)` made before); without, one ILP over the
+    unfolded graph. Both reach the same objective. The mesh's etp decides the MoE layers' strategies
+    (`strategies.moe_strategies`)."""
     info = strategy_info(info, mesh.tp, mesh.etp)
     if fold:
         folded = fold_map if fold_map is not None else fold_graph(graph)
         solution = solve_folded(folded, registry, info, cluster, mesh, microbatch_size, dtype, efficiency=efficiency,
                                 time_limit_s=time_limit_s)
-        assignment, solver, status = solution.assignment, solution.solver, solution.status
-    else:
-        built = build_intra_op_problem(graph, registry, info, mesh.tp, cluster, mesh, microbatch_size, dtype,
-                                       efficiency=efficiency)
-        ilp = solve_ilp(built.problem, time_limit_s=time_limit_s)
-        assignment, solver, status = assignment_from_choice(built, ilp.choice), ilp.solver, ilp.status
+        return solution.assignment, solution.solver, solution.status
+    built = build_intra_op_problem(graph, registry, info, mesh.tp, cluster, mesh, microbatch_size, dtype,
+                                   efficiency=efficiency)
+    ilp = solve_ilp(built.problem, time_limit_s=time_limit_s)
+    return assignment_from_choice(built, ilp.choice), ilp.solver, ilp.status
+
+
+def solve_tp(graph: CapturedGraph, registry: StrategyRegistry, info: Mapping, cluster: ClusterSpec, mesh: MeshShape,
+             microbatch_size: int, dtype: str, efficiency: Efficiency, fold: bool, time_limit_s: float,
+             fold_map: FoldedGraph | None = None) -> TpSolution:
+    """The intra-op optimum for one (tp, microbatch) (`solve_assignment`), priced (`tp_solution`)."""
+    assignment, solver, status = solve_assignment(graph, registry, info, cluster, mesh, microbatch_size, dtype,
+                                                  efficiency, fold, time_limit_s, fold_map)
     return tp_solution(graph, registry, info, cluster, mesh, microbatch_size, assignment, dtype, efficiency,
                        solver, status)
 
@@ -60,6 +68,7 @@ def megatron_assignment(graph: CapturedGraph, registry: StrategyRegistry, tp: in
         wanted_by_kind |= {"embedding": "vocab_sp", "norm": "sequence"}
     assignment: dict[str, str] = {}
     output: dict[str, object] = {}
+    options = graph_strategies(graph, registry, info, tp)  # asked once per distinct node shape
     for node in graph.nodes:
         leaf = node.module_path.rsplit(".", 1)[-1]
         wanted = wanted_by_kind.get(node.op_kind, "replicate")
@@ -70,7 +79,7 @@ def megatron_assignment(graph: CapturedGraph, registry: StrategyRegistry, tp: in
             wanted = "features"
         elif node.op_kind == "elementwise" and sequence_parallel and SEQ in placements and FEAT not in placements:
             wanted = "sequence"
-        valid = {s.name: s for s in registry.strategies(node, tp, info)}
+        valid = {s.name: s for s in options[node.name]}
         fallback = valid.get("replicate") or next(iter(valid.values()))  # a MoE under etp < tp has one strategy
         chosen = valid.get(wanted, valid.get("row", fallback) if wanted == "row_sp" else fallback)
         assignment[node.name] = chosen.name

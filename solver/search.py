@@ -14,10 +14,12 @@
        the configurations that did not fit again with Megatron-LM's assignment with sequence
        parallelism, whose lower activation memory can fit where the time-optimal assignment does not
        (each mesh comes in each order of its axes over ranks that changes its links, `solver.space.mesh_orders`;
-       the roofline bound does not depend on the order, the exact per-layer bound does, through the links)
+       the roofline bound does not depend on the order, the exact per-layer bound does, through the links);
+       a configuration whose stages fit no partition (`stages.partition_fits`, exact and O(pp L)) counts
+       as not fitting without being priced: most of a deep model's configurations are such
     5. the K best configurations that fit, by (step time, simpler configuration first), become Plans.
 
-Both bounds are sound, so the result equals pricing everything; the order of visits only changes how
+Both bounds and the fit check are sound, so the result equals pricing everything; the order of visits only changes how
 much is pruned. Same inputs, same plans.
 """
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.compute import Efficiency
@@ -40,6 +42,7 @@ from autoplan.solver.context import (VARIANT_ILP, VARIANT_MEGATRON, BaselineResu
                                      SearchContext)
 from autoplan.solver.intra_op import fold_note
 from autoplan.cost_model.step_config import Config
+from autoplan.solver.stages import partition_fits
 from autoplan.solver.space import (FlopsPerSequence, SearchOptions, enumerate_configs, infeasible,
                                    memory_lower_bound, parameter_split, time_lower_bound_s)
 from autoplan.strategies import StrategyRegistry
@@ -57,6 +60,7 @@ class SearchStats:
     returned: int  # plans returned (at most top)
     ilp_solves: int
     search_time_s: float
+    cannot_fit: int = 0  # (configuration, strategy variant) whose stages fit no partition: not priced
 
 
 @dataclass(frozen=True)
@@ -98,13 +102,16 @@ def _keys(configs: list[Config], flops: FlopsPerSequence, peak: float) -> list[t
     return sorted(found, key=lambda entry: (entry[0], entry[1]))
 
 
-def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Best, report: Progress) -> tuple[int, int, Priced | None]:
-    """Steps 3-4 of the module docstring; (configurations pruned by time, priced, smallest that did not fit)."""
+def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Best, report: Progress
+                      ) -> tuple[int, int, int, Priced | None]:
+    """Steps 3-4 of the module docstring; (configurations pruned by time, priced, found unable to fit without
+    pricing, smallest that did not fit)."""
     pruned = priced_count = 0
     smallest: Priced | None = None
+    unpriced: list = []  # (block, configuration) that cannot fit, not priced
     for done, (key_bound, (tp, microbatch, etp), items) in enumerate(keys, 1):
         if key_bound > ranking.threshold_s():
-            return pruned + sum(len(entry[2]) for entry in keys[done - 1:]), priced_count, smallest
+            return pruned + sum(len(entry[2]) for entry in keys[done - 1:]), priced_count, len(unpriced), smallest
         report(ProgressMessage(f"[{done}/{len(keys)}] solving the intra-op ILP for tp={tp}"
                                f"{f', etp={etp}' if etp != tp else ''}, microbatch per rank={microbatch}",
                                done, len(keys)))
@@ -127,6 +134,10 @@ def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Best, report: Pr
                     if ctx.steps.lower_bound_s(block, cfg) > ranking.threshold_s():
                         pruned += variant == VARIANT_ILP
                         continue
+                if _cannot_fit(ctx, block, cfg):
+                    unpriced.append((block, cfg))
+                    misfits.append((bound, cfg))
+                    continue
                 priced = ctx.steps.price(block, cfg)
                 priced_count += 1
                 if priced.fits:
@@ -138,7 +149,21 @@ def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Best, report: Pr
             retry = misfits  # Megatron's assignment keeps less memory: try it where the optimum does not fit
             if not retry:
                 break
-    return pruned, priced_count, smallest
+    if not ranking.items:  # nothing fits: the error names the configuration closest to fitting
+        for block, cfg in unpriced:
+            priced = ctx.steps.price(block, cfg)
+            if smallest is None or priced.peak_memory_bytes < smallest.peak_memory_bytes:
+                smallest = priced
+    return pruned, priced_count, len(unpriced), smallest
+
+
+def _cannot_fit(ctx: SearchContext, block, cfg: Config) -> bool:
+    """Whether no partition of `cfg` into stages fits the memory (`stages.partition_fits`, exact): pricing
+    would find the same, at the cost of a stage DP. Interleaved ranks of unequal layers hold other layers
+    than the contiguous ranges the check tries, so those are priced."""
+    if cfg.virtual_stages > 1 and len(block.distinct) > 1:
+        return False
+    return not partition_fits(ctx.steps.stage_problem(block, cfg))
 
 
 def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, *, top: int = 1,
@@ -171,11 +196,11 @@ def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq
             ranking.add(b.priced)
     keys = _keys(fitting, ctx.flops_per_sequence(),
                  cluster.device.peak_flops_for(dtype) * ctx.efficiency.max_matmul(cluster.device, dtype))
-    pruned, priced_count, smallest = _branch_and_bound(ctx, keys, ranking, report)
+    pruned, priced_count, cannot_fit, smallest = _branch_and_bound(ctx, keys, ranking, report)
     if not ranking.items:
         raise infeasible(config, cluster, seq_len, dtype, smallest.peak_memory_bytes, smallest.config, bound=False)
     stats = SearchStats(len(configs), len(configs) - len(fitting), pruned, priced_count, len(ranking.items),
-                        ctx.ilp_solves, time.perf_counter() - start)
+                        ctx.ilp_solves, time.perf_counter() - start, cannot_fit)
     plans = _plans(ctx, ranking, found_baselines, stats, options)
     report(ProgressMessage(f"best: {plans[0].mesh}, {plans[0].predicted.step_time_s:.3f} s per step", len(keys), len(keys)))
     baseline_plans = tuple(BaselineResult(b.name, ctx.plan(b.priced, 0.0, (f"baseline: {b.name}",)) if b.priced else None,
@@ -190,7 +215,8 @@ def _notes(ctx: SearchContext, priced: Priced, rank: int, found_baselines, stats
              f"microbatches, ZeRO "
              f"{'/'.join(map(str, options.zero_stages))}, recompute {'/'.join(options.recompute)}, 1F1B and "
              f"interleaved schedules): {stats.pruned_by_memory} pruned by the memory bound, {stats.pruned_by_time} "
-             f"by the time bound, {stats.priced} priced after {stats.ilp_solves} intra-op solves",
+             f"by the time bound, {stats.cannot_fit} found unable to fit any stage partition and "
+             f"{stats.priced} priced after {stats.ilp_solves} intra-op solves",
              f"intra-op {fold_note(ctx.fold, ctx.fold_map)}", f"rank {rank} of the {stats.returned} returned"]
     if priced.variant == VARIANT_MEGATRON:
         notes.append("tp strategies: Megatron-LM's assignment with sequence parallelism (it keeps less activation "
@@ -214,17 +240,19 @@ def _plans(ctx: SearchContext, ranking: _Best, found_baselines, stats: SearchSta
 
 def check_config(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, mesh: MeshShape,
                  microbatch_size: int, zero_stage: int, recompute: str, schedule: str, virtual_stages: int,
-                 heads_rule: bool = True) -> Config:
+                 heads_rule: bool = True, stage_layers: Sequence[int] | None = None) -> Config:
     """A Config for a user-given configuration; ConfigError naming the first rule it breaks
     (`autoplan.validity`: the rules the runtime applies too) and values that would work.
-    `heads_rule`: tp must split the attention heads (off when an assignment decides the strategies)."""
+    `heads_rule`: tp must split the attention heads (off when an assignment decides the strategies);
+    `stage_layers`: the layers of each pipeline chunk in flow order (None: the stage search's)."""
     if mesh.world_size != cluster.world_size:
         raise ConfigError(f"mesh {mesh} has pp x dp x ep x cp x tp = {mesh.world_size} ranks but the cluster "
                           f"{cluster.describe()} has {cluster.world_size}")
+    given = None if stage_layers is None else tuple(int(n) for n in stage_layers)
     check(configuration_problems(config, mesh, global_batch, seq_len, microbatch_size, zero_stage, recompute,
-                                 schedule, virtual_stages, heads_rule))
+                                 schedule, virtual_stages, heads_rule, given))
     m = global_batch // (mesh.batch_shards * microbatch_size)
-    return Config(mesh, microbatch_size, m, zero_stage, recompute, schedule, virtual_stages)
+    return Config(mesh, microbatch_size, m, zero_stage, recompute, schedule, virtual_stages, given)
 
 
 def price_given(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, cfg: Config, *,

@@ -8,7 +8,9 @@ Arrays only (no torch, no graph). Per layer i in 0..L-1:
     p[i]   transient bytes needed only while the layer runs (full recompute's working set)
 
 The first stage also carries `first` (the embeddings) and the last stage `last` (final norm, head,
-loss), each a `Part` with the same four fields. Stage s of pp, holding layers [i, j) (at least one):
+loss), each a `Part` with the same four fields. Stage s of pp, holding layers [i, j) with j - i >= n_min[s]
+(`min_layers`: one each by default; the step model lets the first and last stages hold none, and an
+interleaved rank v chunks' worth, `autoplan.validity.stage_min_layers`):
 
     time(s, i, j)   = sum t[i:j] + overhead_s[s] + [s == 0] first.t + [s == pp-1] last.t
     memory(s, i, j) = sum w[i:j] + f[s] * sum a[i:j] + max p[i:j] + extra_bytes[s]
@@ -20,11 +22,13 @@ max_s time(s) subject to memory(s) <= limit for every s.
 
 Dynamic program over (stage, end layer), O(pp L^2), vectorised over the start and end layers:
 
-    best[0][j] = time(0, 0, j)                                             if memory(0, 0, j) fits
-    best[s][j] = min_{s <= i < j} max(best[s-1][i], time(s, i, j))         over i where memory(s, i, j) fits
+    best[0][j] = time(0, 0, j)                                      if j >= n_min[0] and memory(0, 0, j) fits
+    best[s][j] = min_{i <= j - n_min[s]} max(best[s-1][i], time(s, i, j))   over i where memory(s, i, j) fits
 
 Memory is compared with a relative tolerance of MEMORY_RTOL. The answer is best[pp-1][L]; ties go to the smallest start layer of each stage, walking back from the
 last, so the result is deterministic. `partition_brute_force` tries every composition (tests only).
+`partition_fits` says, in O(pp L), whether any partition meets the memory limit: the search asks it
+before pricing a configuration, so that one that cannot fit costs no DP and no pricing.
 """
 
 from __future__ import annotations
@@ -56,11 +60,14 @@ class StagePartition:
 
 
 def evaluate_partition(problem: StageProblem, bounds: Sequence[int]) -> StagePartition:
-    """Times and memory of a given partition (bounds[0] = 0 < ... < bounds[pp] = L)."""
+    """Times and memory of a given partition (bounds[0] = 0 <= ... <= bounds[pp] = L, stage s holding at
+    least min_layers[s])."""
     pp, L = problem.num_stages, problem.num_layers
     bounds = tuple(int(b) for b in bounds)
-    if len(bounds) != pp + 1 or bounds[0] != 0 or bounds[-1] != L or any(b >= c for b, c in zip(bounds, bounds[1:])):
-        raise AutoplanError(f"bounds {list(bounds)} must rise strictly from 0 to {L} in {pp} steps")
+    if (len(bounds) != pp + 1 or bounds[0] != 0 or bounds[-1] != L
+            or any(c - b < n for b, c, n in zip(bounds, bounds[1:], problem.min_layers))):
+        raise AutoplanError(f"bounds {list(bounds)} must rise from 0 to {L} in {pp} steps of at least "
+                            f"{[int(n) for n in problem.min_layers]} layers")
     ranges = list(zip(bounds[:-1], bounds[1:]))
     return StagePartition(bounds, tuple(problem.stage_time_s(s, i, j) for s, (i, j) in enumerate(ranges)),
                           tuple(problem.stage_memory_bytes(s, i, j) for s, (i, j) in enumerate(ranges)))
@@ -80,27 +87,33 @@ def _range_tables(problem: StageProblem) -> tuple[np.ndarray, np.ndarray, np.nda
     return (sums(problem.layer_time_s), sums(problem.layer_static_bytes), sums(problem.layer_activation_bytes), peak)
 
 
+def _with_ends(problem: StageProblem, s: int, time_s, memory, transient):
+    """Stage s's seconds, memory before its activations, and transient bytes: its ranges' sums and peak
+    plus what the stage adds itself (sends, temporaries, the embedding on the first, the head on the last)."""
+    time_s, memory, flight = time_s + problem.overhead_s[s], memory + problem.extra_bytes[s], problem.in_flight[s]
+    for part, here in ((problem.first, s == 0), (problem.last, s == problem.num_stages - 1)):
+        if here:
+            time_s = time_s + part.time_s
+            memory = memory + part.static_bytes + flight * part.activation_bytes
+            transient = np.maximum(transient, part.transient_bytes)
+    return time_s, memory, transient
+
+
 def partition_stages(problem: StageProblem) -> StagePartition | None:
     """The partition minimising the slowest stage under the memory limit (module docstring), or None
-    when no partition fits (or there are fewer layers than stages)."""
+    when no partition fits (or there are fewer layers than the stages' minimums)."""
     pp, L = problem.num_stages, problem.num_layers
-    if pp > L:
+    if problem.min_layers.sum() > L:
         return None
     times, static, act, peak = _range_tables(problem)
-    valid = np.triu(np.ones((L + 1, L + 1), dtype=bool), k=1)  # j > i: at least one layer
+    span = np.arange(L + 1)[None, :] - np.arange(L + 1)[:, None]  # [i, j]: j - i layers
     best = np.full(L + 1, np.inf)
     best[0] = 0.0
     choice = np.zeros((pp, L + 1), dtype=np.int64)
     for s in range(pp):
-        time_s, memory, transient = times + problem.overhead_s[s], static + problem.extra_bytes[s], peak
-        parts = [(problem.first, s == 0), (problem.last, s == pp - 1)]
-        flight = problem.in_flight[s]
-        for part, here in parts:
-            if here:
-                time_s = time_s + part.time_s
-                memory = memory + part.static_bytes + flight * part.activation_bytes
-                transient = np.maximum(transient, part.transient_bytes)
-        fits = valid & (memory + flight * act + transient <= problem.memory_limit_bytes * (1 + MEMORY_RTOL))
+        time_s, memory, transient = _with_ends(problem, s, times, static, peak)
+        fits = (span >= problem.min_layers[s]) & (
+            memory + problem.in_flight[s] * act + transient <= problem.memory_limit_bytes * (1 + MEMORY_RTOL))
         candidate = np.where(fits, np.maximum(best[:, None], time_s), np.inf)
         choice[s] = np.argmin(candidate, axis=0)
         best = candidate[choice[s], np.arange(L + 1)]
@@ -112,12 +125,41 @@ def partition_stages(problem: StageProblem) -> StagePartition | None:
     return evaluate_partition(problem, bounds[::-1])
 
 
+def partition_fits(problem: StageProblem) -> bool:
+    """Whether any partition meets the memory limit, time aside: whether `partition_stages` finds one, in
+    O(pp L). Stage by stage, each takes the longest range that fits, leaving the later stages their
+    minimums; a stage that starts later holds a sub-range of what it could have held, so reaching
+    further never hurts and the greedy walk is exact."""
+    pp, L = problem.num_stages, problem.num_layers
+    later = np.concatenate((np.cumsum(problem.min_layers[::-1])[::-1], [0.0]))  # minimums of stages s..pp-1
+    if later[0] > L:
+        return False
+    static, act = (np.concatenate(([0.0], np.cumsum(a))) for a in (problem.layer_static_bytes,
+                                                                   problem.layer_activation_bytes))
+    limit, start = problem.memory_limit_bytes * (1 + MEMORY_RTOL), 0
+    for s in range(pp):
+        ends = np.arange(start, L + 1)
+        peak = np.concatenate(([0.0], np.maximum.accumulate(problem.layer_transient_bytes[start:])))
+        _, memory, transient = _with_ends(problem, s, 0.0, static[ends] - static[start], peak)
+        fits = memory + problem.in_flight[s] * (act[ends] - act[start]) + transient <= limit  # True, then False
+        reach = L if fits.all() else start + int(np.argmin(fits)) - 1
+        end = min(reach, L - int(later[s + 1]))
+        if end - start < problem.min_layers[s]:
+            return False
+        start = end
+    return start == L
+
+
 def partition_brute_force(problem: StageProblem) -> StagePartition | None:
-    """Every composition of L layers into pp non-empty stages (tests only); ties: the first found."""
+    """Every composition of L layers into pp stages of at least min_layers each (tests only); ties: the first
+    found."""
     pp, L = problem.num_stages, problem.num_layers
     best: StagePartition | None = None
-    for cuts in itertools.combinations(range(1, L), pp - 1):
-        candidate = evaluate_partition(problem, (0, *cuts, L))
+    for cuts in itertools.combinations_with_replacement(range(L + 1), pp - 1):
+        bounds = (0, *cuts, L)
+        if any(c - b < n for b, c, n in zip(bounds, bounds[1:], problem.min_layers)):
+            continue
+        candidate = evaluate_partition(problem, bounds)
         if any(m > problem.memory_limit_bytes * (1 + MEMORY_RTOL) for m in candidate.stage_memory_bytes):
             continue
         if best is None or candidate.bottleneck_s < best.bottleneck_s:

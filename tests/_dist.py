@@ -174,15 +174,16 @@ def make_plan(model_name, dp: int, tp: int, assignment="replicate", *, seq_len: 
               dtype: str = "float32", recompute: str = "none",
               cp: int = 1, ep: int = 1, pp: int = 1, virtual_stages: int = 1,
               schedule: str | None = None, etp: int | None = None,
-              order: tuple[str, ...] | None = None, ep_as: str = "dp"):
+              order: tuple[str, ...] | None = None, ep_as: str = "dp",
+              stage_layers: tuple[int, ...] | None = None):
     """A Plan for a preset model (a name, or a ModelConfig) from the planner's
     `plan_from_assignment`.
 
     `assignment`: "replicate", "megatron" / "megatron-sp" (the planner's `megatron_assignment`,
     without / with sequence parallelism), "random:<seed>" (a seeded random valid strategy per
     node), or a dict node -> strategy name. The planner's own rules (`autoplan.validity`, shared with
-    the runtime) decide what is valid; stages come from its stage DP (1F1B) or its uniform chunks
-    (interleaved).
+    the runtime) decide what is valid; stages come from its stage search (layers per pipeline rank,
+    split into v chunks when interleaved), or `stage_layers` (layers per chunk in flow order) when given.
     `etp`: the experts' tensor-parallel degree (None: tp; 1: MoE layers take the "expert" strategy);
     `order`: the mesh's order of axes over ranks (None: the default); `ep_as`: what the ep ranks are
     to the non-expert layers ("dp": the batch split over dp x ep; "cp": the sequence over ep x cp)."""
@@ -214,7 +215,8 @@ def make_plan(model_name, dp: int, tp: int, assignment="replicate", *, seq_len: 
     schedule = schedule or ("interleaved-1f1b" if virtual_stages > 1 else "1f1b")
     return plan_from_assignment(graph, config, cluster, mesh, chosen, microbatch_size,
                                 num_microbatches, zero_stage, recompute, registry=registry,
-                                dtype=dtype, schedule=schedule, virtual_stages=virtual_stages)
+                                dtype=dtype, schedule=schedule, virtual_stages=virtual_stages,
+                                stage_layers=stage_layers)
 
 
 

@@ -127,3 +127,15 @@ def test_estimate_takes_what_the_ep_ranks_are(tmp_path, capsys):
     argv[argv.index("--seq") + 1] = "8194"  # not divisible over the 4 context-parallel ranks
     assert main(argv) == 2
     assert "sequence 8194 is not divisible by tp x cp x ep = 4" in capsys.readouterr().err
+
+
+def test_estimate_takes_the_layers_of_each_stage(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["estimate", "--model", "gpt3-1.3b", "--cluster", "1x8xh100", "--pp", "4", "--dp", "2",
+            "--global-batch", "16", "--seq", "2048", "--schedule", "interleaved-1f1b", "--virtual-stages", "2"]
+    assert main(argv + ["--stage-layers", "2,3*6,4", "-o", str(out)]) == 0  # 24 layers over pp 4 x v 2 chunks
+    assert Plan.load(out).stage_layers == (2, 3, 3, 3, 3, 3, 3, 4)
+    assert main(argv + ["--stage-layers", "3*7"]) == 2
+    assert "stage layers 3*7 (7 chunks, 21 layers) must list pp x v = 4 x 2 = 8" in capsys.readouterr().err
+    assert main(argv + ["--stage-layers", "3,x"]) == 2  # a usage error: one line, exit 2
+    assert "'x' in '3,x' is not N or N*K" in capsys.readouterr().err

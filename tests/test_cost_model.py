@@ -18,6 +18,7 @@ from autoplan.cost_model.memory import (activation_bytes, memory_breakdown, mode
 from autoplan.errors import ConfigError
 from autoplan.mesh import MeshShape
 from autoplan.models import build_model, get_model_config
+from autoplan.models.config import ModelConfig
 from autoplan.placement import Partial, Replicate, Shard
 from autoplan.profiler.profile import CollectiveFit, GemmSample, HardwareProfile, MemorySample, ProfileError
 from autoplan.api import estimate, search
@@ -86,6 +87,64 @@ def test_roofline_picks_the_binding_side():
     assert op_time_s(1e6, 1e9, device, "bfloat16", eff) == pytest.approx(1e9 / (3.35e12 * 0.8))
     with pytest.raises(ConfigError):
         Efficiency(matmul=1.5)
+
+
+# ------------------------------------------------------------------------------ fixed costs
+
+# kernels (forward, backward) per op of a Llama layer, as cost_model.compute's docstring counts them;
+# a linear also accumulates its one weight into .grad and a norm its one scale (one kernel each, backward)
+LAUNCHES = {"linear": (1, 2 + 1), "attention": (1, 2), "norm": (1, 2 + 1), "elementwise": (1, 1)}
+
+
+def test_a_small_tp8_layer_pays_a_floor_per_kernel_and_a_fixed_cost_per_collective():
+    """Hidden 512 over tp 8 and 128 tokens: every kernel runs for well under 7 us, so the layer costs its
+    launches x the floor, not its roofline; every collective call costs 6.6 us more than the ring alone."""
+    config = ModelConfig("small-llama", "llama", 2, 512, 8, 8, 1024, 512, 128)
+    graph = capture(build_model(config, "meta", torch.bfloat16), config, 1, 128)
+    registry, info = default_registry(), config.rule_info()
+    strategies = resolve_strategies(graph, registry, info, 8,
+                                    megatron_assignment(graph, registry, 8, info, sequence_parallel=True))
+    layer = dataclasses.replace(graph, nodes=tuple(n for n in graph.nodes if n.layer == 0))
+    fwd, bwd = (sum(LAUNCHES[n.op_kind][k] for n in layer.nodes) for k in (0, 1))
+    assert (fwd, bwd) == (14, 33)  # 7 linears, attention, 2 norms, silu, mul, 2 adds
+    priced = {}
+    for floor, call in ((7e-6, 6.6e-6), (0.0, 0.0)):  # a flat GEMM efficiency: no curve floors the GEMMs
+        ctx = make_context(graph, parse_cluster("1x8xh100"), MeshShape(tp=8), 1, "bfloat16",
+                           Efficiency(matmul=0.7, kernel_floor_s=floor, collective_call_s=call))
+        priced[floor] = price_assignment(layer, strategies, ctx)
+    floored, roofline = priced[7e-6], priced[0.0]
+    assert floored.fwd_compute_s == pytest.approx(fwd * 7e-6) and floored.bwd_compute_s == pytest.approx(bwd * 7e-6)
+    assert roofline.fwd_compute_s + roofline.bwd_compute_s < 0.02 * (fwd + bwd) * 7e-6
+    calls = ((floored.fwd_comm_s - roofline.fwd_comm_s) / 6.6e-6, (floored.bwd_comm_s - roofline.bwd_comm_s) / 6.6e-6)
+    # sequence parallel: 2 all-gathers and 2 reduce-scatters each way, and backward the two norms' scales'
+    # gradients all-reduced (each rank saw its slice of the sequence)
+    assert calls == pytest.approx((4, 6))
+
+
+def test_a_collective_call_costs_its_fixed_cost_unless_a_profile_measured_it():
+    cluster, group = parse_cluster("2x8xh100"), comm.AxisGroup(8, 1, 8)
+    for kind in comm.COLLECTIVE_KINDS:
+        for where in (group, comm.AxisGroup(16, 2, 8)):
+            ring = comm.group_collective_time_s(kind, 1e6, cluster, where)
+            called = comm.group_collective_time_s(kind, 1e6, cluster, where, call_s=6.6e-6)
+            assert called == pytest.approx(ring + 6.6e-6)
+    fit = CollectiveFit("all_reduce", 8, 20e-6, 100e9, 12, 0.05)
+    _, eff = calibrate(cluster, None, _h100_profile(0.5, [fit]))
+    assert eff.collective_s("all_reduce", 0.0, cluster, group) == pytest.approx(20e-6)  # the fit holds the call cost
+    assert eff.collective_s("all_gather", 0.0, cluster, group) == pytest.approx(7 * 5e-6 + 6.6e-6)  # no fit: the ring
+
+
+def test_a_profile_brings_its_measured_launch_floor():
+    profile = dataclasses.replace(_h100_profile(0.5), kernel_floor_s=4.5e-6)
+    assert HardwareProfile.from_json(profile.to_json()) == profile
+    _, eff = calibrate(parse_cluster("1x8xh100"), None, profile)
+    assert eff.kernel_floor_s == 4.5e-6 and "measured by `autoplan profile`" in eff.floor_note()
+    _, default = calibrate(parse_cluster("1x8xh100"), None, _h100_profile(0.5))  # not measured: the default
+    assert default.kernel_floor_s == 7e-6 and "autoparallel" in default.floor_note()
+    with pytest.raises(ConfigError, match="kernel_floor_s=0.5 must be in"):
+        Efficiency(kernel_floor_s=0.5)
+    with pytest.raises(ProfileError, match="kernel_floor_s must be a finite number > 0"):
+        dataclasses.replace(profile, kernel_floor_s=-1.0)
 
 
 # ------------------------------------------------------------------------------ memory
@@ -161,7 +220,7 @@ def test_column_linear_reads_its_whole_input():
     cfg, graph = tiny_graph("tiny-gpt")
     cluster, mesh = zero_latency(), MeshShape(dp=2, tp=4)
     built = build_intra_op_problem(graph, default_registry(), cfg.rule_info(), 4, cluster, mesh, 64,
-                                   efficiency=Efficiency(matmul=0.75))
+                                   efficiency=Efficiency(matmul=0.75, kernel_floor_s=0.0))  # rooflines alone
     fc = built.mapping["layers_0_mlp_fc"]
     names = [s.name for s in built.strategies[fc]]
     costs = built.problem.node_costs_s[fc]

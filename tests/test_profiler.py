@@ -54,9 +54,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def test_quick_cpu_profile_runs_and_round_trips(tmp_path, capsys):
     path = tmp_path / "cpu.json"
     assert cmd_profile(_parse(["--quick", "--device", "cpu", "--no-collectives", "-o", str(path)])) == 0
-    assert "memory bandwidth" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "memory bandwidth" in out and "launch floor" in out
     profile = HardwareProfile.load(path, expect_device=local_device_name("cpu"))
     assert profile.device_kind == "cpu" and len(profile.gemm) == 8
+    assert 1e-8 < profile.kernel_floor_s < 1e-3  # an eager op's dispatch: microseconds
     assert all(s.flops_per_s > 0 for s in profile.gemm) and profile.memory.bandwidth_bytes_per_s > 0
     assert HardwareProfile.from_json(json.loads(profile.dumps())) == profile
     assert json.loads(path.read_text()) == profile.to_json()

@@ -10,7 +10,10 @@ step and compares them with `runtime.counting.expected_collectives` of its plan.
     ep    experts split over ep ranks, tokens dispatched and combined by uneven all-to-alls
     etp   etp = 1 < tp (MoE parallel folding): each tp rank routes its 1/tp of the tokens to whole
           experts spread over ep x tp (tp alone, with dp and ZeRO 0 / 3; ep x tp, ep innermost)
-    pp    stages from the plan: 1F1B, GPipe, interleaved 1F1B (a 4-layer Llama, 2 chunks per rank)
+    pp    stages from the plan: 1F1B, GPipe, interleaved 1F1B (a 4-layer Llama, 2 chunks per rank);
+          stages of unequal size: a 5-layer Llama on pp 2 x v 2 (the stage search's chunks, and given
+          ones whose first chunk holds only the embedding and last only the head), 1F1B with the
+          head alone on the last stage
 
 Plans are built directly from autoplan.plan types (`_dist.make_plan` with cp, ep or pp > 1): the
 planner's rules refuse sequences this short for cp and layer counts this small for pp.
@@ -28,10 +31,10 @@ pytestmark = pytest.mark.gloo
 SEED, STEPS, LR, EPS = 5, 3, 1e-3, 1e-6
 
 
-def _llama4():
+def _llama(layers: int):
     from autoplan.models.config import ModelConfig
 
-    return ModelConfig("tiny-llama-4l", "llama", 4, 64, 4, 2, 128, 128, 64)
+    return ModelConfig(f"tiny-llama-{layers}l", "llama", layers, 64, 4, 2, 128, 128, 64)
 
 
 CONFIGS = {
@@ -41,6 +44,10 @@ CONFIGS = {
         ("gpt-pp2-1f1b", "tiny-gpt", dict(pp=2, num_microbatches=2)),
         ("llama4-pp2-interleaved", "tiny-llama-4l", dict(pp=2, virtual_stages=2,
                                                          num_microbatches=2)),
+        ("llama5-pp2-interleaved-uneven", "tiny-llama-5l", dict(pp=2, virtual_stages=2, num_microbatches=2)),
+        ("llama5-pp2-interleaved-end-chunks", "tiny-llama-5l", dict(pp=2, virtual_stages=2, num_microbatches=2,
+                                                                    stage_layers=(0, 2, 3, 0))),
+        ("gpt-pp2-1f1b-head-stage", "tiny-gpt", dict(pp=2, num_microbatches=2, stage_layers=(2, 0))),
         ("moe-pp2-gpipe-full", "tiny-moe", dict(pp=2, num_microbatches=2, schedule="gpipe",
                                                 recompute="full")),
         ("moe-tp2-etp1-megatron", "tiny-moe", dict(tp=2, etp=1, assignment="megatron"))],
@@ -68,7 +75,7 @@ CASES = [(world, cid) for world, configs in CONFIGS.items() for cid, _, _ in con
 def _config(model: str):
     from autoplan.models import get_model_config
 
-    return _llama4() if model == "tiny-llama-4l" else get_model_config(model)
+    return _llama(int(model[len("tiny-llama-"):-1])) if model.startswith("tiny-llama-") else get_model_config(model)
 
 
 _PLANS: dict[str, tuple] = {}
@@ -152,6 +159,13 @@ def test_pipeline_ranks_hold_only_their_stages(results, world, cid, reference_ru
     held = [set(out["shapes"]) for out in first.values()]
     assert len(held) == plan.mesh.pp and set().union(*held) == names
     assert sum(len(h) for h in held) == len(names), "a parameter is on two stages"
+
+
+def test_the_stage_cases_are_uneven():
+    plans = {cid: plan for cid, _, plan in _plans(2)}
+    assert plans["llama5-pp2-interleaved-uneven"].stage_layers == (1, 1, 2, 1)  # 5 layers, pp x v = 4 chunks
+    assert plans["llama5-pp2-interleaved-end-chunks"].stage_layers == (0, 2, 3, 0)
+    assert plans["gpt-pp2-1f1b-head-stage"].stage_layers == (2, 0)
 
 
 EXPERT_CASES = [(w, c) for w, c in CASES if "ep" in c or "etp" in c]

@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 
 from autoplan.cluster import parse_cluster
-from autoplan.cost_model.pipeline import (in_flight_microbatches, interleaved_chunks, p2p_per_microbatch_s,
+from autoplan.cost_model.pipeline import (chunk_ranges, chunk_sizes, in_flight_microbatches, p2p_per_microbatch_s,
                                           pipeline_time_s)
 from autoplan.errors import AutoplanError, ConfigError
 from autoplan.mesh import MeshShape
 from autoplan.cost_model.pipeline import Part, StageProblem
-from autoplan.solver.stages import (evaluate_partition, partition_brute_force,
+from autoplan.solver.stages import (evaluate_partition, partition_brute_force, partition_fits,
                                     partition_stages)
+from autoplan.validity import pipeline_problem, stage_layers_text, stage_min_layers, stages_problem
 
 
 def random_problem(rng: np.random.Generator, layers: int, pp: int, tight: float) -> StageProblem:
@@ -74,7 +75,7 @@ def test_bad_arrays_are_refused():
         StageProblem(np.ones(3), np.ones(2), np.ones(3), np.ones(3), np.ones(1), 1.0)
     with pytest.raises(AutoplanError, match="finite and >= 0"):
         StageProblem(-np.ones(3), np.ones(3), np.ones(3), np.ones(3), np.ones(1), 1.0)
-    with pytest.raises(AutoplanError, match="rise strictly"):
+    with pytest.raises(AutoplanError, match="steps of at least"):
         evaluate_partition(StageProblem(np.ones(3), np.ones(3), np.ones(3), np.ones(3), np.ones(2), 1.0), (0, 3, 3))
 
 
@@ -101,12 +102,70 @@ def test_in_flight_microbatches():
         in_flight_microbatches(4, 4, 8)
 
 
-def test_interleaved_chunks_tile_the_layers():
-    chunks = interleaved_chunks(16, 4, 2)
-    assert [(s, c, a, b) for s, c, a, b in chunks if s == 1] == [(1, 0, 2, 4), (1, 1, 10, 12)]
-    assert sorted((a, b) for _, _, a, b in chunks) == [(k * 2, k * 2 + 2) for k in range(8)]
-    with pytest.raises(ConfigError, match="divisible"):
-        interleaved_chunks(10, 4, 2)
+def test_chunks_split_each_rank_evenly_with_the_ends_taking_the_smaller_shares():
+    # 126 layers on pp 16 x v 8: Llama 3 405B, the first chunk only the embedding, the last only the head
+    sizes = chunk_sizes([7] + [8] * 14 + [7], 8)
+    assert sizes == (0,) + (1,) * 126 + (0,)
+    assert chunk_sizes([5, 6, 4], 2) == (2, 3, 2, 3, 3, 2)  # flow order: chunk 0 of ranks 0..2, then chunk 1
+    ranges = chunk_ranges((2, 3, 2, 3, 3, 2), 3)
+    assert [r[:2] for r in ranges] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    assert [r[2:] for r in ranges] == [(0, 2), (2, 5), (5, 7), (7, 10), (10, 13), (13, 15)]  # they tile the layers
+    assert chunk_ranges((0, 3, 0), 3)[0][2:] == (0, 0)  # a chunk of no layer
+    with pytest.raises(ConfigError, match="pp=2"):
+        chunk_ranges((1, 2, 3), 2)
+
+
+def test_validity_takes_uneven_stages_and_chunks_that_do_not_divide():
+    assert stage_min_layers(4, 2) == (1, 2, 2, 1) and stage_min_layers(1, 1) == (1,)
+    assert pipeline_problem(5, 2, "interleaved-1f1b", 2, 2) is None  # 5 layers over pp x v = 4 chunks
+    assert pipeline_problem(126, 16, "interleaved-1f1b", 8, 16) is None  # Llama 3 405B: 128 chunks
+    assert "at least 126 layers" in pipeline_problem(125, 16, "interleaved-1f1b", 8, 16)
+    assert "divisible by pp=2" in pipeline_problem(5, 2, "interleaved-1f1b", 2, 3)
+    assert stages_problem(5, 2, 2, (2, 1, 1, 1)) is None and stages_problem(4, 2, 1, (0, 4)) is None
+    message = stages_problem(5, 2, 2, (2, 2, 1))
+    assert "3 chunks, 5 layers" in message and "pp x v = 2 x 2 = 4" in message and "chunk 1 of each" in message
+    assert "chunk 1 holds 0 layers" in stages_problem(5, 2, 2, (3, 0, 1, 1))
+    assert stage_layers_text((0,) + (1,) * 126 + (0,)) == "0,1*126,0"
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_dp_with_stage_minimums_matches_brute_force(seed):
+    """Stages allowed to hold none (the embedding or head alone) or needing several layers (v chunks)."""
+    rng = np.random.default_rng(100 + seed)
+    pp = int(rng.integers(2, 5))
+    layers, minimums = int(rng.integers(pp, 9)), rng.integers(0, 3, pp)
+    if minimums.sum() > layers:
+        assert partition_stages(StageProblem(np.ones(layers), np.ones(layers), np.ones(layers), np.zeros(layers),
+                                             np.ones(pp), np.inf, min_layers=minimums)) is None
+        return
+    base = random_problem(rng, layers, pp, tight=float(rng.uniform(0.0, 1.2)))
+    problem = StageProblem(**{**base.__dict__, "min_layers": minimums})
+    fast, slow = partition_stages(problem), partition_brute_force(problem)
+    assert (fast is None) == (slow is None)
+    if fast is not None:
+        assert fast.bottleneck_s == pytest.approx(slow.bottleneck_s, rel=1e-12)
+        assert all(b - a >= n for (a, b), n in zip(fast.ranges, minimums))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_greedy_fit_check_agrees_with_the_dp(seed):
+    rng = np.random.default_rng(300 + seed)
+    pp = int(rng.integers(1, 6))
+    layers = int(rng.integers(pp, 12))
+    base = random_problem(rng, layers, pp, tight=float(rng.uniform(-0.3, 1.2))) if layers <= 8 else StageProblem(
+        rng.uniform(0.5, 2, layers), rng.uniform(0, 3, layers), rng.uniform(0, 1, layers), rng.uniform(0, 2, layers),
+        np.array([float(pp - s) for s in range(pp)]), float(rng.uniform(2, 20)), Part(0.1, 1.0, 0.5), Part(0.2, 2.0))
+    for minimums in (base.min_layers, rng.integers(0, 3, pp)):
+        problem = StageProblem(**{**base.__dict__, "min_layers": minimums})
+        assert partition_fits(problem) == (partition_stages(problem) is not None)
+
+
+def test_a_heavy_head_gets_a_stage_of_its_own_where_that_is_fastest():
+    problem = StageProblem(np.ones(6), np.zeros(6), np.zeros(6), np.zeros(6), np.ones(4), np.inf,
+                           last=Part(time_s=2.0), min_layers=np.array([0, 1, 1, 0]))
+    assert partition_stages(problem).bounds == (0, 2, 4, 6, 6)  # 2 | 2 | 2 | head: the slowest is 2
+    with pytest.raises(AutoplanError, match="at least"):
+        evaluate_partition(StageProblem(**{**problem.__dict__, "min_layers": np.ones(4)}), (0, 2, 4, 6, 6))
 
 
 def test_p2p_crosses_the_link_of_the_pp_axis():

@@ -29,7 +29,7 @@ def test_rows_are_the_published_table(table1):
     for row in table1.ROWS:
         assert row.tp * row.pp * row.dp == row.gpus and row.batch % row.dp == 0
         assert row.tflops_per_gpu / 312 == pytest.approx(row.percent_of_peak / 100, abs=0.006)  # as published
-        if row.pp > 1:  # the interleaved schedule needs layers divisible by p v and microbatches by p
+        if row.pp > 1:  # Megatron-LM of 2021: equal chunks (layers divisible by p v), microbatches by p
             assert row.layers % (row.pp * row.virtual_stages) == 0 and (row.batch // row.dp) % row.pp == 0
     # equation 3 against the paper's own arithmetic: 1T on 3072 GPUs at 163 TF/s is 502 PF/s aggregate
     one_t = table1.ROWS[-1]

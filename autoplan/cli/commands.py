@@ -86,10 +86,31 @@ def _estimate_parser(sub) -> None:
     p.add_argument("--recompute", default="selective", choices=("none", "selective", "full"))
     p.add_argument("--schedule", default=SCHEDULE_1F1B, choices=(SCHEDULE_1F1B, SCHEDULE_INTERLEAVED))
     p.add_argument("--virtual-stages", type=positive_int, default=1, help="model chunks per pipeline rank (interleaved)")
+    p.add_argument("--stage-layers", metavar="N,N,...", type=parse_stage_layers,
+                   help="layers of each pipeline chunk, pp x v of them in the order the layers flow through them: "
+                   "1F1B, one per pipeline rank (e.g. 7,8,8,7 on pp 4); interleaved, chunk 0 of ranks 0..pp-1, then "
+                   "chunk 1 of each, and so on. N*K repeats N K times: Llama 3 405B on pp 16, v 8 is 0,1*126,0 (the "
+                   "first chunk holds only the embedding, the last only the head). Only the first and last chunk "
+                   "may hold 0 layers. Default: the stage search's partition")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("-o", "--output", metavar="FILE", help="write the priced plan JSON here")
     p.add_argument("--json", action="store_true", help="print only the `predicted` block as JSON")
     _profile_option(p)
+
+
+def parse_stage_layers(text: str) -> tuple[int, ...]:
+    """"7,8*14,7" -> (7, 8, ..., 8, 7): comma-separated layer counts, N*K for K chunks of N layers."""
+    sizes: list[int] = []
+    for item in text.split(","):
+        count, _, repeat = item.strip().partition("*")
+        try:
+            n, k = int(count), int(repeat) if repeat else 1
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} in {text!r} is not N or N*K (whole numbers), e.g. 7,8*14,7")
+        if n < 0 or k < 1:
+            raise argparse.ArgumentTypeError(f"{item!r} in {text!r}: layers N >= 0 and repeats K >= 1")
+        sizes += [n] * k
+    return tuple(sizes)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,7 +198,7 @@ def cmd_estimate(args) -> int:
     mesh = MeshShape(pp=args.pp, dp=dp, tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp, ep_as=args.ep_as)
     plan = estimate(config, cluster, args.global_batch, args.seq, mesh=mesh, microbatch_size=args.mbs, zero_stage=args.zero,
                     recompute=args.recompute, dtype=args.dtype, schedule=args.schedule, virtual_stages=args.virtual_stages,
-                    profile=_load_profile(args), kernels=args.kernels)
+                    profile=_load_profile(args), kernels=args.kernels, stage_layers=args.stage_layers)
     if args.output:
         plan.save(args.output)
     if args.json:

@@ -72,7 +72,8 @@ def _stages_text(plan: Plan) -> list[str]:
         return [f"  one stage: layers 0-{plan.model.num_layers - 1}"]
     by_stage: dict[int, list[str]] = defaultdict(list)
     for s in sorted(plan.stages, key=lambda s: (s.stage, s.chunk)):
-        by_stage[s.stage].append(f"{s.first_layer}-{s.last_layer - 1}")
+        # a chunk may hold no layer: the embedding alone (first) or the head alone (last)
+        by_stage[s.stage].append(f"{s.first_layer}-{s.last_layer - 1}" if s.last_layer > s.first_layer else "none")
     lines = [f"  stage {stage}: layers {', '.join(by_stage[stage])}" for stage in sorted(by_stage)]
     return lines if len(lines) <= 12 else lines[:5] + [f"  ... ({len(lines) - 10} stages)"] + lines[-5:]
 
@@ -335,7 +336,8 @@ def search_report(result, baselines: list[str] | None) -> str:
     rows += [(b.name, b.plan, b.reason) for b in result.baselines if b.name in wanted]
     s = result.stats
     footer = (f"{s.configurations} configurations, {s.pruned_by_memory} pruned by memory, {s.pruned_by_time} by time, "
-              f"{s.priced} priced, {s.ilp_solves} intra-op solves, {s.search_time_s:.2f} s")
+              f"{s.cannot_fit} fit no stage partition, {s.priced} priced, {s.ilp_solves} intra-op solves, "
+              f"{s.search_time_s:.2f} s")
     return side_by_side(rows) + "\n" + footer
 
 
