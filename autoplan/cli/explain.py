@@ -80,18 +80,23 @@ def _stages_text(plan: Plan) -> list[str]:
 
 
 def op_family(node_name: str) -> str:
-    """'layers_12_attn_q_proj' -> 'layers.*.attn_q_proj'; 'add_7' -> 'add' (fx's numbering dropped)."""
+    """'layers_12_attn_q_proj' -> 'layers.*.attn_q_proj', 'model_layers_3_mlp_up_proj' (a Hugging Face
+    export) -> 'model_layers.*.mlp_up_proj': the first number inside the name is the layer's index;
+    'add_7' -> 'add' (fx's numbering at the end dropped)."""
     parts = node_name.split("_")
     while len(parts) > 1 and parts[-1].isdigit():
         parts.pop()
-    if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit():
-        return "layers.*." + "_".join(parts[2:])
+    layer = next((i for i in range(1, len(parts) - 1) if parts[i].isdigit()), None)
+    if layer is not None:
+        return "_".join(parts[:layer]) + ".*." + "_".join(parts[layer + 1:])
     return "_".join(parts)
 
 
-def op_family_costs(plan: Plan, graph, config) -> list[tuple[str, str, int, float, float, float]]:
+def op_family_costs(plan: Plan, graph, config, registry=None, info=None
+                    ) -> list[tuple[str, str, int, float, float, float]]:
     """(family, strategy, ops, forward s, backward s, tp communication s) per microbatch on one rank,
-    re-priced from the plan's assignment; largest total first."""
+    re-priced from the plan's assignment; largest total first. `registry` / `info`: the strategy
+    rules of a graph captured elsewhere (a Hugging Face export) and their info; default: the zoo's."""
     from fractions import Fraction
 
     from autoplan.cost_model.compute import Efficiency
@@ -103,8 +108,8 @@ def op_family_costs(plan: Plan, graph, config) -> list[tuple[str, str, int, floa
 
     tp = plan.mesh.tp
     assignment = {op.node: op.strategy for op in plan.ops}
-    info = strategy_info(config.rule_info(), tp, plan.mesh.etp)
-    strategies = resolve_strategies(graph, default_registry(), info, tp, assignment)
+    info = strategy_info(info if info is not None else config.rule_info(), tp, plan.mesh.etp)
+    strategies = resolve_strategies(graph, registry or default_registry(), info, tp, assignment)
     microbatch = Fraction(plan.microbatch_size, plan.mesh.context_parallel)
     ctx = CostContext(plan.cluster, MeshShape(dp=plan.cluster.world_size // tp, tp=tp), plan.dtype, Efficiency(),
                       graph.batch_size, float(microbatch) / graph.batch_size)
@@ -135,8 +140,10 @@ def _model_for(plan: Plan, config=None):
 # ---------------------------------------------------------------------------------- explain, compare
 
 
-def explain_plan(plan: Plan, config=None, graph=None, ops: bool = True, max_ops: int = 12) -> str:
-    """Where the time and memory of `plan` go (module docstring), as text."""
+def explain_plan(plan: Plan, config=None, graph=None, ops: bool = True, max_ops: int = 12, registry=None,
+                 info=None) -> str:
+    """Where the time and memory of `plan` go (module docstring), as text. `graph`, with `registry`
+    and `info` for a graph captured elsewhere: the per-op costs without capturing the zoo model."""
     p = plan.predicted
     lines = [f"{plan.model.name} on {plan.cluster.describe()}: global batch {plan.global_batch} x seq {plan.seq_len}",
              f"  {describe_config(plan)}",
@@ -151,19 +158,19 @@ def explain_plan(plan: Plan, config=None, graph=None, ops: bool = True, max_ops:
     lines += _table(["part", "memory", "share"], [[n, _gb(v), f"{v / total_m:.1%}"] for n, v in _memory_parts(plan)])
     lines += ["", f"pipeline stages ({plan.schedule})"] + _stages_text(plan)
     if ops and plan.ops:
-        lines += ["", *_ops_text(plan, config, graph, max_ops)]
+        lines += ["", *_ops_text(plan, config, graph, max_ops, registry, info)]
     if plan.provenance.notes:
         lines += ["", "notes"] + [f"  - {n}" for n in plan.provenance.notes]
     return "\n".join(lines)
 
 
-def _ops_text(plan: Plan, config, graph, max_ops: int) -> list[str]:
+def _ops_text(plan: Plan, config, graph, max_ops: int, registry=None, info=None) -> list[str]:
     if graph is None:
         found, why = _model_for(plan, config)
         if found is None:
             return [f"per-op costs: not shown ({why})"]
         config, graph = found
-    rows = op_family_costs(plan, graph, config)
+    rows = op_family_costs(plan, graph, config, registry, info)
     total = sum(r[3] + r[4] + r[5] for r in rows) or 1e-30
     head = (f"per op family: seconds per microbatch on one rank (microbatch {plan.microbatch_size}"
             f"{_context_text(plan.mesh)}), the whole model, tp strategies as chosen")
@@ -275,6 +282,8 @@ def add_explain_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="where a plan's step time and memory go, per part, stage and op family")
     p.add_argument("plan", help="a plan JSON file")
     p.add_argument("--model-config", metavar="FILE", help="the model's config file, for per-op costs of a model that is not a preset")
+    p.add_argument("--hf-model", metavar="DIR", help="the Hugging Face checkpoint directory (or config folder) the "
+                   "plan was made for, for per-op costs of its captured graph")
     p.add_argument("--no-ops", action="store_true", help="skip the per-op table (no capture)")
     p.add_argument("--max-ops", type=int, default=12, help="op families to list (default 12)")
     return p
@@ -302,7 +311,14 @@ def cmd_explain(args) -> int:
         from autoplan.models import load_model_config
 
         config = load_model_config(args.model_config)
-    print(explain_plan(plan, config=config, ops=not getattr(args, "no_ops", False), max_ops=getattr(args, "max_ops", 12)))
+    captured = {}
+    if getattr(args, "hf_model", None) and not getattr(args, "no_ops", False):
+        from autoplan.cli.hf_model import explain_inputs
+
+        captured = explain_inputs(args.hf_model, plan)  # its config, graph, strategy rules and their info
+    config = captured.pop("config", config)
+    print(explain_plan(plan, config=config, ops=not getattr(args, "no_ops", False), max_ops=getattr(args, "max_ops", 12),
+                       **captured))
     return 0
 
 
