@@ -63,6 +63,7 @@ from pathlib import Path
 import torch
 
 from autoplan.step_meter import StepMeter
+from autoplan.train_hf import add_hf_options, build_hf_program, check_hf_args, finish_hf
 from autoplan.errors import AutoplanError, CollectiveError, TrainingDivergedError
 
 SYNTHETIC_PERIOD = 97  # tokens; prime, so windows at different offsets differ
@@ -72,8 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autoplan.train", description="Train a model under an autoplan plan (run under torchrun).")
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--model", help="a known model name, e.g. tiny-llama")
-    from autoplan.train_hf import add_hf_options
-
     add_hf_options(p, model)  # --hf-model DIR, --save-hf OUT
     p.add_argument("--plan", help="a plan JSON file; searched for the launched world when absent")
     p.add_argument("--cluster", help="cluster for the search (default: 1 x WORLD_SIZE x cpu, or the plan's)")
@@ -170,8 +169,6 @@ def build_program(args):
     from autoplan.models import build_model, get_model_config
 
     if args.hf_model:
-        from autoplan.train_hf import build_hf_program
-
         return build_hf_program(args)
     config = get_model_config(args.model)
     plan = resolve_plan(args, config)
@@ -181,10 +178,8 @@ def build_program(args):
 
 
 def train(args, run: Run | None = None) -> list[float]:
-    from autoplan.train_hf import check_hf_args
-
+    check_hf_args(args)  # first: it names the options --hf-model does not take
     check_checkpoint_args(args)
-    check_hf_args(args)
     run = run if run is not None else Run()
     program, plan, vocab = build_program(args)
     optimizer = program.make_optimizer(torch.optim.AdamW, lr=args.lr)
@@ -211,8 +206,6 @@ def train(args, run: Run | None = None) -> list[float]:
     if args.save and saved_at != max(args.steps, start):
         save_checkpoint(program, args, max(args.steps, start))
     if args.hf_model:
-        from autoplan.train_hf import finish_hf
-
         next_batch = batch_at(stream, args.steps, plan.global_batch, plan.seq_len)
         run.eval_loss = finish_hf(args, program, next_batch, rank)
     if rank == 0:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from autoplan.cli import hf_model
 from autoplan.validity import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED
 from autoplan.errors import AutoplanError
 
@@ -47,9 +48,7 @@ def _model_options(p, hf: bool = False) -> None:
     if hf:
         model.add_argument("--hf-config", metavar="FILE_OR_DIR",
                            help="a Hugging Face config.json (or its folder): the model is built on meta and captured by torch.export")
-    from autoplan.cli.hf_model import add_hf_model_option
-
-    add_hf_model_option(model)  # autoplan.cli.hf_model
+    hf_model.add_hf_model_option(model)
 
 
 def _profile_option(p) -> None:
@@ -125,10 +124,8 @@ def cmd_search(args) -> int:
     if args.global_batch < 1 or args.seq < 1 or args.top < 1:
         raise AutoplanError(f"--global-batch ({args.global_batch}), --seq ({args.seq}) and --top ({args.top}) must be positive")
     if args.hf_model:  # planned as autoplan.train --hf-model runs it: autoplan.cli.hf_model
-        from autoplan.cli.hf_model import search_hf_model
-
         with search_progress() as progress:
-            result = search_hf_model(args, cluster, _load_profile(args), progress)
+            result = hf_model.search_hf_model(args, cluster, _load_profile(args), progress)
     else:
         captured = _hf_capture(args) if args.hf_config else {}
         config = captured.pop("config") if captured else _load_model_config(args)
@@ -170,11 +167,7 @@ def cmd_estimate(args) -> int:
     from autoplan.mesh import MeshShape
     from autoplan.api import estimate
 
-    captured = {}
-    if args.hf_model or args.hf_config:  # autoplan.cli.hf_model
-        from autoplan.cli.hf_model import estimate_inputs
-
-        captured = estimate_inputs(args)
+    captured = hf_model.estimate_inputs(args) if args.hf_model or args.hf_config else {}
     config = captured.pop("config") if captured else _load_model_config(args)
     cluster = parse_cluster(args.cluster)
     others = args.tp * args.pp * args.cp * args.ep
@@ -187,9 +180,7 @@ def cmd_estimate(args) -> int:
                     recompute=args.recompute, dtype=args.dtype, schedule=args.schedule, virtual_stages=args.virtual_stages,
                     profile=_load_profile(args), kernels=args.kernels, **captured)
     if args.hf_model:
-        from autoplan.cli.hf_model import warn_if_not_runnable
-
-        warn_if_not_runnable(plan, args.hf_model)
+        hf_model.warn_if_not_runnable(plan, args.hf_model)
     if args.output:
         plan.save(args.output)
     if args.json:

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Callable, Iterator
 
+from autoplan.cli.hf_model import explain_inputs
 from autoplan.plan import Plan
 
 GB = 1e9
@@ -313,8 +314,6 @@ def cmd_explain(args) -> int:
         config = load_model_config(args.model_config)
     captured = {}
     if getattr(args, "hf_model", None) and not getattr(args, "no_ops", False):
-        from autoplan.cli.hf_model import explain_inputs
-
         captured = explain_inputs(args.hf_model, plan)  # its config, graph, strategy rules and their info
     config = captured.pop("config", config)
     print(explain_plan(plan, config=config, ops=not getattr(args, "no_ops", False), max_ops=getattr(args, "max_ops", 12),
