@@ -195,6 +195,8 @@ def test_estimate_hf_model_prices_any_configuration_and_says_what_cannot_run(tin
     assert any(op.node.startswith("model_layers_0_self_attn_q_proj") for op in plan.ops)  # the HF graph's ops
     assert main(argv + ["--pp", "2", "--dp", "1"]) == 0
     assert "`autoplan.train --hf-model` cannot run this plan yet" in capsys.readouterr().err
+    config_only = ["estimate", "--hf-config", str(tiny_checkpoint / "config.json"), *argv[3:], "-o", str(out)]
+    assert main(config_only) == 0 and Plan.load(out).model.fingerprint == plan.model.fingerprint
 
 
 def test_explain_hf_model_shows_per_op_costs(tiny_checkpoint, tmp_path, capsys):
