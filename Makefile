@@ -1,6 +1,8 @@
-# Two entry points for a fresh machine; both create .venv and install what they need.
+# Entry points for a fresh machine; each creates .venv and installs what it needs.
 #   make demo   plan GPT-3 175B on 1024 H100s and show the plan (writes plan.json)
 #   make test   run the test suite
+#   make finetune-demo   write a tiny local Hugging Face Llama, plan it for 4 CPU ranks and fine-tune it
+#                        under torchrun (gloo), writing the fine-tuned checkpoint to tiny-llama-tuned/
 # torch is pinned at install time (a CPU wheel here); the project itself only asks for a range,
 # so pip never resolves an unpinned torch (which would pull gigabytes of CUDA packages).
 
@@ -13,7 +15,7 @@ TRITON ?= triton==3.9.0
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.autoplan-installed
 
-.PHONY: demo test setup clean-venv
+.PHONY: demo test finetune-demo setup clean-venv
 
 setup: $(STAMP)
 
@@ -30,6 +32,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+finetune-demo: $(STAMP)
+	$(BIN)/python -m autoplan.examples.tiny_hf tiny-llama-hf
+	$(BIN)/autoplan search --hf-model tiny-llama-hf --cluster 1x4xcpu --global-batch 8 --seq 64 --dtype float32 \
+	    -o tiny-llama-plan.json
+	$(BIN)/torchrun --nproc-per-node 4 -m autoplan.train --hf-model tiny-llama-hf --plan tiny-llama-plan.json \
+	    --steps 40 --save-hf tiny-llama-tuned
 
 clean-venv:
 	rm -rf $(VENV)

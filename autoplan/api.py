@@ -30,6 +30,7 @@ the runtime's Triton kernels, the nodes they run are priced at the profile's mea
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
@@ -198,12 +199,14 @@ def estimate(model: ModelConfig | str, cluster: ClusterSpec | str, global_batch:
              fold: bool = True, time_limit_s: float = 60.0, efficiency: Efficiency | None = None,
              registry: StrategyRegistry | None = None, graph: CapturedGraph | None = None,
              schedule: str = "1f1b", virtual_stages: int = 1, profile: "HardwareProfile | None" = None,
-             kernels: str = "auto", stage_layers: Sequence[int] | None = None) -> Plan:
+             kernels: str = "auto", stage_layers: Sequence[int] | None = None,
+             info: Mapping | None = None) -> Plan:
     """The Plan of one given configuration (any pp, dp, ep, cp, tp), the intra-op solver choosing the
     strategies; it may not fit (its notes say). Bad values raise ConfigError naming values that work.
     `stage_layers`: the layers of each of the pp x v pipeline chunks in the order the layers flow through
     them (chunk c of pipeline rank s at position c pp + s; `autoplan.validity.stages_problem`), e.g.
-    Llama 3 405B's (0, 1, ..., 1, 0) on pp=16, v=8; None: the stage search's partition."""
+    Llama 3 405B's (0, 1, ..., 1, 0) on pp=16, v=8; None: the stage search's partition.
+    `graph` / `info`: a graph captured elsewhere and its strategy-rule info (as in `search_plans`)."""
     check_arguments("estimate", locals())
     config, cluster = resolve_inputs(model, cluster, global_batch, seq_len, dtype)
     cluster, efficiency = calibrate(cluster, efficiency, profile, kernels, dtype)
@@ -211,7 +214,7 @@ def estimate(model: ModelConfig | str, cluster: ClusterSpec | str, global_batch:
                        virtual_stages, stage_layers=stage_layers)
     return price_given(config, cluster, global_batch, seq_len, cfg, assignment=None, dtype=dtype, efficiency=efficiency,
                        registry=registry, fold=fold, time_limit_s=time_limit_s,
-                       graph=graph_source(config, seq_len, dtype, graph),
+                       graph=graph_source(config, seq_len, dtype, graph), info=info,
                        notes=("estimate of a given configuration",))
 
 
@@ -263,7 +266,8 @@ def parallelize(model, cluster: "ClusterSpec | str", plan: "Plan | str | None" =
 
     if plan is None:  # planned once, on rank 0
         plan = agree_on_plan(lambda: plan_module(model, cluster, global_batch, seq_len, top=top), timeout_s=timeout_s)
-    return parallelize_module_program(model, plan, cluster=cluster, checkpoint=checkpoint, timeout_s=timeout_s)
+    return parallelize_module_program(model, plan, cluster=cluster, checkpoint=checkpoint, timeout_s=timeout_s,
+                                      check_finite=check_finite)
 
 
 def is_zoo_model(model) -> bool:
@@ -298,30 +302,63 @@ def _parallelize_zoo(model, cluster: ClusterSpec, plan: "Plan | None", config: "
                         check_finite=check_finite)
 
 
-def plan_module(model, cluster: ClusterSpec, global_batch: int | None, seq_len: int | None, *,
-                top: int = 8) -> "Plan":
-    """The fastest of the `top` best plans for a transformers `model` that the module runtime runs
-    (dp and tp, ZeRO, no recompute: `autoplan.runtime.module_launch`), searched on its captured
-    graph; PlanError naming why each was refused when none is."""
+def module_search_options(max_microbatch_size: int = 16) -> SearchOptions:
+    """The part of the space the runtime for your own module runs (`autoplan.runtime.module_launch`):
+    dp and tp (with sequence parallelism), ZeRO 0-3, microbatching; no pp, cp, ep or recompute yet."""
+    return SearchOptions(max_microbatch_size=max_microbatch_size, pipeline=False, context_parallel=False,
+                         expert_parallel=False, recompute=("none",))
+
+
+def search_module_plans(model, cluster: ClusterSpec | str, global_batch: int, seq_len: int, *, top: int = 1,
+                        candidates: int = 8, dtype: str | None = None, **search) -> SearchResult:
+    """The `top` best plans for the transformers `model` (on meta or with weights) that the module
+    runtime runs: a search over `module_search_options` on the model's captured graph for the
+    max(top, candidates) best, of which the first `top` that `check_module_plan` accepts are kept
+    (it refuses some for the model itself, such as dropout or tied weights under tp). `dtype`:
+    the model's parameter dtype when None. `search`: more keywords of `search_plans` (progress,
+    profile, kernels, baselines, fold, time_limit_s). PlanError naming why each was refused when
+    none is accepted."""
     from autoplan.capture.hf import capture_hf_for_planner
     from autoplan.capture.hf_rules import hf_registry
     from autoplan.runtime.module_launch import check_module_plan
+
+    cluster = parse_cluster(cluster) if isinstance(cluster, str) else cluster
+    dtype = dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
+    summary, graph, info = capture_hf_for_planner(model.config, seq_len, dtype)
+    search.setdefault("options", module_search_options())
+    found = search_plans(summary, cluster, global_batch, seq_len, top=max(top, candidates), dtype=dtype,
+                         graph=graph, info=info, registry=hf_registry(), **search)
+    runnable, refused = [], []
+    for plan in found.plans:
+        try:
+            check_module_plan(plan, model, cluster)
+            runnable.append(plan)
+        except PlanError as exc:
+            refused.append(f"{plan.mesh}: {exc}")
+    if not runnable:
+        raise PlanError("none of the best plans runs on the module runtime:\n  " + "\n  ".join(refused))
+    return dataclasses.replace(found, plans=tuple(_noted(plan, MODULE_SPACE_NOTE) for plan in runnable[:top]))
+
+
+MODULE_SPACE_NOTE = ("searched the space the runtime for your own module runs: dp and tp (sequence parallel "
+                     "variants), ZeRO 0-3, microbatching; pp, cp, ep and recompute are not searched (not run yet)")
+
+
+def _noted(plan: Plan, note: str) -> Plan:
+    return dataclasses.replace(plan, provenance=dataclasses.replace(
+        plan.provenance, notes=(*plan.provenance.notes, note)))
+
+
+def plan_module(model, cluster: ClusterSpec, global_batch: int | None, seq_len: int | None, *,
+                top: int = 8) -> "Plan":
+    """The fastest of the `top` best plans for a transformers `model` that the module runtime runs
+    (`search_module_plans`)."""
+    from autoplan.errors import PlanError
 
     config = getattr(model, "config", None)
     if global_batch is None or seq_len is None or not hasattr(config, "to_dict"):
         raise PlanError(f"parallelize without a plan needs global_batch= and seq_len=, and plans only "
                         f"transformers models (this is {type(model).__name__}); for another module, "
                         f"pass plan= (e.g. from autoplan.api.estimate on capture_hf(model, ...))")
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    summary, graph, info = capture_hf_for_planner(config, seq_len, dtype)
-    options = SearchOptions(pipeline=False, context_parallel=False, expert_parallel=False, recompute=("none",))
-    found = search_plans(summary, cluster, global_batch, seq_len, top=top, baselines=False, dtype=dtype,
-                         options=options, graph=graph, info=info, registry=hf_registry())
-    refused = []
-    for plan in found.plans:
-        try:
-            check_module_plan(plan, model, cluster)
-            return plan
-        except PlanError as exc:
-            refused.append(f"{plan.mesh}: {exc}")
-    raise PlanError("none of the best plans runs on the module runtime:\n  " + "\n  ".join(refused))
+    return search_module_plans(model, cluster, global_batch, seq_len, top=1, candidates=top,
+                               baselines=False).plans[0]

@@ -2,6 +2,10 @@
 
     torchrun --nproc-per-node 4 -m autoplan.train --model tiny-llama --plan plan.json --steps 50
     torchrun --nproc-per-node 2 -m autoplan.train --model tiny-gpt --global-batch 8 --seq 32 --steps 20
+    torchrun --nproc-per-node 4 -m autoplan.train --hf-model my-llama --steps 40 --save-hf my-llama-tuned
+
+`--hf-model DIR` fine-tunes a local Hugging Face checkpoint with the runtime for your own module
+(`autoplan.train_hf`: what it runs, its loss, and which options are zoo-only so far).
 
 Without --plan, the plan is searched for the launched world (a `1xNxcpu` cluster on CPU, or
 `--cluster`). `--save DIR` writes a checkpoint (model and optimizer state under full names and
@@ -36,7 +40,8 @@ TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so that each attempt rendezvouses afresh: r
 Rank 0 logs each tenth step's loss, step time, tokens/s and MFU, and at the end the measured step time
 (median, first step left out) against the plan's prediction, warning past 10% (`autoplan.step_meter`).
 
-`--log-json` is strict JSON: {"model", "first_step" (the step of losses[0]), "losses"}, a loss that
+`--log-json` is strict JSON: {"model", "first_step" (the step of losses[0]), "losses", and with
+--hf-model "eval_loss" (the trained weights' loss on the next batch)}, a loss that
 is not finite written as null (with a "note"), "stopped" (the error) when the run ended early, and
 the timing: "step_times_s", "measured_step_time_s", "predicted_step_time_s", "tokens_per_s", "mfu".
 
@@ -59,6 +64,7 @@ import torch
 
 from autoplan.cli.args import OneLineParser, existing_file, non_negative_int, positive_float, positive_int
 from autoplan.step_meter import StepMeter
+from autoplan.train_hf import add_hf_options, build_hf_program, check_hf_args, finish_hf
 from autoplan.errors import AutoplanError, CollectiveError, TrainingDivergedError
 
 SYNTHETIC_PERIOD = 97  # tokens; prime, so windows at different offsets differ
@@ -66,7 +72,9 @@ SYNTHETIC_PERIOD = 97  # tokens; prime, so windows at different offsets differ
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="autoplan.train", description="Train a model under an autoplan plan (run under torchrun).")
-    p.add_argument("--model", required=True, help="a known model name, e.g. tiny-llama")
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", help="a known model name, e.g. tiny-llama")
+    add_hf_options(p, model)  # --hf-model DIR, --save-hf OUT
     p.add_argument("--plan", help="a plan JSON file; searched for the launched world when absent")
     p.add_argument("--cluster", help="cluster for the search (default: 1 x WORLD_SIZE x cpu, or the plan's)")
     p.add_argument("--global-batch", type=positive_int, default=8, help="sequences per step (when searching)")
@@ -150,25 +158,36 @@ class Run:
 
     losses: list[float] = dataclasses.field(default_factory=list)
     first_step: int = 0
+    eval_loss: float | None = None  # --hf-model: the trained weights' loss on the next batch
     step: int | None = None  # the step running now
     meter: StepMeter | None = None  # step times against the plan's prediction
 
 
-def train(args, run: Run | None = None) -> list[float]:
+def build_program(args):
+    """This rank's program, its plan and the vocabulary size: a zoo model (--model) from the seeded
+    init, or a Hugging Face checkpoint (--hf-model: `autoplan.train_hf`)."""
     from autoplan.api import parallelize
     from autoplan.models import build_model, get_model_config
 
-    check_checkpoint_args(args)
-    run = run if run is not None else Run()
+    if args.hf_model:
+        return build_hf_program(args)
     config = get_model_config(args.model)
     plan = resolve_plan(args, config)
     program = parallelize(build_model(config, device="meta"), plan.cluster, plan=plan,
                           seed=args.seed, timeout_s=args.timeout)
+    return program, plan, config.vocab
+
+
+def train(args, run: Run | None = None) -> list[float]:
+    check_hf_args(args)  # first: it names the options --hf-model does not take
+    check_checkpoint_args(args)
+    run = run if run is not None else Run()
+    program, plan, vocab = build_program(args)
     optimizer = program.make_optimizer(torch.optim.AdamW, lr=args.lr)
     rank = torch.distributed.get_rank()
     resumed_at = _resume(args, program, rank)
     start = run.first_step = resumed_at or 0
-    stream = token_stream(config.vocab, args.data, args.seed)
+    stream = token_stream(vocab, args.data, args.seed)
     losses, saved_at, meter = run.losses, resumed_at, StepMeter(plan)
     run.meter = meter
     for step in _progress(range(start, args.steps), rank == 0):
@@ -187,6 +206,9 @@ def train(args, run: Run | None = None) -> list[float]:
     run.step = None
     if args.save and saved_at != max(args.steps, start):
         save_checkpoint(program, args, max(args.steps, start))
+    if args.hf_model:
+        next_batch = batch_at(stream, args.steps, plan.global_batch, plan.seq_len)
+        run.eval_loss = finish_hf(args, program, next_batch, rank)
     if rank == 0:
         _report_timing(meter)
     return losses
@@ -253,8 +275,10 @@ def _progress(steps, show: bool):
 
 def log_record(args, run: Run, stopped: str | None = None) -> dict:
     """--log-json's content: non-finite losses as null (strict JSON has no NaN), with a note."""
-    record = {"model": args.model, "first_step": run.first_step,
+    record = {"model": args.model or args.hf_model, "first_step": run.first_step,
               "losses": [loss if math.isfinite(loss) else None for loss in run.losses]}
+    if run.eval_loss is not None:
+        record["eval_loss"] = run.eval_loss if math.isfinite(run.eval_loss) else None
     if None in record["losses"]:
         record["note"] = "null: a loss that was not finite (NaN or infinite)"
     if stopped is not None:
@@ -278,7 +302,7 @@ def write_outputs(args, run: Run, stopped: str | None = None) -> None:
         ax.plot(range(run.first_step, run.first_step + len(run.losses)), run.losses)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
-        ax.set_title(f"{args.model}: training loss")
+        ax.set_title(f"{args.model or args.hf_model}: training loss")
         fig.tight_layout()
         fig.savefig(args.loss_png, dpi=120)
 

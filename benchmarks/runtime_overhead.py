@@ -3,6 +3,9 @@ Megatron-style tensor-parallel version of the same model, on CPU with gloo.
 
     python benchmarks/runtime_overhead.py                  # 4 ranks, small-llama, tp=4
     python benchmarks/runtime_overhead.py --rounds 10 --steps 3
+    python benchmarks/runtime_overhead.py --model hf       # a transformers Llama: autoplan's runtime for
+                                                           # your own module against transformers' tp_plan
+                                                           # (runtime_overhead_hf.py)
 
 Model "small-llama": Llama family, 4 layers, hidden 512, 8 heads (4 kv heads), SwiGLU FFN 1536,
 vocabulary 8192, sequences of 256 tokens, 2 sequences per step; tp = 4 ranks, fp32, AdamW.
@@ -245,18 +248,7 @@ def _rank(rank: int, port: int, plan, rounds: int, steps: int, out: str) -> None
         baseline_opt.step()
         return float(loss.detach())
 
-    first = {"runtime": runtime_step(), "baseline": baseline_step()}  # warm-up, same init
-    times: dict[str, list[float]] = {"runtime": [], "baseline": []}
-    cpu: dict[str, list[float]] = {"runtime": [], "baseline": []}
-    for r in range(rounds):
-        order = (("runtime", runtime_step), ("baseline", baseline_step))
-        for name, step in order if r % 2 == 0 else order[::-1]:
-            for _ in range(steps):
-                dist.barrier()
-                start, start_cpu = time.perf_counter(), time.process_time()
-                step()
-                times[name].append(time.perf_counter() - start)
-                cpu[name].append(time.process_time() - start_cpu)
+    first, times, cpu = time_alternating({"runtime": runtime_step, "baseline": baseline_step}, rounds, steps)
     collectives = {}
     with program.count_collectives() as counts:
         runtime_step()
@@ -265,6 +257,25 @@ def _rank(rank: int, port: int, plan, rounds: int, steps: int, out: str) -> None
         Path(out).write_text(json.dumps({"first_loss": first, "times": times, "cpu": cpu,
                                          "collectives": collectives}))
     dist.destroy_process_group()
+
+
+def time_alternating(methods: dict, rounds: int, steps: int) -> tuple[dict, dict, dict]:
+    """One untimed warm-up step of each method (its loss: `first`), then `rounds` rounds of `steps`
+    timed steps of each, the order rotated by one method per round so that load from other
+    processes hits all alike; every step starts after a barrier. Returns (first, wall s, CPU s)."""
+    first = {name: step() for name, step in methods.items()}
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    cpu: dict[str, list[float]] = {name: [] for name in methods}
+    order = list(methods.items())
+    for r in range(rounds):
+        for name, step in order[r % len(order):] + order[:r % len(order)]:
+            for _ in range(steps):
+                dist.barrier()
+                start, start_cpu = time.perf_counter(), time.process_time()
+                step()
+                times[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
+    return first, times, cpu
 
 
 def _free_port() -> int:
@@ -283,7 +294,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round and method")
+    parser.add_argument("--model", choices=("zoo", "hf"), default="zoo",
+                        help="zoo: autoplan's Llama against a hand-written Megatron (default); hf: a transformers "
+                             "Llama under autoplan against transformers' own tp_plan (runtime_overhead_hf.py)")
     args = parser.parse_args(argv)
+    if args.model == "hf":
+        from runtime_overhead_hf import run
+
+        return run(args.rounds, args.steps)
     config = small_llama()
     plan = runtime_plan(config)
     with tempfile.TemporaryDirectory() as tmp:

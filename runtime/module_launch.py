@@ -143,8 +143,10 @@ def agree_on_plan(make_plan: Callable[[], Plan], backend: str | None = None,
 
 def parallelize_module_program(model: nn.Module, plan: Plan, *, cluster: ClusterSpec | str | None = None,
                                checkpoint: str | Path | None = None, backend: str | None = None,
-                               check_memory: bool = True, timeout_s: float | None = None) -> ModuleProgram:
-    """This rank's program for `plan` over the user's `model` (module docstring)."""
+                               check_memory: bool = True, timeout_s: float | None = None,
+                               check_finite: bool = True) -> ModuleProgram:
+    """This rank's program for `plan` over the user's `model` (module docstring); `check_finite`:
+    train_step stops on a non-finite loss or gradient norm (`runtime.module_program`)."""
     mplan = check_module_plan(plan, model, cluster)
     source = _weights_source(model, checkpoint)
     world = _launched_world_size(None)
@@ -163,7 +165,7 @@ def parallelize_module_program(model: nn.Module, plan: Plan, *, cluster: Cluster
     apply_module_plan(model, mplan, mesh["tp"])
     if source == "meta":
         load_checkpoint(model, checkpoint, device)
-    program = ModuleProgram(model, plan, mesh, mplan, device)
+    program = ModuleProgram(model, plan, mesh, mplan, device, check_finite)
     if program.fsdp:
         _shard_over_dp(model, mesh["dp"], plan.zero_stage)
     return program

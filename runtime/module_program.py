@@ -20,7 +20,13 @@ RankProgram):
     N = the targets != -100 (ignore_index) over the global batch
     per microbatch m of its rows:  loss_m = sum of token cross-entropies over its targets * dp / N;
       loss_m.backward()  (averaging gradients over dp then gives the gradient of sum / N)
-    optimizer.step();  returned: the global mean token loss, all-reduce(sum of token losses) / N
+    the global loss, all-reduce(sum of token losses) / N, and the gradient norm
+      ||g||^2 = sum over ranks of sum over their gradient shards of ||g_shard||^2 / copies
+      (copies = world / the number of distinct shards of that gradient: the ranks that hold the
+      same values after synchronisation); a non-finite loss or norm raises TrainingDivergedError
+      on every rank before the update (under `check_finite`), naming the first parameter whose
+      gradient is not finite on any rank
+    optimizer.step();  returned: the global loss
 
 so with targets = tokens shifted by one and the last target -100, the loss is transformers' own
 (`model(input_ids, labels=input_ids).loss`). The cross-entropy runs as the plan's loss strategy
@@ -30,6 +36,7 @@ says (`runtime.module_plan`): vocab-parallel under `loss_parallel`, on sequence 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -39,8 +46,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
-from autoplan.errors import ConfigError
+from autoplan.errors import ConfigError, TrainingDivergedError
 from autoplan.plan import Plan
+from autoplan.runtime.health import check_token_range
 from autoplan.runtime.module_plan import ModulePlan
 
 IGNORE_INDEX = -100
@@ -74,12 +82,16 @@ class ModuleProgram(nn.Module):
     """This rank's share of the user's module under a plan (module docstring)."""
 
     def __init__(self, model: nn.Module, plan: Plan, mesh: DeviceMesh, mplan: ModulePlan,
-                 device: torch.device) -> None:
+                 device: torch.device, check_finite: bool = True) -> None:
         super().__init__()
         self.model, self.plan, self.mesh, self.module_plan, self.device = model, plan, mesh, mplan, device
         self.dp, self.tp = plan.mesh.dp, plan.mesh.tp
         self.fsdp = plan.zero_stage >= 1 and self.dp > 1
         self.hf = hasattr(getattr(model, "config", None), "use_cache")
+        self.vocab = getattr(getattr(model, "config", None), "vocab_size", None)  # None: not checked
+        self.check_finite = check_finite
+        self.step = 0  # train_step calls so far
+        self.grad_norm: float | None = None  # the last step's global gradient norm (under check_finite)
 
     # ------------------------------------------------------------ parameters
     def make_optimizer(self, cls: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
@@ -173,17 +185,27 @@ class ModuleProgram(nn.Module):
             return loss_parallel()
         return contextlib.nullcontext()
 
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor,
-                   optimizer: torch.optim.Optimizer) -> float:
-        """One optimizer step on the global batch; returns the global mean token loss."""
+    def _count_targets(self, tokens: torch.Tensor, targets: torch.Tensor, what: str) -> int:
+        """N, the targets that count (not -100), after checking shapes and token ids."""
         plan = self.plan
         if tuple(tokens.shape) != (plan.global_batch, plan.seq_len) or targets.shape != tokens.shape:
-            raise ConfigError(f"train_step: tokens {tuple(tokens.shape)} and targets "
+            raise ConfigError(f"{what}: tokens {tuple(tokens.shape)} and targets "
                               f"{tuple(targets.shape)}; the plan expects both (global_batch, "
                               f"seq_len) = ({plan.global_batch}, {plan.seq_len})")
+        if self.vocab is not None:  # a vocab-parallel embedding would mask an id out of range
+            check_token_range(tokens, targets, self.vocab, IGNORE_INDEX)
         count = int((targets != IGNORE_INDEX).sum())
         if count == 0:
-            raise ConfigError("train_step: every target is -100 (ignored); nothing to learn from")
+            raise ConfigError(f"{what}: every target is -100 (ignored); nothing to learn from")
+        return count
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor,
+                   optimizer: torch.optim.Optimizer) -> float:
+        """One optimizer step on the global batch; returns the global mean token loss. Raises
+        TrainingDivergedError (every rank, no update taken) on a non-finite loss or gradient norm
+        under `check_finite` (module docstring)."""
+        plan = self.plan
+        count = self._count_targets(tokens, targets, "train_step")
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
         rows, wanted = self._rows(tokens), self._rows(targets)
@@ -194,10 +216,54 @@ class ModuleProgram(nn.Module):
                 (loss * (self.dp / count)).backward()
             total += loss.detach().float()
         self._sync_gradients()
+        loss = self._global_loss(total, count)
+        if self.check_finite:
+            self._check_finite(loss)
         optimizer.step()
+        self.step += 1
+        return loss
+
+    @torch.no_grad()
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """The global mean token loss of the current weights on (G, T) tokens and targets, in eval
+        mode and without a step (the plan's loss strategy, as in train_step); a collective."""
+        count = self._count_targets(tokens, targets, "eval_loss")
+        was = self.model.training
+        self.model.eval()
+        try:
+            with self._loss_context():
+                total = self._token_loss_sum(self._rows(tokens), self._rows(targets)).float()
+        finally:
+            self.model.train(was)
+        return self._global_loss(total, count)
+
+    def _global_loss(self, total: torch.Tensor, count: int) -> float:
+        """all-reduce over dp of this rank's sum of token losses, / N (equal over tp already)."""
         if self.dp > 1:
             dist.all_reduce(total, group=self.mesh.get_group("dp"))
         return total.item() / count
+
+    def _check_finite(self, loss: float) -> None:
+        """self.grad_norm (module docstring); TrainingDivergedError when it or `loss` is not finite."""
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        world = dist.get_world_size()
+        for p in self.model.parameters():
+            if p.grad is not None:
+                grad = _settled(p.grad)
+                squares += _local(grad).double().square().sum() / (world / _pieces(grad))
+        dist.all_reduce(squares)
+        self.grad_norm = math.sqrt(squares.item())  # NaN and inf survive the sum and the root
+        if not (math.isfinite(loss) and math.isfinite(self.grad_norm)):
+            raise TrainingDivergedError(self.step, loss, self.grad_norm, self._first_nonfinite())
+
+    def _first_nonfinite(self) -> str | None:
+        """The first parameter (in the model's order) whose gradient is not finite on any rank."""
+        names = [n for n, _ in self.model.named_parameters()]
+        mine = next((i for i, (_, p) in enumerate(self.model.named_parameters()) if p.grad is not None
+                     and not bool(torch.isfinite(_local(p.grad)).all())), len(names))
+        first = torch.tensor(mine, device=self.device)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        return names[int(first)] if int(first) < len(names) else None
 
     @torch.no_grad()
     def _sync_gradients(self) -> None:
@@ -224,6 +290,26 @@ class ModuleProgram(nn.Module):
             for g in group:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _settled(t: torch.Tensor) -> torch.Tensor:
+    """`t` with any Partial placement summed (Replicate), so that its local values are its own."""
+    if not isinstance(t, DTensor) or not any(pl.is_partial() for pl in t.placements):
+        return t
+    return t.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in t.placements])
+
+
+def _pieces(t: torch.Tensor) -> int:
+    """Into how many distinct pieces `t` is split over the ranks: the product of the mesh sizes
+    over which its DTensor placements shard it (1 for a plain tensor, held whole by every rank).
+    Not `is_shard()`: FSDP2's _StridedShard (dp over a tp shard) shards but is no Shard."""
+    if not isinstance(t, DTensor):
+        return 1
+    return math.prod(t.device_mesh.size(i) for i, pl in enumerate(t.placements) if not pl.is_replicate())
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -124,7 +124,8 @@ def _load_tensor(names: list[str], current: torch.Tensor, files: CheckpointFiles
         return files.read(key).to(device=device, dtype=current.dtype)
     mesh = current.device_mesh
     index = local_index(stored, current.placements, mesh.get_coordinate(), list(mesh.shape))
-    local = files.read(key, index).to(device=device, dtype=current.dtype)
+    # a slice of a later dim is strided; FSDP2 shards only contiguous parameters
+    local = files.read(key, index).to(device=device, dtype=current.dtype).contiguous()
     return DTensor.from_local(local, mesh, current.placements, run_check=False,
                               shape=current.shape, stride=current.stride())
 

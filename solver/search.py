@@ -258,11 +258,13 @@ def check_config(config: ModelConfig, cluster: ClusterSpec, global_batch: int, s
 def price_given(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, cfg: Config, *,
                 assignment: Mapping[str, str] | None, dtype: str, efficiency: Efficiency | None,
                 registry: StrategyRegistry | None, fold: bool, time_limit_s: float, graph: GraphSource,
-                notes: tuple[str, ...], search_time_s: float | None = None, solver: str | None = None) -> Plan:
-    """The Plan of one configuration: the intra-op solver's strategies, or `assignment` when given."""
+                notes: tuple[str, ...], search_time_s: float | None = None, solver: str | None = None,
+                info: Mapping | None = None) -> Plan:
+    """The Plan of one configuration: the intra-op solver's strategies, or `assignment` when given.
+    `info`: the strategy-rule info of a graph captured elsewhere (default: the config's)."""
     start = time.perf_counter()
     ctx = SearchContext(config, cluster, global_batch, seq_len, dtype=dtype, efficiency=efficiency, registry=registry,
-                        fold=fold, time_limit_s=time_limit_s, graph=graph)
+                        fold=fold, time_limit_s=time_limit_s, graph=graph, info=info)
     variant = VARIANT_ILP if assignment is None else "given"
     priced = ctx.price(cfg, variant, assignment)
     elapsed = time.perf_counter() - start if search_time_s is None else search_time_s

@@ -29,7 +29,8 @@ ALLOWED = {
     "profiler": {"vocabulary", "capture", "cost_model", "runtime", "profiler"},
     "interface": {"vocabulary", "capture", "cost_model", "solver", "runtime", "profiler", "interface"},
 }
-INTERFACE = ("autoplan.api", "autoplan.train", "autoplan.__main__", "autoplan.cli")
+INTERFACE = ("autoplan.api", "autoplan.train", "autoplan.train_hf", "autoplan.__main__", "autoplan.cli",
+             "autoplan.examples")
 
 
 def stage_of(module: str) -> str:

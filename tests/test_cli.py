@@ -139,3 +139,101 @@ def test_estimate_takes_the_layers_of_each_stage(tmp_path, capsys):
     assert "stage layers 3*7 (7 chunks, 21 layers) must list pp x v = 4 x 2 = 8" in capsys.readouterr().err
     assert main(argv + ["--stage-layers", "3,x"]) == 2  # a usage error: one line, exit 2
     assert "'x' in '3,x' is not N or N*K" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ --hf-model: a local checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A 2-layer Llama written by `python -m autoplan.examples.tiny_hf` (config.json + safetensors)."""
+    pytest.importorskip("transformers")
+    from autoplan.examples.tiny_hf import main as tiny_hf
+
+    out = tmp_path_factory.mktemp("hf") / "tiny"
+    assert tiny_hf([str(out), "--layers", "2", "--hidden", "256", "--vocab", "128"]) == 0
+    return out
+
+
+HF_SEARCH = ["--cluster", "1x4xcpu", "--global-batch", "8", "--seq", "32", "--dtype", "float32"]
+
+
+def test_search_hf_model_plans_what_the_module_runtime_runs(tiny_checkpoint, tmp_path, capsys):
+    from autoplan.api import hf_model_on_meta
+    from autoplan.capture.hf import hf_model_config, load_hf_config
+    from autoplan.runtime.module_launch import check_module_plan
+
+    found = {}
+    for flag in ("--hf-config", "--hf-model"):
+        top = tmp_path / flag.strip("-")
+        assert main(["search", flag, str(tiny_checkpoint), *HF_SEARCH, "--top", "6", "--save-top", str(top)]) == 0
+        found[flag] = [Plan.load(p) for p in sorted(top.glob("plan-*.json"))]
+    assert "plan written" not in capsys.readouterr().out  # no -o given
+    # the whole space has recompute among its best; the module runtime's space has none of it
+    assert any(p.recompute != "none" or p.mesh.pp > 1 for p in found["--hf-config"])
+    assert found["--hf-model"] and all(p.recompute == "none" and (p.mesh.pp, p.mesh.cp, p.mesh.ep) == (1, 1, 1)
+                                       for p in found["--hf-model"])
+    model = hf_model_on_meta(tiny_checkpoint)
+    for plan in found["--hf-model"]:
+        assert plan.model.fingerprint == hf_model_config(load_hf_config(tiny_checkpoint)).fingerprint()
+        assert any("runtime for your own module" in n for n in plan.provenance.notes)
+        check_module_plan(plan, model, plan.cluster)  # raises if the runtime would refuse it
+
+
+def test_search_hf_model_skips_plans_the_runtime_refuses(tmp_path, capsys):
+    """Tied embeddings under tp are refused by the module runtime: a batch of 1 leaves only tp."""
+    pytest.importorskip("transformers")
+    from autoplan.examples.tiny_hf import tiny_llama_config
+
+    config = tiny_llama_config(layers=2, hidden=64, vocab=128)
+    config.tie_word_embeddings = True
+    config.save_pretrained(tmp_path)
+    argv = ["search", "--hf-model", str(tmp_path), *HF_SEARCH]
+    assert main(argv) == 0  # dp plans run
+    argv[argv.index("--global-batch") + 1] = "1"
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "none of the best plans runs on the module runtime" in err and "tied" in err
+
+
+def test_estimate_hf_model_prices_any_configuration_and_says_what_cannot_run(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["estimate", "--hf-model", str(tiny_checkpoint), *HF_SEARCH, "--tp", "2", "--zero", "0",
+            "--recompute", "none"]
+    assert main(argv + ["-o", str(out)]) == 0
+    assert "cannot run" not in capsys.readouterr().err
+    plan = Plan.load(out)
+    assert plan.mesh.tp == 2 and plan.model.name == f"hf-{tiny_checkpoint.name}"
+    assert any(op.node.startswith("model_layers_0_self_attn_q_proj") for op in plan.ops)  # the HF graph's ops
+    assert main(argv + ["--pp", "2", "--dp", "1"]) == 0
+    assert "`autoplan.train --hf-model` cannot run this plan yet" in capsys.readouterr().err
+    config_only = ["estimate", "--hf-config", str(tiny_checkpoint / "config.json"), *argv[3:], "-o", str(out)]
+    assert main(config_only) == 0 and Plan.load(out).model.fingerprint == plan.model.fingerprint
+
+
+def test_explain_hf_model_shows_per_op_costs(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["estimate", "--hf-model", str(tiny_checkpoint), *HF_SEARCH, "--tp", "2", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["explain", str(out)]) == 0  # not a preset: no per-op table
+    assert "per-op costs: not shown" in capsys.readouterr().out
+    assert main(["explain", str(out), "--hf-model", str(tiny_checkpoint)]) == 0
+    text = capsys.readouterr().out
+    assert "per op family" in text and "model_layers.*.mlp_up_proj" in text
+
+
+@pytest.mark.parametrize("what", ["missing", "file", "other-model"])
+def test_hf_model_bad_input_says_what_to_give(tiny_checkpoint, tmp_path, capsys, what):
+    from autoplan.examples.tiny_hf import write_tiny_llama
+
+    if what == "other-model":
+        out = tmp_path / "plan.json"
+        assert main(["estimate", "--hf-model", str(tiny_checkpoint), *HF_SEARCH, "-o", str(out)]) == 0
+        other = write_tiny_llama(tmp_path / "other", layers=3, hidden=256, vocab=128)
+        assert main(["explain", str(out), "--hf-model", str(other)]) == 2
+        assert "another model than the plan's" in capsys.readouterr().err
+        return
+    path = tmp_path / "nothing" if what == "missing" else tiny_checkpoint / "config.json"
+    assert main(["search", "--hf-model", str(path), *HF_SEARCH]) == 2
+    err = capsys.readouterr().err
+    assert "config.json" in err and ("does not exist" in err if what == "missing" else "--hf-config" in err)

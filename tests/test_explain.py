@@ -38,6 +38,7 @@ def test_op_family_costs_add_up_to_the_plan_compute(plans):
     recompute = plan.predicted.time.compute_s / plan.num_microbatches - per_microbatch
     assert 0 <= recompute < 0.1 * per_microbatch  # selective recompute re-runs a little of the forward
     assert op_family("layers_12_attn_q_proj") == "layers.*.attn_q_proj" and op_family("add_7") == "add"
+    assert op_family("model_layers_3_mlp_up_proj") == "model_layers.*.mlp_up_proj"  # a Hugging Face export's
 
 
 def test_compare_says_which_is_faster_and_why(plans):

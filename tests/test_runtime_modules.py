@@ -13,7 +13,10 @@ size (2 and 4 ranks) runs all its configurations. Besides:
     export    the trained weights written with save_hf load back with from_pretrained and give
               the parallel program's loss on new tokens; a directory autoplan did not write is
               refused and left as it was
-    forward   program.forward returns this rank's logits, or all of them with gather=True
+    forward   program.forward returns this rank's logits, or all of them with gather=True, and
+              program.eval_loss the loss on new tokens
+    health    program.grad_norm after the first step is the one-process gradient norm; a NaN
+              weight stops the step on every rank before the update (TrainingDivergedError)
     no plan   autoplan.parallelize of a transformers model without a plan plans on rank 0 and runs
     losses    the plan's cross-entropy strategy: vocab-parallel (Megatron), on sequence shards (the head
               "sequence"), whole (a replicated plan: attention and MLP blocks replicated regions)
@@ -77,6 +80,8 @@ CASES = [
     Case("llama-dp2tp2-sp", "llama", dp=2, tp=2, sp=True, weights="meta"),
     Case("qwen2-dp2tp2-zero3", "qwen2", dp=2, tp=2, zero=3),
     Case("hand-dp2tp2-zero1", "hand", dp=2, tp=2, zero=1),
+    # row-parallel slices read from the checkpoint are strided: FSDP2 must get them contiguous
+    Case("llama-dp2tp2-zero1-meta", "llama", dp=2, tp=2, zero=1, weights="meta"),
 ]
 EXPORTED = ("llama-dp2tp2-sp", "qwen2-dp2tp2-zero3")
 
@@ -212,9 +217,10 @@ def _train(program, tokens: torch.Tensor, keep: bool) -> dict:
         targets[:, -1] = -100  # transformers' loss: T - 1 targets per row
         losses.append(program.train_step(tokens[step], targets, optimizer))
         if step == 0:
-            grads = program.full_gradients()
+            grads, norm = program.full_gradients(), program.grad_norm
     params = program.full_parameters()
-    return {"losses": losses, "grads": grads if keep else None, "params": params if keep else None}
+    return {"losses": losses, "grads": grads if keep else None, "params": params if keep else None,
+            "grad_norm": norm}
 
 
 def _evaluate(program, tokens: torch.Tensor) -> dict:
@@ -222,7 +228,10 @@ def _evaluate(program, tokens: torch.Tensor) -> dict:
     local = program.forward(tokens)
     logits = program.forward(tokens, gather=True)
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).item()
-    return {"local_shape": tuple(local.shape), "gathered_shape": tuple(logits.shape), "after": loss}
+    targets = tokens.roll(-1, dims=1)
+    targets[:, -1] = -100
+    return {"local_shape": tuple(local.shape), "gathered_shape": tuple(logits.shape), "after": loss,
+            "eval": program.eval_loss(tokens, targets)}
 
 
 def _run_case(rank: int, case: Case, plan, setup_: dict) -> dict:
@@ -259,6 +268,27 @@ def _refused_export(rank: int, setup_: dict) -> str:
     return ""
 
 
+def _diverged(rank: int, setup_: dict) -> dict:
+    """A NaN in rank 1's lm_head (dp2, ZeRO 0): every rank refuses the step; no update taken."""
+    from autoplan.errors import TrainingDivergedError
+    from autoplan.runtime.module_launch import parallelize_module_program
+
+    case = Case("llama-dp2-nan", "llama", dp=2)
+    program = parallelize_module_program(_build(case, setup_["dirs"])[0], setup_["plans"]["llama-dp2"])
+    optimizer = program.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    if rank == 1:
+        with torch.no_grad():
+            program.model.lm_head.weight[0, 0] = float("nan")
+    before = program.model.model.embed_tokens.weight.detach().clone()
+    tokens = setup_["tokens"][0]
+    try:
+        program.train_step(tokens, tokens.roll(-1, dims=1), optimizer)
+    except TrainingDivergedError as exc:
+        same = torch.equal(before, program.model.model.embed_tokens.weight.detach())
+        return {"error": str(exc), "parameter": exc.parameter, "unchanged": same}
+    return {"error": ""}
+
+
 def _unplanned(rank: int, setup_: dict) -> list[float]:
     import autoplan
 
@@ -273,6 +303,7 @@ def _ranks(rank: int, world: int, names: list[str], setup_: dict) -> dict:
     found = {name: _run_case(rank, cases[name], setup_["plans"][name], setup_) for name in names}
     if world == 2:
         found["refused"] = _refused_export(rank, setup_)
+        found["diverged"] = _diverged(rank, setup_)
         found["unplanned"] = _unplanned(rank, setup_)
     return found
 
@@ -297,9 +328,12 @@ def runs(setup) -> dict:
 def test_matches_transformers_in_one_process(setup, runs, case):
     ref = setup["refs"][case.model]
     ranks = [r[case.name] for r in runs[case.world]]
+    norm = torch.stack([g.double().square().sum() for g in ref["grads"].values()]).sum().sqrt().item()
     for got in ranks:
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
         assert got["after"] == pytest.approx(ref["after"], rel=1e-5)
+        assert got["eval"] == pytest.approx(ref["after"], rel=1e-5)
+        assert got["grad_norm"] == pytest.approx(norm, rel=1e-5)
     first = ranks[0]
     assert set(first["params"]) == set(ref["params"])
     for name in ref["params"]:
@@ -341,6 +375,14 @@ def test_export_refuses_a_users_directory(setup, runs):
     for ranks in runs[2]:
         assert "users-dir" in ranks["refused"] and "did not write" in ranks["refused"]
     assert [p.name for p in (setup["root"] / "users-dir").iterdir()] == ["notes.txt"]
+
+
+def test_a_nan_stops_every_rank_before_the_update(runs):
+    for ranks in runs[2]:
+        got = ranks["diverged"]
+        assert "training diverged at step 0" in got["error"] and "not taken" in got["error"]
+        assert got["parameter"] == "model.embed_tokens.weight"  # the first, in the model's order
+        assert got["unchanged"]
 
 
 def test_parallelize_without_a_plan(setup, runs):

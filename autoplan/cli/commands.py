@@ -2,6 +2,7 @@
 
     autoplan search --model gpt3-175b --cluster 128x8xh100 --global-batch 1536 --seq 2048 -o plan.json
     autoplan search --model-config my_model.yaml --cluster cluster.yaml --global-batch 64 --seq 4096 --json
+    autoplan search --hf-model my-llama --cluster 1x4xcpu --global-batch 8 --seq 256 --dtype float32 -o plan.json
     autoplan search ... --top 5 --baseline megatron      # the best plans side by side, and the baselines
     autoplan estimate --model gpt3-175b --cluster 128x8xa100 --tp 8 --pp 16 --mbs 1 --global-batch 1536 --seq 2048
     autoplan show plan.json
@@ -21,6 +22,7 @@ import argparse
 import sys
 
 from autoplan.cli.args import OneLineParser, exit_on_error, positive_float, positive_int, report_bug
+from autoplan.cli import hf_model
 from autoplan.validity import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED
 from autoplan.errors import AutoplanError
 from autoplan.validate import check_output_file, path_kind
@@ -50,6 +52,7 @@ def _model_options(p, hf: bool = False) -> None:
     if hf:
         model.add_argument("--hf-config", metavar="FILE_OR_DIR",
                            help="a Hugging Face config.json (or its folder): the model is built on meta and captured by torch.export")
+    hf_model.add_hf_model_option(model)
 
 
 def _profile_option(p) -> None:
@@ -68,7 +71,7 @@ def _load_profile(args):
 
 def _estimate_parser(sub) -> None:
     p = sub.add_parser("estimate", help="price one configuration you give (how fast would my config be?)")
-    _model_options(p)
+    _model_options(p, hf=True)
     p.add_argument("--cluster", required=True, help="NODESxGPUSxDEVICE (e.g. 128x8xh100) or a cluster YAML/JSON file")
     p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq", type=positive_int, required=True, help="tokens per sequence")
@@ -147,12 +150,16 @@ def cmd_search(args) -> int:
 
     check_outputs(args)
     cluster = parse_cluster(args.cluster)
-    captured = _hf_capture(args) if args.hf_config else {}
-    config = captured.pop("config") if captured else _load_model_config(args)
-    with search_progress() as progress:
-        result = search_plans(config, cluster, args.global_batch, args.seq, top=args.top, dtype=args.dtype,
-                              fold=not args.no_fold, time_limit_s=args.time_limit, progress=progress,
-                              profile=_load_profile(args), kernels=args.kernels, **captured)
+    if args.hf_model:  # planned as autoplan.train --hf-model runs it: autoplan.cli.hf_model
+        with search_progress() as progress:
+            result = hf_model.search_hf_model(args, cluster, _load_profile(args), progress)
+    else:
+        captured = _hf_capture(args) if args.hf_config else {}
+        config = captured.pop("config") if captured else _load_model_config(args)
+        with search_progress() as progress:
+            result = search_plans(config, cluster, args.global_batch, args.seq, top=args.top, dtype=args.dtype,
+                                  fold=not args.no_fold, time_limit_s=args.time_limit, progress=progress,
+                                  profile=_load_profile(args), kernels=args.kernels, **captured)
     plan = result.plans[0]
     if args.output:
         plan.save(args.output)
@@ -188,7 +195,8 @@ def cmd_estimate(args) -> int:
     from autoplan.api import estimate
 
     check_outputs(args)
-    config = _load_model_config(args)
+    captured = hf_model.estimate_inputs(args) if args.hf_model or args.hf_config else {}
+    config = captured.pop("config") if captured else _load_model_config(args)
     cluster = parse_cluster(args.cluster)
     others = args.tp * args.pp * args.cp * args.ep
     dp = args.dp if args.dp is not None else cluster.world_size // others
@@ -198,7 +206,10 @@ def cmd_estimate(args) -> int:
     mesh = MeshShape(pp=args.pp, dp=dp, tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp, ep_as=args.ep_as)
     plan = estimate(config, cluster, args.global_batch, args.seq, mesh=mesh, microbatch_size=args.mbs, zero_stage=args.zero,
                     recompute=args.recompute, dtype=args.dtype, schedule=args.schedule, virtual_stages=args.virtual_stages,
-                    profile=_load_profile(args), kernels=args.kernels, stage_layers=args.stage_layers)
+                    profile=_load_profile(args), kernels=args.kernels, stage_layers=args.stage_layers,
+                    **captured)
+    if args.hf_model:
+        hf_model.warn_if_not_runnable(plan, args.hf_model)
     if args.output:
         plan.save(args.output)
     if args.json:

@@ -23,6 +23,7 @@ from dataclasses import replace
 from typing import Callable, Iterator
 
 from autoplan.cli.args import positive_int
+from autoplan.cli.hf_model import explain_inputs
 from autoplan.plan import Plan
 
 GB = 1e9
@@ -82,19 +83,24 @@ def _stages_text(plan: Plan) -> list[str]:
 
 
 def op_family(node_name: str) -> str:
-    """'layers_12_attn_q_proj' -> 'layers.*.attn_q_proj'; 'add_7' -> 'add' (fx's numbering dropped)."""
+    """'layers_12_attn_q_proj' -> 'layers.*.attn_q_proj', 'model_layers_3_mlp_up_proj' (a Hugging Face
+    export) -> 'model_layers.*.mlp_up_proj': the first number inside the name is the layer's index;
+    'add_7' -> 'add' (fx's numbering at the end dropped)."""
     parts = node_name.split("_")
     while len(parts) > 1 and parts[-1].isdigit():
         parts.pop()
-    if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit():
-        return "layers.*." + "_".join(parts[2:])
+    layer = next((i for i in range(1, len(parts) - 1) if parts[i].isdigit()), None)
+    if layer is not None:
+        return "_".join(parts[:layer]) + ".*." + "_".join(parts[layer + 1:])
     return "_".join(parts)
 
 
-def op_family_costs(plan: Plan, graph, config, profile=None) -> list[tuple[str, str, int, float, float, float]]:
+def op_family_costs(plan: Plan, graph, config, profile=None, registry=None, info=None
+                    ) -> list[tuple[str, str, int, float, float, float]]:
     """(family, strategy, ops, forward s, backward s, tp communication s) per microbatch on one rank,
     re-priced from the plan's strategies (the ones it carries; a version-1 plan's names resolved by the
-    rules), with the hardware `profile` when given (as `estimate --profile` priced it); largest first."""
+    rules: `registry` / `info` for a graph captured elsewhere, a Hugging Face export; default the zoo's),
+    with the hardware `profile` when given (as `estimate --profile` priced it); largest total first."""
     from fractions import Fraction
 
     from autoplan.cost_model.compute import calibrate
@@ -107,8 +113,9 @@ def op_family_costs(plan: Plan, graph, config, profile=None) -> list[tuple[str, 
     tp = plan.mesh.tp
     strategies = {op.node: op.resolved for op in plan.ops if op.resolved is not None}
     if len(strategies) < len(graph.nodes):  # a version-1 plan carries names only
-        info = strategy_info(config.rule_info(), tp, plan.mesh.etp)
-        strategies = resolve_strategies(graph, default_registry(), info, tp, {op.node: op.strategy for op in plan.ops})
+        info = strategy_info(info if info is not None else config.rule_info(), tp, plan.mesh.etp)
+        strategies = resolve_strategies(graph, registry or default_registry(), info, tp,
+                                        {op.node: op.strategy for op in plan.ops})
     cluster, efficiency = calibrate(plan.cluster, None, profile, plan.kernels, plan.dtype)
     microbatch = Fraction(plan.microbatch_size, plan.mesh.context_parallel)
     ctx = CostContext(cluster, MeshShape(dp=cluster.world_size // tp, tp=tp), plan.dtype, efficiency,
@@ -140,8 +147,11 @@ def _model_for(plan: Plan, config=None):
 # ---------------------------------------------------------------------------------- explain, compare
 
 
-def explain_plan(plan: Plan, config=None, graph=None, ops: bool = True, max_ops: int = 12, profile=None) -> str:
-    """Where the time and memory of `plan` go (module docstring), as text."""
+def explain_plan(plan: Plan, config=None, graph=None, ops: bool = True, max_ops: int = 12, profile=None,
+                 registry=None, info=None) -> str:
+    """Where the time and memory of `plan` go (module docstring), as text. `graph`, with `registry`
+    and `info` for a graph captured elsewhere: the per-op costs without capturing the zoo model;
+    `profile`: the hardware profile the per-op table is priced with."""
     p = plan.predicted
     lines = [f"{plan.model.name} on {plan.cluster.describe()}: global batch {plan.global_batch} x seq {plan.seq_len}",
              f"  {describe_config(plan)}",
@@ -156,19 +166,19 @@ def explain_plan(plan: Plan, config=None, graph=None, ops: bool = True, max_ops:
     lines += _table(["part", "memory", "share"], [[n, _gb(v), f"{v / total_m:.1%}"] for n, v in _memory_parts(plan)])
     lines += ["", f"pipeline stages ({plan.schedule})"] + _stages_text(plan)
     if ops and plan.ops:
-        lines += ["", *_ops_text(plan, config, graph, max_ops, profile)]
+        lines += ["", *_ops_text(plan, config, graph, max_ops, profile, registry, info)]
     if plan.provenance.notes:
         lines += ["", "notes"] + [f"  - {n}" for n in plan.provenance.notes]
     return "\n".join(lines)
 
 
-def _ops_text(plan: Plan, config, graph, max_ops: int, profile=None) -> list[str]:
+def _ops_text(plan: Plan, config, graph, max_ops: int, profile=None, registry=None, info=None) -> list[str]:
     if graph is None:
         found, why = _model_for(plan, config)
         if found is None:
             return [f"per-op costs: not shown ({why})"]
         config, graph = found
-    rows = op_family_costs(plan, graph, config, profile)
+    rows = op_family_costs(plan, graph, config, profile, registry, info)
     total = sum(r[3] + r[4] + r[5] for r in rows) or 1e-30
     head = (f"per op family: seconds per microbatch on one rank (microbatch {plan.microbatch_size}"
             f"{_context_text(plan.mesh)}), the whole model, tp strategies as chosen")
@@ -280,6 +290,8 @@ def add_explain_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="where a plan's step time and memory go, per part, stage and op family")
     p.add_argument("plan", help="a plan JSON file")
     p.add_argument("--model-config", metavar="FILE", help="the model's config file, for per-op costs of a model that is not a preset")
+    p.add_argument("--hf-model", metavar="DIR", help="the Hugging Face checkpoint directory (or config folder) the "
+                   "plan was made for, for per-op costs of its captured graph")
     p.add_argument("--no-ops", action="store_true", help="skip the per-op table (no capture)")
     p.add_argument("--max-ops", type=positive_int, default=12, help="op families to list (default 12)")
     p.add_argument("--profile", metavar="FILE", help="price the per-op table with this hardware profile, as "
@@ -314,8 +326,12 @@ def cmd_explain(args) -> int:
         from autoplan.profiler.profile import HardwareProfile
 
         profile = HardwareProfile.load(args.profile)  # calibrate refuses another device's
-    print(explain_plan(plan, config=config, ops=not getattr(args, "no_ops", False),
-                       max_ops=getattr(args, "max_ops", 12), profile=profile))
+    captured = {}
+    if getattr(args, "hf_model", None) and not getattr(args, "no_ops", False):
+        captured = explain_inputs(args.hf_model, plan)  # its config, graph, strategy rules and their info
+    config = captured.pop("config", config)
+    print(explain_plan(plan, config=config, ops=not getattr(args, "no_ops", False), max_ops=getattr(args, "max_ops", 12),
+                       profile=profile, **captured))
     return 0
 
 
