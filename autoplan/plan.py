@@ -23,13 +23,15 @@ from autoplan.cluster import ClusterSpec
 from autoplan.errors import PlanError
 from autoplan.mesh import MeshShape
 from autoplan.placement import Placement, check_axis, parse_placement
+from autoplan.recompute_policy import check_recompute
 from autoplan.plan_json import strategies_from_json, strategies_to_json
 from autoplan.strategies import Strategy
 
-PLAN_VERSION = 2  # 2: each op carries its resolved strategy and module path; the recompute set
-# version 1 plans still load (show, explain, compare); the runtime asks for a re-made plan to run one
-READABLE_VERSIONS = (1, 2)
-RECOMPUTE_POLICIES = ("none", "selective", "full")
+PLAN_VERSION = 3  # 3: `recompute` names a policy (autoplan.recompute_policy), no node list
+# 2: each op carries its resolved strategy and module path; a version 2 plan's recompute_nodes are
+# dropped (its "selective" runs as today's policy of that name). Version 1 plans still load (show,
+# explain, compare); the runtime asks for a re-made plan to run one.
+READABLE_VERSIONS = (1, 2, 3)
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
 DTYPES = ("bfloat16", "float16", "float32")
 KERNELS = ("auto", "triton", "torch")  # runtime.kernels backends: "auto" is Triton on CUDA only
@@ -159,7 +161,6 @@ class Plan:
     dtype: str = "bfloat16"
     version: int = PLAN_VERSION
     kernels: str = "auto"  # the runtime's fused kernels: "auto" | "triton" | "torch"
-    recompute_nodes: tuple[str, ...] = ()  # under "selective": the nodes whose outputs backward recomputes
     _index: dict = field(default=None, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -205,7 +206,6 @@ class Plan:
                 "ops": ops,
             },
             "strategies": table,
-            "recompute_nodes": list(self.recompute_nodes),
             "predicted": self.predicted.to_json(),
             "provenance": {**asdict(self.provenance), "notes": list(self.provenance.notes)},
         }
@@ -245,7 +245,6 @@ class Plan:
             ops=tuple(OpPlacement(n, o["strategy"], _axis_from_json(o.get("output", {})), o.get("module", ""), resolved)
                       for (n, o), resolved in zip(placements.get("ops", {}).items(),
                                                   strategies_from_json(data.get("strategies", []), placements.get("ops", {})))),
-            recompute_nodes=tuple(data.get("recompute_nodes", ())),
             predicted=Predicted.from_json(data["predicted"]),
             provenance=Provenance(**{**prov, "notes": tuple(prov.get("notes", ()))}),
         )
@@ -303,8 +302,7 @@ def _validate(plan: Plan) -> None:
                         f"{plan.num_microbatches} x {shards}")
     if plan.zero_stage not in (0, 1, 2, 3):
         raise PlanError(f"zero_stage {plan.zero_stage!r} must be 0, 1, 2 or 3")
-    if plan.recompute not in RECOMPUTE_POLICIES:
-        raise PlanError(f"recompute {plan.recompute!r} must be one of {RECOMPUTE_POLICIES}")
+    check_recompute(plan.recompute, plan.model.num_layers)
     if plan.schedule not in SCHEDULES:
         raise PlanError(f"schedule {plan.schedule!r} must be one of {SCHEDULES}")
     if plan.dtype not in DTYPES:

@@ -34,8 +34,8 @@
 6. Under mixed precision, one cast of each tensor that several linears of a layer read
    (runtime.casts). The fused kernels of runtime.kernels (runtime.kernel_ops) for norms, RoPE, the loss and the
    MLP activations, on the backend `plan.kernels` names ("auto": Triton on CUDA, torch on CPU).
-7. Recomputation as the plan says (runtime.recompute): "full" wraps each layer's subgraph, "selective"
-   the attention cores and pointwise ops, in torch.utils.checkpoint.
+7. Recomputation as the plan's policy says (runtime.recompute): each recomputed layer's subgraph in
+   torch's selective activation checkpointing, saving the outputs of the op families the policy names.
 
 The result prints as Python: `print(rewritten.graph_module.code)`.
 """
@@ -54,6 +54,7 @@ from autoplan.errors import PlanError
 from autoplan.models.config import ModelConfig
 from autoplan.placement import Partial, Placement, Replicate, Shard
 from autoplan.plan import Plan
+from autoplan.recompute_policy import RecomputePolicy, recompute_policy
 from autoplan.runtime import collectives as C
 from autoplan.runtime.casts import share_casts
 from autoplan.runtime.context import apply_context_parallel
@@ -145,7 +146,8 @@ class Rewritten:
     strategies: dict[str, Strategy]  # by node name
     infos: dict[str, NodeInfo] = field(default_factory=dict)  # the capture's, by node name
     module_targets: tuple[str, ...] = ()  # call_module targets, in graph order (FSDP units)
-    regions: int = 0  # recompute regions
+    recompute: RecomputePolicy = RecomputePolicy("none")  # the policy applied (the plan's)
+    recomputed_layers: tuple[int, ...] = ()  # the layers run as recomputed regions
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -195,10 +197,11 @@ def rewrite(model: nn.Module, config: ModelConfig, plan: Plan,
     if plan.dtype != "float32":
         share_casts(gm, getattr(torch, plan.dtype), infos)
     apply_kernels(gm.graph, plan.kernels)
-    regions = apply_recompute(gm, plan.recompute, infos, plan.recompute_nodes)
+    policy = recompute_policy(plan.recompute)
+    layers = apply_recompute(gm, policy, infos, config.num_layers)
     gm.graph.lint()
     gm.recompile()
-    return Rewritten(gm, params, strategies, infos, tuple(targets), regions)
+    return Rewritten(gm, params, strategies, infos, tuple(targets), policy, layers)
 
 
 def _complete(groups: dict[str, AxisGroup] | AxisGroup) -> dict[str, AxisGroup]:

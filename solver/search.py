@@ -33,10 +33,11 @@ from autoplan.cost_model.compute import Efficiency
 from autoplan.cost_model.pipeline import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED
 from autoplan.cost_model.parallel_dims import batch_problem, check, cp_problem, ep_problem, etp_problem, tp_problem
 from autoplan.cost_model.step import Priced
-from autoplan.errors import ConfigError
+from autoplan.errors import ConfigError, PlanError
 from autoplan.mesh import MeshShape
 from autoplan.models.config import ModelConfig
-from autoplan.plan import RECOMPUTE_POLICIES, Plan
+from autoplan.plan import Plan
+from autoplan.recompute_policy import check_recompute
 from autoplan.solver.baselines import all_baselines
 from autoplan.solver.context import (VARIANT_ILP, VARIANT_MEGATRON, BaselineResult, GraphSource, Progress, ProgressMessage,
                                      SearchContext)
@@ -253,8 +254,12 @@ def check_config(config: ModelConfig, cluster: ClusterSpec, global_batch: int, s
     check(batch_problem(global_batch, mesh.batch_shards, microbatch_size, "dp (ep as cp)" if folded else "dp"))
     if mesh.pp > config.num_layers:
         raise ConfigError(f"pp={mesh.pp} exceeds the {config.num_layers} layers of {config.name}; use pp <= {config.num_layers}")
-    if zero_stage not in (0, 1, 2, 3) or recompute not in RECOMPUTE_POLICIES:
-        raise ConfigError(f"zero_stage={zero_stage!r} must be 0-3 and recompute={recompute!r} one of {RECOMPUTE_POLICIES}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_stage={zero_stage!r} must be 0-3")
+    try:
+        check_recompute(recompute, config.num_layers)
+    except PlanError as exc:
+        raise ConfigError(str(exc)) from None
     m = global_batch // (mesh.batch_shards * microbatch_size)
     if schedule == SCHEDULE_INTERLEAVED:
         if mesh.pp == 1 or virtual_stages < 2 or config.num_layers % (mesh.pp * virtual_stages) or m % mesh.pp:

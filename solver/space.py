@@ -20,7 +20,8 @@ ZeRO stage, the recompute policy and the pipeline schedule. Enumerated (`enumera
          shards: D, or dp under ep_as = "cp"
     schedule 1F1B, or interleaved 1F1B with v virtual stages when pp > 1, the layers divide by pp v
          and m divides by pp
-    ZeRO 0-3, recompute none / selective / full
+    ZeRO 0-3, recompute none / selective / matmul-only / full on every layer (`autoplan.recompute_policy`),
+         and "full:k" (the first k layers) searched by the branch and bound where it pays
     order of the axes over ranks: the default (tp innermost), and cp, ep or dp innermost where that changes
          which priced groups stay inside a node (`mesh_orders`); it changes only links, never FLOPs or memory
 
@@ -50,10 +51,10 @@ from autoplan.cost_model.memory import model_state_bytes, state_bytes_for
 from autoplan.cost_model.parallel_dims import axes_group, cp_problem, etp_problem, nearest_multiples
 from autoplan.cost_model.pipeline import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED
 from autoplan.cost_model.step_config import ITEMSIZE, Config
-from autoplan.errors import ConfigError, InfeasibleError
+from autoplan.errors import ConfigError, InfeasibleError, PlanError
 from autoplan.mesh import DEFAULT_ORDER, MeshShape
 from autoplan.models.config import ModelConfig
-from autoplan.plan import RECOMPUTE_POLICIES
+from autoplan.recompute_policy import SEARCHED, recompute_policy
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -70,15 +71,20 @@ class SearchOptions:
     ep_over_cp: bool = True  # also try ep_as = "cp" (the ep ranks as context-parallel ranks of the dense layers)
     virtual_stages: tuple[int, ...] = (2, 3, 4, 6, 8)
     zero_stages: tuple[int, ...] = ZERO_STAGES
-    recompute: tuple[str, ...] = RECOMPUTE_POLICIES
+    recompute: tuple[str, ...] = SEARCHED  # policy names (`autoplan.recompute_policy`), each on every layer
+    partial_recompute: bool = True  # where "full" fits and "none" does not: the fewest layers "full:k" needs
     orders: bool = True  # also try the other orders of the axes over ranks (`mesh_orders`)
 
     def __post_init__(self) -> None:
         if self.max_microbatch_size < 1:
             raise ConfigError(f"max_microbatch_size={self.max_microbatch_size} must be >= 1")
-        if not set(self.zero_stages) <= set(ZERO_STAGES) or not set(self.recompute) <= set(RECOMPUTE_POLICIES):
-            raise ConfigError(f"zero_stages {self.zero_stages} must be within {ZERO_STAGES} and recompute "
-                              f"{self.recompute} within {RECOMPUTE_POLICIES}")
+        if not set(self.zero_stages) <= set(ZERO_STAGES):
+            raise ConfigError(f"zero_stages {self.zero_stages} must be within {ZERO_STAGES}")
+        for name in self.recompute:
+            try:
+                recompute_policy(name)
+            except PlanError as exc:
+                raise ConfigError(f"SearchOptions.recompute: {exc}") from None
 
 
 # Orders of the axes over ranks tried besides the default (tp innermost): cp or ep innermost keeps a
@@ -258,16 +264,20 @@ def parameter_split(model: ModelConfig) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class FlopsPerSequence:
-    """Per sequence of the captured graph: forward, backward, and what each recompute policy re-runs."""
+    """Per sequence of the captured graph: forward, backward, the layers' forward (what full recompute
+    re-runs) and, per op family, the layers' forward of its ops (what a policy saving it does not)."""
 
     forward: float
     backward: float
-    selective: float
-    full: float
+    layers: float
+    saved: tuple[tuple[str, float], ...] = ()
+    num_layers: int = 1
 
     def per_microbatch(self, recompute: str) -> float:
-        extra = {"none": 0.0, "selective": self.selective, "full": self.full}[recompute]
-        return self.forward + self.backward + extra
+        policy = recompute_policy(recompute)
+        share = len(policy.recomputed_layers(self.num_layers)) / max(self.num_layers, 1)
+        kept = sum(flops for family, flops in self.saved if policy.saves_family(family))
+        return self.forward + self.backward + share * (self.layers - kept)
 
 
 def time_lower_bound_s(cfg: Config, flops: FlopsPerSequence, flops_per_s: float) -> float:

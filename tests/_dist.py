@@ -246,17 +246,12 @@ def _direct_plan(graph, config, cluster, mesh, chosen, registry, info, microbatc
                    for g in range(count))
     zero = Predicted(0.0, 0.0, 0.0, 0.0, MemoryBreakdown(0, 0, 0, 0), TimeBreakdown(0, 0, 0, 0))
 
-    from autoplan.cost_model.memory import selective_recompute_nodes
-
-    recompute_nodes = selective_recompute_nodes(graph) if recompute == "selective" else ()
-
     def plan(batch):
         return Plan(ModelRef(config.name, config.fingerprint(), config.num_layers,
                              config.num_parameters()),
                     cluster, mesh, microbatch_size, num_microbatches, batch, graph.seq_len,
                     zero_stage, recompute, schedule, stages, tuple(params), tuple(ops), zero,
-                    Provenance("0.1.0", 0.0, "tests/_dist.py"), dtype=dtype,
-                    recompute_nodes=recompute_nodes)
+                    Provenance("0.1.0", 0.0, "tests/_dist.py"), dtype=dtype)
 
     batch = microbatch_size * num_microbatches * mesh.dp
     try:  # a Plan version that counts ep ranks as data-parallel wants them in the batch
