@@ -39,18 +39,17 @@ attributed to the first part (pre, layers in order, post) that holds them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
-from autoplan.errors import ConfigError
 from autoplan.placement import Placement, Replicate, Shard
-from autoplan.recompute_policy import KINDS, RecomputePolicy, recompute_policy
-from autoplan.strategies import InputSpec, Strategy
+from autoplan.recompute_policy import KINDS, RecomputePolicy
+from autoplan.strategies import Strategy
 
 if TYPE_CHECKING:
     from autoplan.capture import CapturedGraph, NodeInfo, TensorMeta
     from autoplan.cost_model.compute import AttentionKernel
-    from autoplan.plan import Plan
 
 FP32, INT64, BOOL = 4, 8, 1
 VIEW_TARGETS = frozenset({"view", "reshape", "unsqueeze", "squeeze", "expand", "transpose", "permute",
@@ -70,6 +69,7 @@ class Storage:
     batched: bool
     layer: int | None
     family: str
+    node: str = ""  # the captured op that makes it (its conversion, cast or internal tensor included)
 
 
 @dataclass(frozen=True)
@@ -83,20 +83,34 @@ class Activations:
     resident: tuple[str, ...] = ()  # made once per program (RoPE tables), held whatever the policy
     layers: tuple[int, ...] = field(default=())
 
-    def held(self, kind: str) -> tuple[dict, dict]:
-        """({part: [batched, fixed] bytes held after forward}, {layer: [batched, fixed] transient})
-        with every layer recomputed under `kind` (none: nothing recomputed)."""
+    @functools.cached_property
+    def _made(self) -> dict[tuple, list[str]]:
+        """(layer, family) -> the storages its ops make."""
+        found: dict[tuple, list[str]] = {}
+        for storage in self.storages.values():
+            found.setdefault((storage.layer, storage.family), []).append(storage.key)
+        return found
+
+    def holders(self, kind: str) -> dict[str, object]:
+        """{storage key: the first part holding it after forward} with every layer recomputed under
+        `kind` (none: nothing recomputed)."""
         recomputed = set(self.layers) if kind != "none" else set()
         holders = [(key, part) for key, part in self.saved if part not in recomputed]
         for layer in sorted(recomputed):
             holders += [(key, layer) for key in self.inputs.get(layer, ())]
-            holders += [(s.key, layer) for s in self.storages.values()
-                        if s.layer == layer and s.family in KINDS[kind]]
+            holders += [(key, layer) for family in KINDS[kind] for key in self._made.get((layer, family), ())]
         order = {part: i for i, part in enumerate(("pre", *self.layers, "post"))}
         first: dict[str, object] = dict.fromkeys(self.resident, "pre")
         for key, part in sorted(holders, key=lambda kp: order[kp[1]]):
             first.setdefault(key, part)
-        kept: dict[object, list] = {part: [0.0, 0.0] for part in order}
+        return first
+
+    def held(self, kind: str) -> tuple[dict, dict]:
+        """({part: [batched, fixed] bytes held after forward}, {layer: [batched, fixed] transient})
+        with every layer recomputed under `kind` (none: nothing recomputed)."""
+        recomputed = set(self.layers) if kind != "none" else set()
+        first = self.holders(kind)
+        kept: dict[object, list] = {part: [0.0, 0.0] for part in ("pre", *self.layers, "post")}
         for key, part in first.items():
             _add(kept[part], self.storages[key])
         transient: dict[object, list] = {layer: [0.0, 0.0] for layer in recomputed}
@@ -123,6 +137,15 @@ def activation_bytes(acts: Activations, policy: RecomputePolicy, scale: float = 
 
 def _at(pair: list, scale: float) -> float:
     return pair[0] * scale + pair[1]
+
+
+def held_storages(acts: Activations, policy: RecomputePolicy) -> list[Storage]:
+    """The storages held after forward under `policy` (`activation_bytes`' held bytes, one by one)."""
+    recomputed = set(policy.recomputed_layers(len(acts.layers)))
+    none, kind = acts.holders("none"), acts.holders(policy.kind)
+    keys = {k for k, part in none.items() if part not in recomputed}
+    keys |= {k for k, part in kind.items() if part in recomputed}
+    return [acts.storages[k] for k in sorted(keys)]
 
 
 # ------------------------------------------------------------------------------------ the walk
@@ -210,7 +233,7 @@ class _Walk:
 
     # ---------------------------------------------------------------- bookkeeping
     def make(self, key: str, nbytes: float, node: "NodeInfo", family: str, batched: bool = True) -> str:
-        self.storages.setdefault(key, Storage(key, float(nbytes), batched, node.layer, family))
+        self.storages.setdefault(key, Storage(key, float(nbytes), batched, node.layer, family, node.name))
         return key
 
     def keep(self, key: str, node: "NodeInfo") -> None:
@@ -476,28 +499,3 @@ def _linear_readers(walk: _Walk) -> dict[tuple, int]:
             found[key] = found.get(key, 0) + 1
     return found
 
-
-def plan_activation_bytes(plan: "Plan", graph: "CapturedGraph", info: Mapping) -> tuple[float, float]:
-    """(bytes one rank holds after a microbatch's forward, the most a recomputed layer adds while backward
-    re-runs it) for `plan` with pp = 1, from its resolved strategies over `graph` (captured at any batch of
-    the plan's sequence length); `info`: the model's rule info (`ModelConfig.rule_info`)."""
-    mesh = plan.mesh
-    if mesh.pp != 1:
-        raise ConfigError(f"plan_activation_bytes prices one stage holding every layer; the plan has pp={mesh.pp}")
-    strategies = {op.node: op.resolved for op in plan.ops if op.resolved is not None}
-    missing = [n.name for n in graph.nodes if n.name not in strategies and n.op_kind not in ("placeholder", "output")]
-    if missing:
-        raise ConfigError(f"plan has no resolved strategy for nodes {missing[:3]}: it was made for another graph "
-                          f"or by hand; re-make it with `autoplan search` or `autoplan estimate`")
-    for node in graph.nodes:
-        strategies.setdefault(node.name, _replicated(node))
-    shape = RunShape(plan.dtype != "float32", mesh.context_parallel, mesh.expert_parallel > 1)
-    info = {**info, "etp": mesh.etp} if mesh.etp != mesh.tp else dict(info)
-    acts = activations(graph, strategies, mesh.tp, info, shape)
-    scale = plan.microbatch_size / mesh.context_parallel / graph.batch_size
-    return activation_bytes(acts, recompute_policy(plan.recompute), scale)
-
-
-def _replicated(node: "NodeInfo") -> Strategy:
-    """The strategy of a placeholder or output node, which plans may leave out: everything replicated."""
-    return Strategy("replicate", tuple(InputSpec(Replicate()) for _ in node.inputs), Replicate())

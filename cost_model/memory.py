@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from autoplan.errors import ConfigError
-from autoplan.placement import Partial, Placement, Shard
-from autoplan.cost_model.activations import RunShape, activation_bytes, activations
-from autoplan.plan import MemoryBreakdown
+from autoplan.placement import Partial, Placement, Replicate, Shard
+from autoplan.cost_model.activations import Activations, RunShape, activation_bytes, activations
+from autoplan.plan import MemoryBreakdown, Plan
 from autoplan.recompute_policy import recompute_policy
-from autoplan.strategies import Comm, Strategy
+from autoplan.strategies import Comm, InputSpec, Strategy
 
 if TYPE_CHECKING:
     from autoplan.capture import CapturedGraph, NodeInfo, TensorMeta
@@ -195,3 +195,35 @@ def memory_breakdown(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
                                 largest_layer_parameter_count(graph, strategies, tp), zero_stage, state)
     return MemoryBreakdown(weights, grads, optimizer, activations_held, temporary)
 
+
+def plan_activations(plan: Plan, graph: "CapturedGraph", info: Mapping) -> tuple[Activations, float]:
+    """(the storages one forward of `plan` keeps on a rank, at `graph`'s batch; the scale to the plan's
+    microbatch per rank), from its resolved strategies over `graph` (captured at any batch of the plan's
+    sequence length); `info`: the model's rule info (`ModelConfig.rule_info`)."""
+    mesh = plan.mesh
+    strategies = {op.node: op.resolved for op in plan.ops if op.resolved is not None}
+    missing = [n.name for n in graph.nodes if n.name not in strategies and n.op_kind not in ("placeholder", "output")]
+    if missing:
+        raise ConfigError(f"plan has no resolved strategy for nodes {missing[:3]}: it was made for another graph "
+                          f"or by hand; re-make it with `autoplan search` or `autoplan estimate`")
+    for node in graph.nodes:
+        strategies.setdefault(node.name, _replicated(node))
+    shape = RunShape(plan.dtype != "float32", mesh.context_parallel, mesh.expert_parallel > 1)
+    info = {**info, "etp": mesh.etp} if mesh.etp != mesh.tp else dict(info)
+    acts = activations(graph, strategies, mesh.tp, info, shape)
+    return acts, plan.microbatch_size / mesh.context_parallel / graph.batch_size
+
+
+def plan_activation_bytes(plan: Plan, graph: "CapturedGraph", info: Mapping) -> tuple[float, float]:
+    """(bytes one rank holds after a microbatch's forward, the most a recomputed layer adds while backward
+    re-runs it) for `plan` with pp = 1 (`plan_activations`)."""
+    if plan.mesh.pp != 1:
+        raise ConfigError(f"plan_activation_bytes prices one stage holding every layer; the plan has "
+                          f"pp={plan.mesh.pp}")
+    acts, scale = plan_activations(plan, graph, info)
+    return activation_bytes(acts, recompute_policy(plan.recompute), scale)
+
+
+def _replicated(node: "NodeInfo") -> Strategy:
+    """The strategy of a placeholder or output node, which plans may leave out: everything replicated."""
+    return Strategy("replicate", tuple(InputSpec(Replicate()) for _ in node.inputs), Replicate())

@@ -1,5 +1,5 @@
 """The memory the plan promises is the memory the run holds: the cost model's activation bytes per rank
-(`cost_model.activations.plan_activation_bytes`) against what one forward of the runtime leaves for
+(`cost_model.memory.plan_activation_bytes`) against what one forward of the runtime leaves for
 backward, measured by storage (`runtime.memory_probe`: parameters and tensors made from them alone
 left out), and against the most a recomputed layer's re-run holds in backward.
 
@@ -69,7 +69,7 @@ def _measure_all(rank: int, world: int, cases: list) -> dict:
 
 def _predict(model: str, plan) -> tuple[float, float]:
     from autoplan.api import capture_model
-    from autoplan.cost_model.activations import plan_activation_bytes
+    from autoplan.cost_model.memory import plan_activation_bytes
     from autoplan.models import get_model_config
 
     config = get_model_config(model)
