@@ -33,6 +33,7 @@ Op families, the words both sides use (`aten_op_family` for the runtime's aten o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from autoplan.errors import PlanError
@@ -129,6 +130,11 @@ def recompute_policy(text: str | RecomputePolicy) -> RecomputePolicy:
     if not isinstance(text, str):
         raise PlanError(f"recompute must be a policy name such as 'selective' or 'full:4', got "
                         f"{type(text).__name__} {text!r}")
+    return _parse(text)
+
+
+@functools.lru_cache(maxsize=256)  # a search sorts thousands of configurations by their policy
+def _parse(text: str) -> RecomputePolicy:
     kind, sep, count = text.partition(":")
     if sep and not count.isdigit():
         raise PlanError(f"recompute {text!r}: the part after ':' must be a layer count, e.g. 'full:4'")

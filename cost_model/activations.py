@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from autoplan.cost_model.compute import AttentionKernel
 
 FP32, INT64, BOOL = 4, 8, 1
+REPLICATE = Replicate()
 VIEW_TARGETS = frozenset({"view", "reshape", "unsqueeze", "squeeze", "expand", "transpose", "permute",
                           "flatten", "contiguous", "getitem", "chunk", "split", "t"})
 NO_SAVE_POINTWISE = frozenset({"add", "iadd", "add_", "sub", "isub", "sub_", "neg", "float", "to"})
@@ -105,9 +106,19 @@ class Activations:
             first.setdefault(key, part)
         return first
 
+    @functools.cached_property
+    def _held(self) -> dict[str, tuple[dict, dict]]:
+        return {}
+
     def held(self, kind: str) -> tuple[dict, dict]:
         """({part: [batched, fixed] bytes held after forward}, {layer: [batched, fixed] transient})
-        with every layer recomputed under `kind` (none: nothing recomputed)."""
+        with every layer recomputed under `kind` (none: nothing recomputed); computed once per kind
+        (callers must not change the lists)."""
+        if kind not in self._held:
+            self._held[kind] = self._held_now(kind)
+        return self._held[kind]
+
+    def _held_now(self, kind: str) -> tuple[dict, dict]:
         recomputed = set(self.layers) if kind != "none" else set()
         first = self.holders(kind)
         kept: dict[object, list] = {part: [0.0, 0.0] for part in ("pre", *self.layers, "post")}
@@ -165,6 +176,10 @@ def runtime_itemsizes(graph: "CapturedGraph", mixed: bool, strategies: Mapping[s
     return found
 
 
+def _biased(node: "NodeInfo") -> bool:
+    return any(name.endswith(".bias") for name, _ in node.params)
+
+
 def _is_float(meta: "TensorMeta") -> bool:
     return meta.dtype in ("float32", "bfloat16", "float16", "float64")
 
@@ -173,8 +188,7 @@ def _mixed_itemsize(node: "NodeInfo", found: Mapping[str, int], compute: int, st
     """Under autocast over fp32 parameters: GEMM-like ops give the compute dtype (a row-parallel linear
     with a bias fp32: its bias is added after the reduction, outside autocast's GEMM), embeddings fp32,
     "float" fp32, the rest their (first, or for binary arithmetic widest) float input's."""
-    biased = any(name.endswith(".bias") for name, _ in node.params)
-    if node.op_kind == "linear" and strategy.name in ("row", "row_sp") and biased:
+    if node.op_kind == "linear" and strategy.name in ("row", "row_sp") and _biased(node):
         return FP32
     if node.op_kind in ("linear", "attention", "moe"):
         return compute
@@ -233,7 +247,8 @@ class _Walk:
 
     # ---------------------------------------------------------------- bookkeeping
     def make(self, key: str, nbytes: float, node: "NodeInfo", family: str, batched: bool = True) -> str:
-        self.storages.setdefault(key, Storage(key, float(nbytes), batched, node.layer, family, node.name))
+        if key not in self.storages:  # the first maker's (a conversion shared by several consumers)
+            self.storages[key] = Storage(key, float(nbytes), batched, node.layer, family, node.name)
         return key
 
     def keep(self, key: str, node: "NodeInfo") -> None:
@@ -262,14 +277,17 @@ class _Walk:
         return meta.numel / meta.shape[-1] / (self.tp if split else 1)
 
     def edge(self, node: "NodeInfo", i: int) -> tuple:
-        """(producer, conversion) of input i: the identity of the tensor the op reads."""
+        """(producer, conversion) of input i: the identity of the tensor the op reads; the conversion
+        (source, destination placement, grad_partial), None when there is none or it is a view."""
         producer = node.inputs[i]
         if self.tp == 1:
             return producer, None
         src, spec = self.strategies[producer].output, self.strategies[node.name].inputs[i]
-        if src == spec.placement and not spec.grad_partial or spec.grad_partial and src == Replicate():
+        if src is spec.placement and not spec.grad_partial:  # the rules share placement objects: no compare
+            return producer, None
+        if src == spec.placement and not spec.grad_partial or spec.grad_partial and src == REPLICATE:
             return producer, None  # no conversion, or copy-to-region (a view)
-        return producer, f"{src}>{spec.placement}:{spec.grad_partial}"
+        return producer, (src, spec.placement, spec.grad_partial)
 
     def seen(self, node: "NodeInfo", i: int) -> str:
         """The storage op `node` reads as input i: its producer's output, or the tp conversion of it
@@ -280,9 +298,12 @@ class _Walk:
             self.inputs.setdefault(node.layer, {})[key] = None
         if conversion is None:
             return key
-        dst = self.strategies[node.name].inputs[i].placement
-        family = "other" if self.strategies[producer].output == Replicate() else "collective"  # a split copies
-        return self.make(f"conv:{producer}:{conversion}", self.local(self.bytes_of(producer), dst), node, family,
+        src, dst, grad_partial = conversion
+        key = f"conv:{producer}:{src}>{dst}:{grad_partial}"
+        if key in self.storages:
+            return key
+        family = "other" if src == REPLICATE else "collective"  # a split copies
+        return self.make(key, self.local(self.bytes_of(producer), dst), node, family,
                          _batched(self.nodes[producer].output, self.graph.batch_size))
 
     def matmul_input(self, node: "NodeInfo", i: int) -> str:
@@ -334,8 +355,7 @@ class _Walk:
         if self.strategies[node.name].name in ("row", "row_sp"):  # a full-size partial GEMM output, reduced
             self.make(f"{node.name}:partial", node.output.nbytes, node, "matmul",
                       _batched(node.output, self.graph.batch_size))
-            biased = any(name.endswith(".bias") for name, _ in node.params)
-            self.output(node, "other" if biased else "collective")
+            self.output(node, "other" if _biased(node) else "collective")
         else:
             self.output(node, "matmul")
 

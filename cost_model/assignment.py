@@ -42,17 +42,18 @@ class TpSolution:
     comm_lines: tuple[tuple[float, float], ...] = ()  # `memory.comm_buffer_lines`: the buffer at any microbatch
     graph: CapturedGraph | None = field(default=None, compare=False, repr=False)
     ctx: CostContext | None = field(default=None, compare=False, repr=False)
-    _activations: dict = field(default_factory=dict, compare=False, repr=False)
+    activation_cache: dict = field(default_factory=dict, compare=False, repr=False)  # (context, spread) ->
+    # Activations; one dict may serve every solution of the same assignment (they differ in microbatch only)
 
     def activations(self, context: int = 1, spread: bool = False) -> Activations:
         """The storages one forward keeps (`cost_model.activations`) under mixed precision when the dtype
         is not float32, with a context group of `context` ranks and MoE experts `spread` over a group."""
         key = (context, spread)
-        if key not in self._activations:
+        if key not in self.activation_cache:
             shape = RunShape(self.dtype != "float32", context, spread)
             attention = self.ctx.efficiency.attention if self.ctx is not None else None
-            self._activations[key] = activations(self.graph, self.strategies, self.tp, self.info, shape, attention)
-        return self._activations[key]
+            self.activation_cache[key] = activations(self.graph, self.strategies, self.tp, self.info, shape, attention)
+        return self.activation_cache[key]
 
     @functools.cached_property
     def cost(self) -> AssignmentCost:

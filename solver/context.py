@@ -5,6 +5,8 @@ baselines (`solver.baselines`); and the Plan of a priced configuration.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -73,6 +75,7 @@ class SearchContext:
         self.steps = StepModel(StepEnv(config, cluster, seq_len, dtype, self.efficiency), partition_stages)
         self._blocks: dict[tuple, BlockCosts] = {}
         self._solutions: dict[tuple, SolutionParts] = {}
+        self._activations: dict[tuple, dict] = {}  # (tp, etp, assignment) -> TpSolution.activation_cache
         self._assignments: dict[tuple, dict[str, str]] = {}
         self._spread: dict[tuple, AxisGroup | None] = {}
         self._no_less: dict[AxisGroup, bool] = {}
@@ -117,7 +120,8 @@ class SearchContext:
                 chosen = dict(assignment) if assignment is not None else self.assignment(variant, tp, etp)
                 sol = tp_solution(self.graph, self.registry, self.info, self.cluster, mesh, microbatch, chosen,
                                   self.dtype, self.efficiency, variant)
-            self._solutions[key] = solution_parts(self.graph, sol)
+            shared = self._activations.setdefault((tp, etp, tuple(sol.assignment.values())), {})
+            self._solutions[key] = solution_parts(self.graph, dataclasses.replace(sol, activation_cache=shared))
         return self._solutions[key]
 
     def _folded_ilp_solution(self, tp: int, microbatch: int, mesh: MeshShape) -> TpSolution:
