@@ -202,12 +202,15 @@ def _mixed_itemsize(node: "NodeInfo", found: Mapping[str, int], compute: int, st
 @dataclass(frozen=True)
 class RunShape:
     """What the runtime's storages depend on beyond the tp strategies: mixed precision, the context
-    group (Ulysses all-to-alls around attention when > 1) and whether each MoE layer's experts are
-    spread over an expert group (ep, or ep x tp / etp: tokens dispatched by all-to-all)."""
+    group (Ulysses all-to-alls around attention when > 1), whether each MoE layer's experts are
+    spread over an expert group (ep, or ep x tp / etp: tokens dispatched by all-to-all), and whether
+    the fused kernels run as Triton (GPUs) or as their torch paths (CPU): of what they keep, only the
+    MoE combine differs (the kernel keeps the expert outputs as they are, the torch path an fp32 copy)."""
 
     mixed: bool = False
     context: int = 1
     spread: bool = False
+    triton: bool = False
 
 
 def activations(graph: "CapturedGraph", strategies: Mapping[str, Strategy], tp: int, info: Mapping | None = None,
@@ -462,7 +465,8 @@ class _Walk:
                        expert group, the same again per received row (2 M)
             experts    their input rows (M, h) as the GEMMs read them, gate and up (matmul) and their
                        product (M, f) each; the down projection's output (matmul) made, not kept
-            combine    the gathered output rows in fp32 (N k, h), kept for the weights' gradient
+            combine    the expert output rows (N k, h), kept for the weights' gradient: in fp32 on the
+                       torch path, as they are (compute dtype) under the Triton kernel
         """
         shape = self._moe_shape(node)
         n, k, h, f, rows, c, width = (shape[key] for key in ("tokens", "k", "h", "f", "rows", "c", "width"))
@@ -474,7 +478,7 @@ class _Walk:
         kept = [router_in, ("topk", n * k * (INT64 + FP32), "other"), ("routing", ints * INT64, "other"),
                 ("expert_in", rows * h * (c if self.shape.mixed else width), "other"),
                 ("gate", rows * f * c, "matmul"), ("up", rows * f * c, "matmul"), ("product", rows * f * c, "other"),
-                ("combine", n * k * h * FP32, "other")]
+                ("combine", n * k * h * (c if self.shape.triton else FP32), "other")]
         for item in kept:
             self.keep(item if isinstance(item, str) else self.make(f"{node.name}:{item[0]}", item[1], node, item[2]),
                       node)

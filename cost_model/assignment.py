@@ -50,8 +50,10 @@ class TpSolution:
         is not float32, with a context group of `context` ranks and MoE experts `spread` over a group."""
         key = (context, spread)
         if key not in self.activation_cache:
-            shape = RunShape(self.dtype != "float32", context, spread)
-            attention = self.ctx.efficiency.attention if self.ctx is not None else None
+            efficiency = self.ctx.efficiency if self.ctx is not None else None
+            triton = efficiency is not None and efficiency.kernels.triton
+            shape = RunShape(self.dtype != "float32", context, spread, triton)
+            attention = efficiency.attention if efficiency is not None else None
             self.activation_cache[key] = activations(self.graph, self.strategies, self.tp, self.info, shape, attention)
         return self.activation_cache[key]
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Mapping
 from autoplan.errors import ConfigError
 from autoplan.placement import Partial, Placement, Replicate, Shard
 from autoplan.cost_model.activations import Activations, RunShape, activation_bytes, activations
+from autoplan.cost_model.kernels import fused_kernels
 from autoplan.plan import MemoryBreakdown, Plan
 from autoplan.recompute_policy import recompute_policy
 from autoplan.strategies import Comm, InputSpec, Strategy
@@ -208,7 +209,8 @@ def plan_activations(plan: Plan, graph: "CapturedGraph", info: Mapping) -> tuple
                           f"or by hand; re-make it with `autoplan search` or `autoplan estimate`")
     for node in graph.nodes:
         strategies.setdefault(node.name, _replicated(node))
-    shape = RunShape(plan.dtype != "float32", mesh.context_parallel, mesh.expert_parallel > 1)
+    triton = fused_kernels(plan.kernels, plan.cluster.device).triton  # what the runtime runs on that device
+    shape = RunShape(plan.dtype != "float32", mesh.context_parallel, mesh.expert_parallel > 1, triton)
     info = {**info, "etp": mesh.etp} if mesh.etp != mesh.tp else dict(info)
     acts = activations(graph, strategies, mesh.tp, info, shape)
     return acts, plan.microbatch_size / mesh.context_parallel / graph.batch_size
