@@ -43,7 +43,8 @@ from autoplan.errors import AutoplanError, ConfigError, PlanError
 from autoplan.mesh import MeshShape
 from autoplan.models import build_model, get_model_config
 from autoplan.models.config import ModelConfig
-from autoplan.plan import DTYPES, KERNELS, RECOMPUTE_POLICIES, Plan
+from autoplan.plan import DTYPES, KERNELS, Plan
+from autoplan.recompute_policy import recompute_policy
 from autoplan.solver.baselines import BASELINE_NAMES, baselines_of
 from autoplan.solver.context import SearchContext
 from autoplan.solver.search import BaselineResult, SearchResult, check_config, price_given, run_search
@@ -105,6 +106,16 @@ def _callable_rule(what: str, value: object) -> None:
 
 NONE = type(None)
 # The public arguments and their rules: the type (bool is no count), the range, the choices.
+def _check_recompute_name(what: str, value: object) -> None:
+    """A recompute policy's name ("none", "selective", "matmul-only", "full", "full:4")."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{what}={value!r}: expected a recompute policy name such as 'selective' or 'full:4'")
+    try:
+        recompute_policy(value)
+    except PlanError as exc:
+        raise ConfigError(f"{what}: {exc}") from None
+
+
 ARGUMENT_RULES: dict[str, Callable[[str, object], None]] = {
     "model": _expect((str, ModelConfig), "a known model name such as 'tiny-gpt' (see `autoplan models`) or a ModelConfig"),
     "cluster": _expect((str, os.PathLike, ClusterSpec), "a cluster shorthand such as '1x8xh100', a cluster YAML/JSON "
@@ -114,7 +125,7 @@ ARGUMENT_RULES: dict[str, Callable[[str, object], None]] = {
     "zero_stage": lambda what, v: check_choice(what, v, (0, 1, 2, 3)),
     "dtype": lambda what, v: check_choice(what, v, DTYPES),
     "kernels": lambda what, v: check_choice(what, v, KERNELS),
-    "recompute": lambda what, v: check_choice(what, v, RECOMPUTE_POLICIES),
+    "recompute": lambda what, v: _check_recompute_name(what, v),
     "schedule": lambda what, v: check_choice(what, v, (SCHEDULE_1F1B, SCHEDULE_INTERLEAVED)),
     "time_limit_s": check_number,
     "fold": _expect((bool,), "True or False"), "baselines": _expect((bool,), "True or False"),

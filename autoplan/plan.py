@@ -24,14 +24,17 @@ from autoplan.errors import AutoplanError, PlanError
 from autoplan.mesh import MeshShape
 from autoplan.placement import Placement
 from autoplan.plan_json import axis_from_json, mesh_from_json, op_from_json, strategies_from_json, strategies_to_json
+from autoplan.recompute_policy import check_recompute
 from autoplan.strategies import Strategy
-from autoplan.validity import RECOMPUTE_POLICIES, SCHEDULES
+from autoplan.validity import SCHEDULES
 from autoplan.validate import (check_choice, check_int, check_keys, check_list, check_mapping, check_number, check_output_file,
                                check_str, check_tokens, parse_mapping, read_text, record, shown)
 
-PLAN_VERSION = 2  # 2: each op carries its resolved strategy and module path; the recompute set
-# version 1 plans still load (show, explain, compare); the runtime asks for a re-made plan to run one
-READABLE_VERSIONS = (1, 2)
+PLAN_VERSION = 3  # 3: `recompute` names a policy (autoplan.recompute_policy), no node list
+# 2: each op carries its resolved strategy and module path; a version 2 plan's recompute_nodes are
+# dropped (its "selective" runs as today's policy of that name). Version 1 plans still load (show,
+# explain, compare); the runtime asks for a re-made plan to run one.
+READABLE_VERSIONS = (1, 2, 3)
 DTYPES = ("bfloat16", "float16", "float32")
 KERNELS = ("auto", "triton", "torch")  # runtime.kernels backends: "auto" is Triton on CUDA only
 
@@ -199,7 +202,6 @@ class Plan:
     dtype: str = "bfloat16"
     version: int = PLAN_VERSION
     kernels: str = "auto"  # the runtime's fused kernels: "auto" | "triton" | "torch"
-    recompute_nodes: tuple[str, ...] = ()  # under "selective": the nodes whose outputs backward recomputes
     _index: dict = field(default=None, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -251,7 +253,6 @@ class Plan:
                 "ops": ops,
             },
             "strategies": table,
-            "recompute_nodes": list(self.recompute_nodes),
             "predicted": self.predicted.to_json(),
             "provenance": {**asdict(self.provenance), "notes": list(self.provenance.notes)},
         }
@@ -288,7 +289,6 @@ class Plan:
             params=tuple(ParamPlacement(n, axis_from_json(p, f"parameter {n!r}")) for n, p in parameters.items()),
             ops=tuple(OpPlacement(n, *op_from_json(n, o), resolved)
                       for (n, o), resolved in zip(ops.items(), strategies_from_json(data.get("strategies", []), ops))),
-            recompute_nodes=tuple(check_list("plan recompute_nodes", data.get("recompute_nodes", []))),
             predicted=Predicted.from_json(data["predicted"]),
             provenance=record(Provenance, {**prov, "notes": tuple(check_list("plan provenance.notes", prov.get("notes", [])))},
                               "plan provenance", PlanError),
@@ -347,16 +347,13 @@ def _validate(plan: Plan) -> None:
     check_tokens(plan.global_batch, plan.seq_len, PlanError)
     check_choice("plan version", plan.version, READABLE_VERSIONS, PlanError)
     check_choice("plan zero_stage", plan.zero_stage, (0, 1, 2, 3), PlanError)
-    for node in plan.recompute_nodes:
-        check_str("plan recompute_nodes entry", node, PlanError)
     if plan.mesh.world_size != plan.cluster.world_size:
         raise PlanError(f"mesh {plan.mesh} has {plan.mesh.world_size} ranks but the cluster {plan.cluster.describe()} has {plan.cluster.world_size}")
     if plan.microbatch_size * plan.num_microbatches * plan.mesh.batch_shards != plan.global_batch:
         shards = f"dp {plan.mesh.dp}" + (f" x ep {plan.mesh.ep}" if plan.mesh.ep_as == "dp" else " (ep as cp)")
         raise PlanError(f"global_batch {plan.global_batch} != microbatch_size {plan.microbatch_size} x num_microbatches "
                         f"{plan.num_microbatches} x {shards}")
-    if plan.recompute not in RECOMPUTE_POLICIES:
-        raise PlanError(f"recompute {plan.recompute!r} must be one of {RECOMPUTE_POLICIES}")
+    check_recompute(plan.recompute, plan.model.num_layers)
     if plan.schedule not in SCHEDULES:
         raise PlanError(f"schedule {plan.schedule!r} must be one of {SCHEDULES}")
     if plan.dtype not in DTYPES:

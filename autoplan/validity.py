@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autoplan.errors import ConfigError
+from autoplan.errors import ConfigError, PlanError
+from autoplan.recompute_policy import KINDS, check_recompute
 
 if TYPE_CHECKING:
     from autoplan.mesh import MeshShape
@@ -37,7 +38,7 @@ SCHEDULE_1F1B = "1f1b"
 SCHEDULE_INTERLEAVED = "interleaved-1f1b"
 SCHEDULE_GPIPE = "gpipe"
 SCHEDULES = (SCHEDULE_1F1B, SCHEDULE_INTERLEAVED, SCHEDULE_GPIPE)
-RECOMPUTE_POLICIES = ("none", "selective", "full")
+RECOMPUTE_POLICIES = tuple(KINDS)  # the kinds; "<kind>:<k>" recomputes the first k layers (recompute_policy)
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -200,6 +201,15 @@ def zero_problem(zero_stage: int, pp: int, ep: int) -> str | None:
     return None
 
 
+def recompute_problem(recompute: str, num_layers: int) -> str | None:
+    """Why `recompute` names no policy this model can run (`autoplan.recompute_policy`), or None."""
+    try:
+        check_recompute(recompute, num_layers)
+    except PlanError as exc:
+        return str(exc)
+    return None
+
+
 def configuration_problems(model: "ModelConfig", mesh: "MeshShape", global_batch: int, seq_len: int,
                            microbatch_size: int, zero_stage: int, recompute: str, schedule: str,
                            virtual_stages: int, heads_rule: bool = True,
@@ -216,7 +226,7 @@ def configuration_problems(model: "ModelConfig", mesh: "MeshShape", global_batch
         etp_problem(model.experts, mesh.ep, mesh.tp, mesh.etp, seq_len, mesh.context_parallel, model.ffn_hidden),
         batch_problem(global_batch, mesh.batch_shards, microbatch_size, "dp (ep as cp)" if folded else "dp"),
         zero_problem(zero_stage, mesh.pp, mesh.ep),
-        None if recompute in RECOMPUTE_POLICIES else f"recompute={recompute!r} must be one of {RECOMPUTE_POLICIES}",
+        recompute_problem(recompute, model.num_layers),
     ]
     pipeline = None if found[4] else pipeline_problem(model.num_layers, mesh.pp, schedule, virtual_stages,
                                                       global_batch // shards)

@@ -15,8 +15,8 @@ from autoplan.cost_model.comm import AxisGroup
 from autoplan.cost_model.compute import Efficiency
 from autoplan.cost_model.intra_op import AssignmentCost, CostContext, make_context, price_assignment
 from autoplan.cost_model.intra_op_problem import resolve_strategies
-from autoplan.cost_model.memory import (SavedTensor, comm_buffer_lines, largest_comm_buffer_bytes,
-                                        parameter_count_by_layer, saved_tensors)
+from autoplan.cost_model.activations import Activations, RunShape, activations
+from autoplan.cost_model.memory import comm_buffer_lines, largest_comm_buffer_bytes, parameter_count_by_layer
 from autoplan.mesh import MeshShape
 from autoplan.strategies import Strategy, StrategyRegistry, strategy_info
 
@@ -34,13 +34,28 @@ class TpSolution:
     microbatch_size: int
     assignment: dict[str, str]
     strategies: dict[str, Strategy]
-    saved: tuple[SavedTensor, ...]  # activations at the capture batch
+    info: dict  # the strategy rules' info (head_dim, rope, etp)
+    dtype: str
     dp_group: AxisGroup
     solver: str = ""
     status: str = "optimal"
     comm_lines: tuple[tuple[float, float], ...] = ()  # `memory.comm_buffer_lines`: the buffer at any microbatch
     graph: CapturedGraph | None = field(default=None, compare=False, repr=False)
     ctx: CostContext | None = field(default=None, compare=False, repr=False)
+    activation_cache: dict = field(default_factory=dict, compare=False, repr=False)  # (context, spread) ->
+    # Activations; one dict may serve every solution of the same assignment (they differ in microbatch only)
+
+    def activations(self, context: int = 1, spread: bool = False) -> Activations:
+        """The storages one forward keeps (`cost_model.activations`) under mixed precision when the dtype
+        is not float32, with a context group of `context` ranks and MoE experts `spread` over a group."""
+        key = (context, spread)
+        if key not in self.activation_cache:
+            efficiency = self.ctx.efficiency if self.ctx is not None else None
+            triton = efficiency is not None and efficiency.kernels.triton
+            shape = RunShape(self.dtype != "float32", context, spread, triton)
+            attention = efficiency.attention if efficiency is not None else None
+            self.activation_cache[key] = activations(self.graph, self.strategies, self.tp, self.info, shape, attention)
+        return self.activation_cache[key]
 
     @functools.cached_property
     def cost(self) -> AssignmentCost:
@@ -74,6 +89,5 @@ def tp_solution(graph: CapturedGraph, registry: StrategyRegistry, info: Mapping,
     strategies = resolve_strategies(graph, registry, info, tp, assignment)
     ctx = make_context(graph, cluster, mesh, microbatch_size, dtype, efficiency)
     return TpSolution(tp, microbatch_size, {n.name: strategies[n.name].name for n in graph.nodes}, strategies,
-                      saved_tensors(graph, strategies, tp, info, ctx.efficiency.attention),
-                      AxisGroup.of(mesh, "dp", cluster.gpus_per_node), solver, status,
+                      dict(info), dtype, AxisGroup.of(mesh, "dp", cluster.gpus_per_node), solver, status,
                       comm_buffer_lines(graph, strategies, tp), graph, ctx)

@@ -49,11 +49,11 @@ from autoplan.cost_model.comm import AxisGroup
 from autoplan.cost_model.compute import (MOE_KERNELS, OP_KERNELS, Efficiency, attention_time_s,
                                          grad_accumulation_bytes, linear_time_s, memory_op_bytes, memory_time_s,
                                          op_time_s)
-from autoplan.cost_model.memory import (StateBytes, comm_tensor_nbytes, local_nbytes, param_placements,
-                                        scaled_nbytes, selective_recompute_nodes)
+from autoplan.cost_model.memory import StateBytes, comm_tensor_nbytes, local_nbytes, param_placements, scaled_nbytes
 from autoplan.errors import AutoplanError
 from autoplan.mesh import MeshShape
 from autoplan.placement import Partial, Placement, Replicate, Shard
+from autoplan.recompute_policy import captured_op_family
 from autoplan.strategies import InputSpec, Strategy
 
 if TYPE_CHECKING:
@@ -276,7 +276,8 @@ class AssignmentCost:
     bwd_comm_s: float
     layer_fwd_compute_s: float  # the layers' forward: what full recompute re-runs
     layer_fwd_comm_s: float
-    selective_fwd_compute_s: float  # the ops selective recompute re-runs
+    layer_saved_fwd_s: tuple[tuple[str, float], ...] = ()  # (family, the layers' forward of its ops):
+    # what a recompute policy saving that family does not re-run (`autoplan.recompute_policy`)
     shared_comm_s: float = 0.0  # conversions shared by several consumers, counted again by the pairwise ILP
 
     @property
@@ -292,7 +293,6 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
     Equal nodes (the same op in every layer) are priced once: the memo keys hold strategies and
     placements by identity (all alive in `strategies` for the whole call), which hashes far faster
     than their nested dataclasses; an equal but distinct object only costs a memo miss."""
-    selective = set(selective_recompute_nodes(graph))
     node_memo: dict[tuple, tuple[float, float, float, float]] = {}
     edge_memo: dict[tuple, tuple[float, float]] = {}
     converted: set[tuple] = set()  # (producer, source placement, input spec): conversions already made
@@ -303,7 +303,8 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
             canonical[id(obj)] = repr(obj)
         return canonical[id(obj)]
 
-    sums = dict.fromkeys(("fc", "bc", "fm", "bm", "lfc", "lfm", "sel", "shared"), 0.0)
+    sums = dict.fromkeys(("fc", "bc", "fm", "bm", "lfc", "lfm", "shared"), 0.0)
+    families: dict[str, float] = {}
     for node in graph.nodes:
         strategy = strategies[node.name]
         key = (node.rule_key, node.fwd_flops, node.bwd_flops, node.fwd_bytes, node.bwd_bytes, id(strategy))
@@ -328,7 +329,7 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
         if node.layer is not None:
             sums["lfc"] += fwd
             sums["lfm"] += comm_f
-        if node.name in selective:
-            sums["sel"] += fwd
-    return AssignmentCost(sums["fc"], sums["bc"], sums["fm"], sums["bm"], sums["lfc"], sums["lfm"], sums["sel"],
-                          sums["shared"])
+            family = captured_op_family(node.op_kind)
+            families[family] = families.get(family, 0.0) + fwd
+    return AssignmentCost(sums["fc"], sums["bc"], sums["fm"], sums["bm"], sums["lfc"], sums["lfm"],
+                          tuple(sorted(families.items())), sums["shared"])

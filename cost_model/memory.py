@@ -8,42 +8,17 @@ tensor parallelism, divided over the dp ranks by the ZeRO stage:
     stage 0: 2N + 2N + 12N      stage 1: 2N + 2N + 12N/dp
     stage 2: 2N + 2N/dp + 12N/dp      stage 3: 2N/dp + 2N/dp + 12N/dp
 
-Activations of one microbatch (pp = 1: one microbatch in flight; gradient accumulation frees each
-microbatch's activations in its backward), at each tensor's local size under the chosen strategies:
-every op keeps the tensors its backward needs (`_saved_inputs`), each (producer, placement) once, as
-autograd does when several ops save the same tensor:
-
-    linear, norm       their input (norm also 2 fp32 statistics per token)
-    attention          flash kernel (the default): q, k, v, its output and the log-sum-exp (B, Hq, T) fp32,
-                       no T x T tensor; materialized kernel (`compute.AttentionKernel`, Megatron-LM before
-                       FlashAttention): q, k, v and, per score element, the softmax output (itemsize)
-                       and, with attention dropout, its mask (1 B) and the dropped probabilities
-                       (itemsize): Korthikanti et al.'s 5 a s^2 b bytes per layer
-    pointwise          mul / div: both inputs; add / sub / neg / casts: nothing; others (gelu, silu,
-                       tanh, ...): their input
-    cross_entropy      fp32 log-probabilities (4 B per logit) and the targets
-    embedding          the token ids
-    moe                its input, the router logits, and per routed token the gate, up, activation
-                       and product (3 f), the expert GEMMs' input row and output row (2 h); a rank runs
-                       the rows of the g ranks whose experts' FFN it shares, each row at width f / g:
-                       g = tp under "ffn" (every token, each expert's FFN split over tp), etp under
-                       "expert" (the rows gathered over the expert_tp group), 1 otherwise; so the full
-                       bytes (before the strategy's 1 / tp) are tokens k (3 f + 2 h g) itemsize
-
-Recompute policies:
-    none       everything above;
-    selective  drops the tensors produced by attention and by pointwise ops that keep their own
-               inputs (gelu, silu, mul: the MLP activations), and attention's output and
-               log-sum-exp; backward re-runs those ops' forward (`selective_recompute_nodes`);
-    full       keeps each layer's input tensors, everything outside the layers, and one layer's
-               working set (the layer being recomputed); backward re-runs every layer's forward.
+Activations of one microbatch, per recompute policy: `cost_model.activations` (the storages the
+runtime keeps for backward, and what a recomputed layer keeps of them); `memory_breakdown` adds them
+for pp = 1 (one microbatch in flight; gradient accumulation frees each microbatch's activations in
+its backward) with the transient of the layer being re-run.
 
 Temporary buffers: the largest tensor a tp collective produces (all-gathered or all-reduced), and
 under ZeRO-3 two layers of gathered bf16 weights (the current one and the prefetched next), under
 ZeRO-2/3 one layer of full gradients waiting for its reduce-scatter.
 
 Ignored: allocator fragmentation, the CUDA context (the datasheet capacity leaves its headroom),
-the loss's fp32 gradient buffer, dropout masks (the built-in models have no dropout).
+the loss's fp32 gradient buffer.
 """
 
 from __future__ import annotations
@@ -53,19 +28,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from autoplan.errors import ConfigError
-from autoplan.placement import Partial, Placement, Shard
-from autoplan.plan import RECOMPUTE_POLICIES, MemoryBreakdown
-from autoplan.strategies import Comm, Strategy
+from autoplan.placement import Partial, Placement, Replicate, Shard
+from autoplan.cost_model.activations import Activations, RunShape, activation_bytes, activations
+from autoplan.cost_model.kernels import fused_kernels
+from autoplan.plan import MemoryBreakdown, Plan
+from autoplan.recompute_policy import recompute_policy
+from autoplan.strategies import Comm, InputSpec, Strategy
 
 if TYPE_CHECKING:
     from autoplan.capture import CapturedGraph, NodeInfo, TensorMeta
     from autoplan.cost_model.compute import AttentionKernel
 
-NO_SAVE_POINTWISE = frozenset({"add", "iadd", "add_", "sub", "isub", "sub_", "neg", "float", "to"})
-SAVE_ALL_POINTWISE = frozenset({"mul", "imul", "mul_", "truediv", "div"})
 FP32_BYTES = 4
-INT64_BYTES = 8
-MASK_BYTES = 1  # a dropout mask element (torch keeps a bool mask)
 
 
 @dataclass(frozen=True)
@@ -157,138 +131,6 @@ def local_parameter_count(graph: "CapturedGraph", strategies: Mapping[str, Strat
     return float(sum(parameter_count_by_layer(graph, strategies, tp).values()))
 
 
-# ---------------------------------------------------------------------------------- activations
-
-
-@dataclass(frozen=True)
-class SavedTensor:
-    """One tensor kept for backward: its producer (or "<node>:<what>" for op internals), placement,
-    bytes per rank at the capture batch, whether it scales with the batch, the layer of the op that
-    keeps it, and whether selective recompute drops it."""
-
-    key: str
-    placement: str
-    nbytes: float
-    batched: bool
-    layer: int | None
-    recomputable: bool
-
-
-def _cheap_to_recompute(node: "NodeInfo") -> bool:
-    return node.op_kind == "attention" or (node.op_kind == "elementwise" and node.target not in NO_SAVE_POINTWISE)
-
-
-def selective_recompute_nodes(graph: "CapturedGraph") -> tuple[str, ...]:
-    """Ops whose forward selective recompute re-runs in backward: attention and pointwise ops that
-    keep their own inputs (module docstring)."""
-    return tuple(n.name for n in graph.nodes if _cheap_to_recompute(n))
-
-
-def _saved_inputs(node: "NodeInfo") -> tuple[int, ...]:
-    kind = node.op_kind
-    if kind in ("linear", "norm", "moe"):
-        return (0,)
-    if kind in ("attention", "embedding", "cross_entropy"):
-        return tuple(range(len(node.inputs)))[: 3 if kind == "attention" else None]
-    if kind == "elementwise":
-        if node.target in NO_SAVE_POINTWISE:
-            return ()
-        return tuple(range(len(node.inputs))) if node.target in SAVE_ALL_POINTWISE else (0,)
-    return ()
-
-
-def _internal_tensors(node: "NodeInfo", strategy: Strategy, info: Mapping,
-                      attention: "AttentionKernel | None" = None) -> list[tuple[str, float]]:
-    """(name, full bytes at the capture batch) of tensors an op keeps besides its inputs."""
-    if node.op_kind == "attention":
-        batch, seq, width = node.output.shape
-        heads = width // int(info.get("head_dim", 128))
-        if attention is not None and attention.kind == "materialized":
-            scores, itemsize = batch * heads * seq * seq, node.output.nbytes / node.output.numel
-            kept = [("probs", scores * itemsize)]
-            return kept + ([("mask", scores * MASK_BYTES), ("dropped", scores * itemsize)] if attention.dropout else [])
-        return [("out", node.output.nbytes), ("lse", batch * heads * seq * FP32_BYTES)]
-    if node.op_kind == "norm":
-        return [("stats", 2 * FP32_BYTES * node.output.numel / node.output.shape[-1])]
-    if node.op_kind == "cross_entropy":
-        return [("logprobs", FP32_BYTES * node.input_metas[0].numel)]
-    if node.op_kind == "moe":
-        x = node.input_metas[0]
-        tokens, hidden = x.numel // x.shape[-1], x.shape[-1]
-        experts, _, ffn = dict((n.rsplit(".", 1)[-1], m.shape) for n, m in node.params)["w_gate"]
-        top_k = max(1, round((node.fwd_flops - 2 * tokens * hidden * experts) / (6 * tokens * hidden * ffn)))
-        itemsize = x.nbytes // x.numel
-        served = {"ffn": round(1 / strategy.compute_fraction), "expert": strategy.expert_ffn_split}.get(strategy.name, 1)
-        return [("router", tokens * experts * itemsize),
-                ("experts", tokens * top_k * (3 * ffn + hidden * served) * itemsize),  # gate, up, product; output
-                ("expert_inputs", tokens * top_k * hidden * served * itemsize)]
-    return []
-
-
-def saved_tensors(graph: "CapturedGraph", strategies: Mapping[str, Strategy], tp: int,
-                  info: Mapping | None = None, attention: "AttentionKernel | None" = None) -> tuple[SavedTensor, ...]:
-    """Every tensor kept for backward at the capture batch (module docstring), each once; `attention`:
-    the attention kernel (None: flash)."""
-    info = info or {}
-    by_name = {n.name: n for n in graph.nodes}
-    found: dict[tuple[str, str], SavedTensor] = {}
-    for node in graph.nodes:
-        strategy = strategies[node.name]
-        for i in _saved_inputs(node):
-            if node.op_kind == "cross_entropy" and i == 0:
-                continue  # replaced by its fp32 log-probabilities
-            producer, meta, placement = node.inputs[i], node.input_metas[i], strategy.inputs[i].placement
-            key = (producer, str(placement))
-            if key not in found:
-                found[key] = SavedTensor(producer, str(placement), local_nbytes(meta.nbytes, placement, tp),
-                                         is_batched(meta, graph.batch_size), node.layer,
-                                         _cheap_to_recompute(by_name[producer]))
-        for what, nbytes in _internal_tensors(node, strategy, info, attention):
-            found[(f"{node.name}:{what}", "")] = SavedTensor(
-                f"{node.name}:{what}", str(strategy.output), nbytes * strategy.compute_fraction, True, node.layer,
-                node.op_kind == "attention")
-    return tuple(found.values())
-
-
-def _layer_inputs(graph: "CapturedGraph", strategies: Mapping[str, Strategy], tp: int) -> list[tuple[float, bool]]:
-    """(bytes per rank, batched) of each tensor made outside a layer and used inside it (checkpoints)."""
-    layer_of = {n.name: n.layer for n in graph.nodes}
-    found: dict[str, tuple[float, bool]] = {}
-    for node in graph.nodes:
-        if node.layer is None:
-            continue
-        for producer, meta in zip(node.inputs, node.input_metas):
-            if layer_of[producer] != node.layer and producer not in found:
-                placement = strategies[producer].output
-                found[producer] = (local_nbytes(meta.nbytes, placement, tp), is_batched(meta, graph.batch_size))
-    return list(found.values())
-
-
-def activation_bytes(graph: "CapturedGraph", strategies: Mapping[str, Strategy], tp: int, microbatch_size: int,
-                     recompute: str, info: Mapping | None = None,
-                     saved: tuple[SavedTensor, ...] | None = None, attention: "AttentionKernel | None" = None) -> float:
-    """Bytes per rank kept for backward by one microbatch under `recompute` (module docstring)."""
-    if recompute not in RECOMPUTE_POLICIES:
-        raise ConfigError(f"recompute {recompute!r} must be one of {RECOMPUTE_POLICIES}")
-    scale = microbatch_size / graph.batch_size
-    saved = saved if saved is not None else saved_tensors(graph, strategies, tp, info, attention)
-
-    def size(nbytes: float, batched: bool) -> float:
-        return nbytes * (scale if batched else 1.0)
-
-    if recompute == "none":
-        return sum(size(t.nbytes, t.batched) for t in saved)
-    if recompute == "selective":
-        return sum(size(t.nbytes, t.batched) for t in saved if not t.recomputable)
-    outside = sum(size(t.nbytes, t.batched) for t in saved if t.layer is None)
-    per_layer: dict[int, float] = defaultdict(float)
-    for t in saved:
-        if t.layer is not None:
-            per_layer[t.layer] += size(t.nbytes, t.batched)
-    checkpoints = sum(size(nbytes, batched) for nbytes, batched in _layer_inputs(graph, strategies, tp))
-    return outside + checkpoints + max(per_layer.values(), default=0.0)
-
-
 # ---------------------------------------------------------------------------------- temporaries
 
 
@@ -347,8 +189,43 @@ def memory_breakdown(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
     """Peak memory per rank, by component (module docstring)."""
     state = state_bytes_for(dtype)
     weights, grads, optimizer = model_state_bytes(local_parameter_count(graph, strategies, tp), dp, zero_stage, state)
-    activations = activation_bytes(graph, strategies, tp, microbatch_size, recompute, info, attention=attention)
+    acts = activations(graph, strategies, tp, info, RunShape(mixed=dtype != "float32"), attention)
+    kept, transient = activation_bytes(acts, recompute_policy(recompute), microbatch_size / graph.batch_size)
+    activations_held = kept + transient
     temporary = temporary_bytes(largest_comm_buffer_bytes(graph, strategies, tp, microbatch_size),
                                 largest_layer_parameter_count(graph, strategies, tp), zero_stage, state)
-    return MemoryBreakdown(weights, grads, optimizer, activations, temporary)
+    return MemoryBreakdown(weights, grads, optimizer, activations_held, temporary)
 
+
+def plan_activations(plan: Plan, graph: "CapturedGraph", info: Mapping) -> tuple[Activations, float]:
+    """(the storages one forward of `plan` keeps on a rank, at `graph`'s batch; the scale to the plan's
+    microbatch per rank), from its resolved strategies over `graph` (captured at any batch of the plan's
+    sequence length); `info`: the model's rule info (`ModelConfig.rule_info`)."""
+    mesh = plan.mesh
+    strategies = {op.node: op.resolved for op in plan.ops if op.resolved is not None}
+    missing = [n.name for n in graph.nodes if n.name not in strategies and n.op_kind not in ("placeholder", "output")]
+    if missing:
+        raise ConfigError(f"plan has no resolved strategy for nodes {missing[:3]}: it was made for another graph "
+                          f"or by hand; re-make it with `autoplan search` or `autoplan estimate`")
+    for node in graph.nodes:
+        strategies.setdefault(node.name, _replicated(node))
+    triton = fused_kernels(plan.kernels, plan.cluster.device).triton  # what the runtime runs on that device
+    shape = RunShape(plan.dtype != "float32", mesh.context_parallel, mesh.expert_parallel > 1, triton)
+    info = {**info, "etp": mesh.etp} if mesh.etp != mesh.tp else dict(info)
+    acts = activations(graph, strategies, mesh.tp, info, shape)
+    return acts, plan.microbatch_size / mesh.context_parallel / graph.batch_size
+
+
+def plan_activation_bytes(plan: Plan, graph: "CapturedGraph", info: Mapping) -> tuple[float, float]:
+    """(bytes one rank holds after a microbatch's forward, the most a recomputed layer adds while backward
+    re-runs it) for `plan` with pp = 1 (`plan_activations`)."""
+    if plan.mesh.pp != 1:
+        raise ConfigError(f"plan_activation_bytes prices one stage holding every layer; the plan has "
+                          f"pp={plan.mesh.pp}")
+    acts, scale = plan_activations(plan, graph, info)
+    return activation_bytes(acts, recompute_policy(plan.recompute), scale)
+
+
+def _replicated(node: "NodeInfo") -> Strategy:
+    """The strategy of a placeholder or output node, which plans may leave out: everything replicated."""
+    return Strategy("replicate", tuple(InputSpec(Replicate()) for _ in node.inputs), Replicate())

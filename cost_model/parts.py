@@ -6,19 +6,19 @@ after the last layer ("head": final norm, lm_head, loss; pinned to the last stag
 
     seconds      the op and resharding costs of its nodes (`cost_model.intra_op.price_assignment` on
                  the part; a resharding edge counts at its consumer), split into forward / backward
-                 compute and communication, and what selective / full recompute re-run
+                 compute and communication; a recomputed layer re-runs its forward compute but that
+                 of the op families its policy saves, and all of its forward communication
+                 (`autoplan.recompute_policy`: collectives are never saved)
     parameters   per tp rank, each parameter once; expert FFN weights apart (ep divides them)
-    activations  kept for backward: none / selective: the solution's saved tensors of the part
-                 (`cost_model.memory.saved_tensors`); full: a layer keeps its input tensors
-                 (checkpoints) and, only while it is recomputed, its whole set (the transient);
-                 the parts outside the layers keep everything
+    activations  what a part holds after forward, per recompute kind, and what a recomputed layer holds
+                 while backward re-runs it (`cost_model.activations.Activations.held`), for the run
+                 shape a configuration gives (context-parallel group, experts spread): computed once per
+                 (solution, shape), scaled to the microbatch
 
 Layers whose nodes, strategies, input placements and tallies are equal share one PartCost, so a
 96-layer model prices a handful of parts. The microbatch-independent facts of a solution
 (`SolutionParts`) are computed once; `block_costs` scales them to a microbatch (possibly a fraction
 of a sequence: mbs / cp sequences per rank under context parallelism), re-pricing time at that size.
-Saved tensors made outside the layers and kept by the head (the loss targets) are counted with the
-embedding: a few bytes per token.
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
+from autoplan.cost_model.activations import Activations
 from autoplan.cost_model.intra_op import CostContext, price_assignment
 from autoplan.cost_model.memory import is_batched, largest_comm_buffer_bytes, local_nbytes, param_placements
 from autoplan.placement import Shard
+from autoplan.recompute_policy import KINDS, recompute_policy
 from autoplan.strategies import EXPERT_WEIGHTS, Strategy
 
 if TYPE_CHECKING:
@@ -43,60 +45,59 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PartCost:
-    """Per microbatch and tp rank: seconds, parameters and activation bytes of one part."""
+    """Per microbatch and tp rank: seconds and parameters of one part (activations: `BlockCosts`)."""
 
     fwd_compute_s: float
     bwd_compute_s: float
     fwd_comm_s: float
     bwd_comm_s: float
-    selective_s: float  # forward compute that selective recompute re-runs
-    full_compute_s: float  # forward compute that full recompute re-runs (layers only)
-    full_comm_s: float  # forward tp communication that full recompute re-runs
+    recompute_s: tuple[float, ...]  # per recompute kind (`KINDS` order): forward compute it re-runs
+    full_comm_s: float  # forward tp communication a recomputed layer re-runs, whatever the kind
     params: float  # dense parameters per tp rank
     expert_params: float  # expert FFN weights per tp rank (ep divides them)
-    saved_bytes: float  # activations kept, recompute none
-    selective_bytes: float
-    checkpoint_bytes: float  # kept under full recompute
     is_layer: bool
     q_width: float = 0.0  # attention q features per tp rank (0: no attention)
     kv_width: float = 0.0
     moe_layers: int = 0
     moe_token_share: float = 1.0  # of the rank's tokens its MoE dispatches (1 / tp when tokens are split)
 
-    def compute_s(self, recompute: str) -> float:
-        extra = {"none": 0.0, "selective": self.selective_s, "full": self.full_compute_s}[recompute]
-        return self.fwd_compute_s + self.bwd_compute_s + extra
+    def compute_s(self, kind: str = "none") -> float:
+        """Forward and backward compute, with the forward a recompute kind re-runs ("none": this part is
+        not recomputed)."""
+        return self.fwd_compute_s + self.bwd_compute_s + self.recompute_s[list(KINDS).index(kind)]
 
-    def backward_s(self, recompute: str) -> float:
+    def backward_s(self, kind: str = "none") -> float:
         """The backward window (with the forward recomputed inside it)."""
-        return self.compute_s(recompute) - self.fwd_compute_s
+        return self.compute_s(kind) - self.fwd_compute_s
 
-    def comm_s(self, recompute: str) -> float:
-        return self.fwd_comm_s + self.bwd_comm_s + (self.full_comm_s if recompute == "full" else 0.0)
-
-    def activation_bytes(self, recompute: str) -> float:
-        return {"none": self.saved_bytes, "selective": self.selective_bytes, "full": self.checkpoint_bytes}[recompute]
-
-    def transient_bytes(self, recompute: str) -> float:
-        return self.saved_bytes if recompute == "full" and self.is_layer else 0.0
+    def comm_s(self, kind: str = "none") -> float:
+        return self.fwd_comm_s + self.bwd_comm_s + (self.full_comm_s if kind != "none" else 0.0)
 
 
 @dataclass
 class Tally:
-    """A part's parameters and activation bytes at the capture batch, batched (scaling) and fixed."""
+    """A part's parameters per tp rank (dense, expert)."""
 
     params: float = 0.0
     expert: float = 0.0
-    saved: list = field(default_factory=lambda: [0.0, 0.0])  # [batched, fixed]
-    selective: list = field(default_factory=lambda: [0.0, 0.0])
-    checkpoint: list = field(default_factory=lambda: [0.0, 0.0])
 
     def key(self) -> tuple:
-        return (self.params, self.expert, *self.saved, *self.selective, *self.checkpoint)
+        return (self.params, self.expert)
 
     @staticmethod
-    def at(pair: list, scale: float) -> float:
+    def at(pair, scale: float) -> float:
+        """[batched, fixed] bytes at `scale` times the capture batch."""
         return pair[0] * scale + pair[1]
+
+
+@dataclass(frozen=True)
+class ActivationTally:
+    """Held bytes [batched, fixed] at the capture batch for one run shape: per kind, of each distinct layer
+    recomputed under it (and its transient), and of the ends ("none")."""
+
+    layers: dict[str, tuple[tuple[list, list], ...]]  # kind -> per group: (held, transient)
+    pre: list
+    post: list
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,6 +112,16 @@ class SolutionParts:
     pre_tally: Tally
     post_tally: Tally
     boundary_bytes_per_sequence: float  # full bytes crossing a stage boundary, per sequence
+    _activations: dict = field(default_factory=dict, repr=False)
+
+    def activation_tally(self, context: int = 1, spread: bool = False) -> ActivationTally:
+        """What each part holds for backward when the run has a context group of `context` ranks and
+        (`spread`) MoE experts dispatched over an expert group (`cost_model.activations.RunShape`)."""
+        key = (context, spread)
+        if key not in self._activations:
+            self._activations[key] = _activation_tally(self.solution.activations(context, spread),
+                                                       [nodes[0].layer for nodes, _ in self.groups])
+        return self._activations[key]
 
 
 def _split(graph: "CapturedGraph") -> tuple[list, dict[int, list], list]:
@@ -151,41 +162,41 @@ def _tallies(graph: "CapturedGraph", sol: "TpSolution", part_of: Mapping[str, ob
         seen.update(name for name, _ in node.params)
         part.params += dense
         part.expert += expert
-    for t in sol.saved:
-        owner = t.layer if t.layer is not None else ("pre" if part_of.get(t.key.split(":")[0]) == "pre" else "post")
-        part, slot = tally.setdefault(owner, Tally()), 0 if t.batched else 1
-        part.saved[slot] += t.nbytes
-        part.selective[slot] += 0.0 if t.recomputable else t.nbytes
-    for key in ("pre", "post"):  # a model with no op outside its layers after them has an empty "post"
-        part = tally.setdefault(key, Tally())
-        part.checkpoint = list(part.saved)
     return tally
 
 
-def _checkpoints(graph: "CapturedGraph", sol: "TpSolution", layers: dict[int, list], tally: dict) -> float:
-    """Fill each layer's checkpoint: tensors it reads from outside itself; return the largest batched set
-    of full bytes per sequence (what crosses a stage boundary)."""
+def _boundary(graph: "CapturedGraph", layers: dict[int, list]) -> float:
+    """The largest batched set of full bytes per sequence a layer reads from outside itself (what
+    crosses a stage boundary)."""
     layer_of = {n.name: n.layer for n in graph.nodes}
     boundary = 0.0
     for i, nodes in layers.items():
         seen, full = set(), 0.0
-        checkpoint = tally.setdefault(i, Tally()).checkpoint
         for node in nodes:
             for producer, meta in zip(node.inputs, node.input_metas):
                 if layer_of[producer] == i or producer in seen:
                     continue
                 seen.add(producer)
-                batched = is_batched(meta, graph.batch_size)
-                checkpoint[0 if batched else 1] += local_nbytes(meta.nbytes, sol.strategies[producer].output, sol.tp)
-                full += meta.nbytes / graph.batch_size if batched else 0.0
+                full += meta.nbytes / graph.batch_size if is_batched(meta, graph.batch_size) else 0.0
         boundary = max(boundary, full)
     return boundary
 
 
-def _signature(nodes: list["NodeInfo"], strategies: Mapping[str, Strategy], tally: Tally) -> tuple:
-    """Equal signatures, equal costs: ops, sizes, strategies, the placements each node reads, tallies."""
+def _activation_tally(acts: Activations, representatives: list[int]) -> ActivationTally:
+    """`Activations.held` under every kind, for the representative layer of each group and the ends."""
+    none, _ = acts.held("none")
+    layers = {}
+    for kind in KINDS:
+        kept, transient = acts.held(kind) if kind != "none" else (none, {})
+        layers[kind] = tuple((kept[i], transient.get(i, [0.0, 0.0])) for i in representatives)
+    return ActivationTally(layers, none["pre"], none["post"])
+
+
+def _signature(nodes: list["NodeInfo"], strategies: Mapping[str, Strategy], tally: Tally, held: tuple) -> tuple:
+    """Equal signatures, equal costs: ops, sizes, strategies, the placements each node reads, tallies and
+    the bytes held under each recompute kind."""
     return tuple((n.op_kind, n.target, n.fwd_flops, n.bwd_flops, n.fwd_bytes, n.bwd_bytes, strategies[n.name].name,
-                  tuple(strategies[p].output for p in n.inputs)) for n in nodes) + tally.key()
+                  tuple(strategies[p].output for p in n.inputs)) for n in nodes) + tally.key() + held
 
 
 def solution_parts(graph: "CapturedGraph", sol: "TpSolution") -> SolutionParts:
@@ -193,17 +204,23 @@ def solution_parts(graph: "CapturedGraph", sol: "TpSolution") -> SolutionParts:
     part_of: dict[str, object] = {n.name: "pre" for n in pre} | {n.name: "post" for n in post}
     part_of |= {n.name: i for i, nodes in layers.items() for n in nodes}
     tally = _tallies(graph, sol, part_of)
-    boundary = _checkpoints(graph, sol, layers, tally)
+    boundary = _boundary(graph, layers)
+    held = _activation_tally(sol.activations(), sorted(layers))
     groups: dict[tuple, int] = {}
     members, index = [], []
-    for i in sorted(layers):
-        key = _signature(layers[i], sol.strategies, tally[i])
+    for k, i in enumerate(sorted(layers)):
+        by_kind = tuple(tuple(map(tuple, held.layers[kind][k])) for kind in KINDS)
+        key = _signature(layers[i], sol.strategies, tally.setdefault(i, Tally()), by_kind)
         if key not in groups:
             groups[key] = len(members)
             members.append((tuple(layers[i]), tally[i]))
         index.append(groups[key])
-    return SolutionParts(sol, tuple(pre), tuple(post), tuple(members), np.array(index, dtype=np.int64),
-                         tally["pre"], tally["post"], boundary)
+    parts = SolutionParts(sol, tuple(pre), tuple(post), tuple(members), np.array(index, dtype=np.int64),
+                          tally["pre"], tally["post"], boundary)
+    first = [index.index(g) for g in range(len(members))]  # each group's first layer, among sorted(layers)
+    parts._activations[(1, False)] = ActivationTally(
+        {kind: tuple(held.layers[kind][k] for k in first) for kind in KINDS}, held.pre, held.post)
+    return parts
 
 
 def _attention_widths(nodes, strategies: Mapping[str, Strategy], tp: int) -> tuple[float, float]:
@@ -219,11 +236,11 @@ def _part(graph: "CapturedGraph", nodes, sol: "TpSolution", ctx: CostContext, ta
     q_width, kv_width = _attention_widths(nodes, sol.strategies, sol.tp)
     moe = [n for n in nodes if n.op_kind == "moe"]
     share = (1.0 / sol.tp) if moe and isinstance(sol.strategies[moe[0].name].inputs[0].placement, Shard) else 1.0
-    scale = ctx.batch_scale
-    return PartCost(cost.fwd_compute_s, cost.bwd_compute_s, cost.fwd_comm_s, cost.bwd_comm_s,
-                    cost.selective_fwd_compute_s, cost.layer_fwd_compute_s if is_layer else 0.0,
+    saved = dict(cost.layer_saved_fwd_s)
+    recompute = tuple(0.0 if kind == "none" or not is_layer else
+                      cost.layer_fwd_compute_s - sum(saved.get(f, 0.0) for f in KINDS[kind]) for kind in KINDS)
+    return PartCost(cost.fwd_compute_s, cost.bwd_compute_s, cost.fwd_comm_s, cost.bwd_comm_s, recompute,
                     cost.layer_fwd_comm_s if is_layer else 0.0, tally.params, tally.expert,
-                    Tally.at(tally.saved, scale), Tally.at(tally.selective, scale), Tally.at(tally.checkpoint, scale),
                     is_layer, q_width, kv_width, len(moe), share)
 
 
@@ -241,6 +258,8 @@ class BlockCosts:
     post: PartCost
     boundary_full_bytes: float  # the tensors crossing a stage boundary, unsharded, per microbatch
     comm_buffer_bytes: float  # the largest tp collective buffer at this microbatch
+    parts: SolutionParts | None = None
+    scale: float = 1.0  # this microbatch / the capture batch
     _arrays: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -251,27 +270,46 @@ class BlockCosts:
     def num_layers(self) -> int:
         return int(self.index.shape[0])
 
+    def kinds(self, recompute: str) -> list[str]:
+        """Per layer, the recompute kind it runs under ("none" where the policy leaves it alone)."""
+        policy = recompute_policy(recompute)
+        return [policy.kind if policy.recomputes(i, self.num_layers) else "none" for i in range(self.num_layers)]
+
     def total_s(self, recompute: str) -> float:
         """One microbatch's seconds over every part (equals the intra-op objective with no recompute)."""
-        counts = np.bincount(self.index, minlength=len(self.distinct))
-        layers = sum(c * (p.compute_s(recompute) + p.comm_s(recompute)) for c, p in zip(counts, self.distinct))
-        return float(layers) + sum(p.compute_s(recompute) + p.comm_s(recompute) for p in (self.pre, self.post))
+        a = self.arrays(recompute)
+        ends = sum(p.compute_s() + p.comm_s() for p in (self.pre, self.post))
+        return float(a["compute"].sum() + a["comm"].sum()) + ends
 
     def arrays(self, recompute: str) -> dict[str, np.ndarray]:
         """Per-layer arrays of what the step model sums, for one recompute policy."""
         if recompute not in self._arrays:
+            kinds = self.kinds(recompute)
+            layers = [(self.distinct[g], kind) for g, kind in zip(self.index, kinds)]
             per = {
-                "compute": [p.compute_s(recompute) for p in self.distinct],
-                "comm": [p.comm_s(recompute) for p in self.distinct],
-                "forward": [p.fwd_compute_s for p in self.distinct],
-                "backward": [p.backward_s(recompute) for p in self.distinct],
-                "activation": [p.activation_bytes(recompute) for p in self.distinct],
-                "transient": [p.transient_bytes(recompute) for p in self.distinct],
-                "params": [p.params for p in self.distinct],
-                "expert": [p.expert_params for p in self.distinct],
+                "compute": [p.compute_s(kind) for p, kind in layers],
+                "comm": [p.comm_s(kind) for p, kind in layers],
+                "forward": [p.fwd_compute_s for p, _ in layers],
+                "backward": [p.backward_s(kind) for p, kind in layers],
+                "params": [p.params for p, _ in layers],
+                "expert": [p.expert_params for p, _ in layers],
             }
-            self._arrays[recompute] = {k: np.array(v, dtype=np.float64)[self.index] for k, v in per.items()}
+            self._arrays[recompute] = {k: np.array(v, dtype=np.float64) for k, v in per.items()}
         return self._arrays[recompute]
+
+    def activations(self, recompute: str, context: int = 1, spread: bool = False) -> dict:
+        """Bytes held for backward at this microbatch: per layer ("activation"), per layer while it is
+        re-run ("transient"), and the two ends ("pre", "post"), for a run with a context group of
+        `context` ranks and MoE experts `spread` over an expert group."""
+        key = (recompute, context, spread)
+        if key not in self._arrays:
+            tally = self.parts.activation_tally(context, spread)
+            held = [tally.layers[kind][g] for g, kind in zip(self.index, self.kinds(recompute))]
+            self._arrays[key] = {
+                "activation": np.array([Tally.at(kept, self.scale) for kept, _ in held], dtype=np.float64),
+                "transient": np.array([Tally.at(t, self.scale) for _, t in held], dtype=np.float64),
+                "pre": Tally.at(tally.pre, self.scale), "post": Tally.at(tally.post, self.scale)}
+        return self._arrays[key]
 
 
 def block_costs(graph: "CapturedGraph", parts: SolutionParts, ctx: CostContext, variant: str,
@@ -283,4 +321,4 @@ def block_costs(graph: "CapturedGraph", parts: SolutionParts, ctx: CostContext, 
                       distinct, parts.index, _part(graph, parts.post, sol, ctx, parts.post_tally, False),
                       parts.boundary_bytes_per_sequence * float(microbatch),
                       largest_comm_buffer_bytes(graph, sol.strategies, sol.tp, float(microbatch),
-                                                sol.comm_lines or None))
+                                                sol.comm_lines or None), parts, ctx.batch_scale)

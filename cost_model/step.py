@@ -141,6 +141,8 @@ class _Times:
     pre_s: float
     post_s: float
     total_s: float
+    transient: np.ndarray  # per layer: held while backward re-runs it (0 where it is not recomputed)
+    ends_bytes: tuple[float, float]  # activations of the parts before and after the layers
 
 
 @dataclass
@@ -203,15 +205,17 @@ class StepModel:
     def times(self, block: BlockCosts, cfg: Config) -> _Times:
         key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg))
         if key not in self._times:
-            a, r = block.arrays(cfg.recompute), cfg.recompute
+            a = block.arrays(cfg.recompute)
+            held = block.activations(cfg.recompute, cfg.context_parallel, cfg.mesh.expert_parallel > 1)
             comm = a["comm"]
             if cfg.context_parallel > 1 or cfg.mesh.expert_parallel > 1:
                 comm = comm + np.array([self._extra_comm_s(block, cfg, p) for p in block.distinct])[block.index]
             time = a["compute"] + comm
-            ends = [p.compute_s(r) + p.comm_s(r) for p in (block.pre, block.post)]
+            ends = [p.compute_s() + p.comm_s() for p in (block.pre, block.post)]  # never recomputed
             prefix = {"time": _prefix(time), "compute": _prefix(a["compute"]), "forward": _prefix(a["forward"]),
-                      "backward": _prefix(a["backward"]), "activation": _prefix(a["activation"])}
-            self._times[key] = _Times(time, prefix, ends[0], ends[1], float(time.sum()) + sum(ends))
+                      "backward": _prefix(a["backward"]), "activation": _prefix(held["activation"])}
+            self._times[key] = _Times(time, prefix, ends[0], ends[1], float(time.sum()) + sum(ends),
+                                      held["transient"], (held["pre"], held["post"]))
         return self._times[key]
 
     def _split_states(self, dense, expert, cfg: Config):
@@ -248,13 +252,13 @@ class StepModel:
         return self._problem(block, cfg, self.times(block, cfg), self.states(block, cfg))
 
     def _problem(self, block: BlockCosts, cfg: Config, t: _Times, st: _States) -> StageProblem:
-        pp, m, v, r = cfg.pp, cfg.num_microbatches, cfg.virtual_stages, cfg.recompute
-        a = block.arrays(r)
+        pp, m, v = cfg.pp, cfg.num_microbatches, cfg.virtual_stages
         boundary = block.boundary_full_bytes / cfg.tp  # Megatron's scatter / gather: 1 / tp of it per rank
         p2p = p2p_per_microbatch_s(boundary, self.env.cluster, cfg.mesh, v, self.env.efficiency.collective_call_s)
-        first = Part(t.pre_s, sum(st.pre[2:]), block.pre.activation_bytes(r), block.pre.transient_bytes(r))
-        last = Part(t.post_s, sum(st.post[2:]), block.post.activation_bytes(r), block.post.transient_bytes(r))
-        return StageProblem(t.time, st.static, a["activation"], a["transient"],
+        first = Part(t.pre_s, sum(st.pre[2:]), t.ends_bytes[0])
+        last = Part(t.post_s, sum(st.post[2:]), t.ends_bytes[1])
+        activation = np.diff(t.prefix["activation"])
+        return StageProblem(t.time, st.static, activation, t.transient,
                             np.array([in_flight_microbatches(s, pp, m, v) for s in range(pp)]),
                             self.env.memory_limit_bytes, first, last, np.full(pp, p2p), np.full(pp, st.temporary),
                             np.array(stage_min_layers(pp, v)))
@@ -318,24 +322,20 @@ class StepModel:
     def _stage_sums(self, block: BlockCosts, cfg: Config, t: _Times, st: _States, problem: StageProblem, stage: int,
                     ranges: list[tuple[int, int]]) -> dict[str, float]:
         """Seconds, parameters and bytes of one stage, from prefix sums over its layer ranges and its ends."""
-        r = cfg.recompute
-        ends = [(p, e) for p, e, here in ((block.pre, st.pre, stage == 0), (block.post, st.post, stage == cfg.pp - 1))
-                if here]
+        ends = [(p, e, held) for p, e, held, here in ((block.pre, st.pre, t.ends_bytes[0], stage == 0),
+                                                     (block.post, st.post, t.ends_bytes[1], stage == cfg.pp - 1)) if here]
         sums = {k: float(sum(v[b] - v[a] for a, b in ranges)) for k, v in (*t.prefix.items(), *st.prefix.items())}
-        for p, e in ends:
+        for p, e, held in ends:
             sums["dense"] += e[0]
             sums["expert"] += e[1]
             sums["weights"] += e[2]
             sums["grads"] += e[3]
             sums["optimizer"] += e[4]
-            sums["activation"] += p.activation_bytes(r)
-            sums["compute"] += p.compute_s(r)
+            sums["activation"] += held
+            sums["compute"] += p.compute_s()
             sums["forward"] += p.fwd_compute_s
-            sums["backward"] += p.backward_s(r)
-        transient = 0.0
-        if r == "full":
-            transient = max([float(problem.layer_transient_bytes[a:b].max()) for a, b in ranges if b > a]
-                            + [p.transient_bytes(r) for p, _ in ends])
+            sums["backward"] += p.backward_s()
+        transient = max([float(problem.layer_transient_bytes[a:b].max()) for a, b in ranges if b > a] + [0.0])
         activations = float(problem.in_flight[stage]) * sums["activation"] + transient
         shard = cfg.data_ranks if cfg.zero_stage >= 1 else 1
         opt_bytes = (2 * self.state.optimizer + self.state.grad + self.state.weight) * (sums["dense"] + sums["expert"]) / shard

@@ -11,7 +11,8 @@ from fractions import Fraction
 from functools import cached_property
 
 from autoplan.mesh import DEFAULT_ORDER, MeshShape
-from autoplan.validity import RECOMPUTE_POLICIES, SCHEDULE_1F1B
+from autoplan.recompute_policy import recompute_policy
+from autoplan.validity import SCHEDULE_1F1B
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 MESH_FIELDS = frozenset(f.name for f in dataclasses.fields(MeshShape))
@@ -72,7 +73,7 @@ class Config:
     def sort_key(self) -> tuple:
         """Deterministic order between configurations of equal step time (simpler ones first)."""
         return (self.pp, self.tp, self.cp, self.ep, self.microbatch_size, self.zero_stage,
-                RECOMPUTE_POLICIES.index(self.recompute), self.schedule, self.virtual_stages,
+                recompute_policy(self.recompute).sort_key(), self.schedule, self.virtual_stages,
                 self.order != DEFAULT_ORDER, self.order, self.etp != self.tp, self.ep_as != "dp")
 
     def describe(self) -> str:

@@ -175,12 +175,13 @@ def _from_dim0(out: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def split_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    """This rank's contiguous 1/n slice of x along `dim` (no communication, no autograd)."""
+    """This rank's 1/n slice of x along `dim`, as a fresh contiguous tensor (no communication, no
+    autograd): a view would keep all of x alive wherever the slice is saved for backward."""
     n = group_size(group)
     if n == 1:
         return x
     _check_divisible(x, dim, n)
-    return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
+    return x.chunk(n, dim=dim)[group_rank(group)].clone(memory_format=torch.contiguous_format)
 
 
 def all_to_all_dim(x: torch.Tensor, src_dim: int, dst_dim: int, group: Group) -> torch.Tensor:

@@ -29,8 +29,9 @@ rank runs:
                               group (ep, or ep x tp / etp when etp < tp) when it has more than one rank
     1 < etp < tp, moe:        fwd 2 all-gathers (row counts, rows) + 1 reduce-scatter (partial
                               outputs), bwd 1 all-gather + 1 reduce-scatter, on the expert_tp group
-    recompute "full":         every forward collective of a layer's nodes once more in backward
-                              ("selective" regions hold no collectives)
+    recomputed layers:        every forward collective of the layer's nodes once more in backward,
+                              whatever the policy saves (`autoplan.recompute_policy`: collectives
+                              are never saved)
 
 Per step: the above times num_microbatches; one all-reduce of the dense gradients over the data
 ranks (dp x ep x cp) and one of the expert gradients over dp x cp, whatever etp and ep_as (when those groups
@@ -57,6 +58,7 @@ from autoplan.models import build_model
 from autoplan.models.config import ModelConfig
 from autoplan.placement import Replicate
 from autoplan.plan import Plan
+from autoplan.recompute_policy import recompute_policy
 from autoplan.runtime.groups import GROUP_AXES, kind_axes
 from autoplan.runtime.pipeline import stage_walk
 from autoplan.runtime.rewrite import resolve_strategies
@@ -138,6 +140,7 @@ def expected_collectives(plan: Plan, config: ModelConfig, pp_index: int = 0,
     mine = {s.chunk * mesh.pp + s.stage for s in plan.stages if s.stage == pp_index}
     grad = _needs_grad(graph)
     names = {k: group_name(mesh, k) for k in GROUP_AXES}
+    policy = recompute_policy(plan.recompute)
     per_microbatch: Collectives = Counter()
     converted: set[tuple] = set()
 
@@ -149,7 +152,7 @@ def expected_collectives(plan: Plan, config: ModelConfig, pp_index: int = 0,
         if node.op_kind in ("placeholder", "output"):
             continue
         local = stages[node.name] in mine
-        recomputed = 2 if plan.recompute == "full" and node.layer is not None else 1
+        recomputed = 2 if policy.recomputes(node.layer, config.num_layers) else 1
         strategy = strategies[node.name]
         if mesh.tp > 1:
             fwd, bwd = _op_collectives(node, strategy)

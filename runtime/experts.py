@@ -49,27 +49,27 @@ from __future__ import annotations
 
 import torch
 
-from autoplan.models.layers import swiglu
 from autoplan.runtime.collectives import (all_gather_dim, all_to_all_uneven, exchange,
                                           gather_rows_uneven, group_size,
                                           reduce_scatter_rows_uneven)
-from autoplan.runtime.kernels import (Routing, moe_permute, moe_routing, moe_unpermute, silu_mul,
-                                      use_triton)
+from autoplan.runtime.kernels import Routing, moe_permute, moe_routing, moe_unpermute, silu_mul
 
 
 def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                   backend: str = "auto") -> torch.Tensor:
-    """(silu(x @ w_gate) * (x @ w_up)) @ w_down for one expert's rows x (M, h); the activation is
-    the fused silu_mul kernel where `backend` resolves to Triton, else `layers.swiglu` itself."""
-    if not use_triton(x.device, backend):
-        return swiglu(x, w_gate, w_up, w_down)
-    return silu_mul(x @ w_gate, x @ w_up, backend="triton") @ w_down
+    """(silu(x @ w_gate) * (x @ w_up)) @ w_down for one expert's rows x (M, h), the activation by
+    `kernels.silu_mul` (the kernel, or its torch path): the values of `layers.swiglu`, keeping the
+    gate and up projections and their product for backward, not silu's output too."""
+    return silu_mul(x @ w_gate, x @ w_up, backend=backend) @ w_down
 
 
 def grouped_swiglu(rows: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor,
                    w_up: torch.Tensor, w_down: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """rows (M, h) grouped by expert, counts[e] of them for expert e (E,): each run through its
-    expert's SwiGLU (E = w_gate.shape[0]; every expert runs, on zero rows too); (M, h)."""
+    expert's SwiGLU (E = w_gate.shape[0]; every expert runs, on zero rows too); (M, h). Under
+    autocast the rows are cast once here, not by each of the gate and up GEMMs."""
+    if torch.is_autocast_enabled(rows.device.type) and rows.is_floating_point():
+        rows = rows.to(torch.get_autocast_dtype(rows.device.type))
     runs = rows.split(counts.tolist())
     return torch.cat([expert_swiglu(run, w_gate[e], w_up[e], w_down[e], backend)
                       for e, run in enumerate(runs)])

@@ -74,8 +74,28 @@ class KernelMoEFeedForward(MoEFeedForward):
                                  self.kernels).view(x.shape)
 
 
+class RopeTables:
+    """The cos and sin tables RoPE needs, per (T, d, theta, device), made on first use and shared by
+    every attention module of one program: made once, not once per layer and forward (each layer's
+    own tables would be new tensors kept for its backward)."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, seq_len: int, head_dim: int, theta: float, device: torch.device
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (seq_len, head_dim, theta, str(device))
+        if key not in self._made:
+            with torch.no_grad():  # constants: no graph, in or out of a recomputed region
+                self._made[key] = rope_cos_sin(seq_len, head_dim, theta, device)
+        return self._made[key]
+
+
 class KernelCausalAttention(CausalAttention):
-    """CausalAttention with the RoPE kernel (the model's forward calls layers.apply_rope)."""
+    """CausalAttention with the RoPE kernel (the model's forward calls layers.apply_rope) on the
+    program's shared `RopeTables`, and k, v at the kv heads' width (SDPA's enable_gqa)."""
+
+    rope_tables: RopeTables
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, T, _ = q.shape
@@ -85,17 +105,18 @@ class KernelCausalAttention(CausalAttention):
         if q.shape[1] % k.shape[1]:
             raise ConfigError(f"local q heads {q.shape[1]} not divisible by local kv heads "
                               f"{k.shape[1]}; shard q and kv heads by the same degree")
-        cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, q.device)
+        cos, sin = self.rope_tables.get(T, self.head_dim, self.rope_theta, q.device)
         backend = on(q, self.kernels)
         q, k = K.apply_rope(q, cos, sin, backend), K.apply_rope(k, cos, sin, backend)
-        n_rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, Hq, T, d)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=k.shape[1] != q.shape[1])  # (B, Hq, T, d)
         return y.transpose(1, 2).reshape(B, T, -1)
 
 
-def kernel_module(module: nn.Module, backend: str) -> nn.Module:
-    """The kernel-backed module of a leaf (its parameters, shared), or `module` itself."""
+def kernel_module(module: nn.Module, backend: str, rope_tables: RopeTables | None = None
+                  ) -> nn.Module:
+    """The kernel-backed module of a leaf (its parameters, shared), or `module` itself;
+    `rope_tables`: the program's shared tables (None: the module's own)."""
     kind = type(module)
     if kind is nn.LayerNorm and module.elementwise_affine and len(module.normalized_shape) == 1:
         new = KernelLayerNorm(module.normalized_shape, module.eps, bias=module.bias is not None,
@@ -107,6 +128,7 @@ def kernel_module(module: nn.Module, backend: str) -> nn.Module:
     elif kind is CausalAttention and module.rope:
         new = KernelCausalAttention(module.heads, module.kv_heads, module.head_dim, True,
                                     module.max_seq, module.rope_theta)
+        new.rope_tables = rope_tables if rope_tables is not None else RopeTables()
     elif kind is LMLoss:
         new = KernelLMLoss()
     elif kind is MoEFeedForward:

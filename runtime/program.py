@@ -74,6 +74,8 @@ class RankProgram(nn.Module):
         self.plan, self.seed, self.device = plan, seed, device
         self.mesh_rank, self.global_rank_of = mesh_rank, global_rank_of
         self.strategies = rewritten.strategies
+        self.recompute_policy = rewritten.recompute  # the plan's, as applied (runtime.recompute)
+        self.recomputed_layers = rewritten.recomputed_layers
         self.groups = groups  # a plain dict: not submodules
         self.all_layouts = rewritten.params
         self.pipeline = None

@@ -1,46 +1,111 @@
-"""Activation recomputation as the plan says, by moving regions of the graph into checkpointed
-sub-GraphModules.
+"""Activation recomputation as the plan's policy says (`autoplan.recompute_policy`): each recomputed
+transformer layer becomes one region of the graph, run under torch's selective activation
+checkpointing with the policy's choice of what to save.
 
-    "full"       one region per transformer layer: every node of layer i (the capture's
+    regions      the layers `policy.recomputed_layers(L)`: every node of layer i (the capture's
                  `NodeInfo.layer`, or `meta["layer"]` for nodes the runtime inserted, such as the
                  tensor-parallel conversions, which belong to the node they feed)
-    "selective"  the plan's `recompute_nodes`, the ops the cost model priced as recomputed
-                 (written by the planner from `cost_model.memory.selective_recompute_nodes`: attention
-                 cores and the pointwise ops that keep their own inputs), one region per (layer,
-                 enclosing module):
-                 the attention core; the MLP's activation and gating product
-    "none"       nothing
+    per region   recompute(self.recompute_<layer>_<i>, *inputs, saves=(families...)), placed where
+                 the region's last node was:
+                     torch.utils.checkpoint.checkpoint(region, *inputs, use_reentrant=False,
+                         context_fn=save_contexts(saves))
+                 under set_checkpoint_early_stop(False): torch's selective checkpointing, whose
+                 backward side `ReplaySaved` consults only for the saved families' ops. Forward keeps the region's inputs and the
+                 outputs of the ops whose family (`aten_op_family`) the policy saves; backward
+                 re-runs the whole region (its collectives too, in the same order on every rank),
+                 taking the saved outputs from the cache, and then differentiates it.
 
-A region R becomes `recompute(self.recompute_<layer>_<i>, *inputs)`, placed where R's last node was,
-with `recompute(region, *args) = torch.utils.checkpoint.checkpoint(region, *args,
-use_reentrant=False)` under `set_checkpoint_early_stop(False)`: forward keeps only the region's
-inputs; backward re-runs the whole region (its collectives too, in the same order on every rank)
-and then differentiates it. The ops and their order are unchanged, so the numbers equal those
-without recomputation (bit for bit, as tests/test_runtime_recompute.py checks).
+The ops and their order are unchanged, so the numbers equal those without recomputation (bit for bit,
+as tests/test_runtime_recompute.py checks). `observe_recompute()` counts the decisions the policy
+functions make, by (family, saved), so a test can check that the run applied the plan's policy.
 
-R may move as one call only if no node outside R that runs before R's last node uses a value of R;
-candidates are grown node by node in graph order and cut where that would break.
+A region may move as one call only if no node outside it that runs before its last node uses one
+of its values; a layer is cut into the longest runs in graph order that can (the zoo's layers are
+one run each).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import operator
+from collections import Counter
+from collections.abc import Iterator
 
 import torch.fx as fx
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts,
+                                    set_checkpoint_early_stop)
 
 from autoplan.capture import NodeInfo
-from autoplan.errors import PlanError
+from autoplan.recompute_policy import RecomputePolicy, aten_op_family
 
 SKIPPED_OPS = ("placeholder", "output", "get_attr")
 
+# The open observation: a Counter of (family, saved) -> ops; None when nobody observes.
+_OBSERVED: contextvars.ContextVar[Counter | None] = contextvars.ContextVar(
+    "autoplan_recompute_observed", default=None)
 
-def recompute(region: fx.GraphModule, *args):
-    """Run `region` keeping only its inputs for backward (non-reentrant checkpoint). The whole
-    region is re-run (early_stop=False), as the cost model prices it and as runtime.counting
-    predicts its collectives; stopping early would skip a layer's trailing ops."""
+
+@contextlib.contextmanager
+def observe_recompute() -> Iterator[Counter]:
+    """Count the save / recompute decisions of every recomputed region run inside the block, as
+    {(family, saved): ops} over the forward ops of the regions."""
+    seen: Counter = Counter()
+    token = _OBSERVED.set(seen)
+    try:
+        yield seen
+    finally:
+        _OBSERVED.reset(token)
+
+
+class SavePolicy:
+    """The policy function of torch's selective checkpointing: save the outputs of the ops whose
+    family is in `saves`, recompute the rest (`PREFER_RECOMPUTE`, as plain checkpointing does)."""
+
+    def __init__(self, saves: frozenset[str]) -> None:
+        self.saves = saves
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        family = aten_op_family(str(op.overloadpacket))
+        saved = family in self.saves
+        observed = _OBSERVED.get()
+        if observed is not None and not ctx.is_recompute:
+            observed[(family, saved)] += 1
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class ReplaySaved(TorchDispatchMode):
+    """Backward's side of selective checkpointing, consulted only for the ops of the saved families;
+    every other op re-runs as it comes. torch's own side counts every op and refuses a re-run whose
+    count of some op differs from forward's, which FSDP2 causes: re-running a region it issues more
+    or fewer bookkeeping ops (record_function, copies) than the first run did."""
+
+    def __init__(self, cached: TorchDispatchMode, saves: frozenset[str]) -> None:
+        super().__init__()
+        self.cached, self.saves = cached, saves
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if aten_op_family(str(func.overloadpacket)) in self.saves:
+            return self.cached.__torch_dispatch__(func, types, args, kwargs)
+        return func(*args, **(kwargs or {}))
+
+
+def save_contexts(saves: frozenset[str]) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+    """The (forward, recompute) contexts of a region saving the `saves` families' outputs."""
+    caching, cached = create_selective_checkpoint_contexts(SavePolicy(saves))
+    return caching, ReplaySaved(cached, saves)
+
+
+def recompute(region: fx.GraphModule, *args, saves: tuple[str, ...] = ()):
+    """Run `region` keeping its inputs and the outputs of the `saves` families' ops for backward
+    (non-reentrant selective checkpoint). The whole region is re-run (early_stop=False), as the cost
+    model prices it and as runtime.counting predicts its collectives."""
+    contexts = functools.partial(save_contexts, frozenset(saves))
     with set_checkpoint_early_stop(False):  # the context manager exists in every torch we support
-        return checkpoint(region, *args, use_reentrant=False)
+        return checkpoint(region, *args, use_reentrant=False, context_fn=contexts)
 
 
 def node_layer(node: fx.Node, infos: dict[str, NodeInfo]) -> int | None:
@@ -50,32 +115,21 @@ def node_layer(node: fx.Node, infos: dict[str, NodeInfo]) -> int | None:
     return info.layer if info is not None else node.meta.get("layer")
 
 
-def apply_recompute(gm: fx.GraphModule, policy: str, infos: dict[str, NodeInfo],
-                    recompute_nodes: tuple[str, ...]) -> int:
-    """Move the regions of `policy` into checkpointed submodules; returns how many."""
-    if policy == "none":
-        return 0
-    if policy not in ("full", "selective"):
-        raise PlanError(f"recompute policy {policy!r} must be 'none', 'selective' or 'full'")
-    candidates: dict[tuple, list[fx.Node]] = {}
-    if policy == "full":
-        for node in gm.graph.nodes:
-            layer = node_layer(node, infos)
-            if node.op not in SKIPPED_OPS and layer is not None:
-                candidates.setdefault((layer,), []).append(node)
-    else:
-        chosen = set(recompute_nodes)  # the plan's: what the cost model priced as recomputed
-        for node in gm.graph.nodes:
-            if node.name in chosen:
-                info = infos[node.name]
-                candidates.setdefault((info.layer, info.module_path), []).append(node)
-    per_layer: dict[int | None, int] = {}
-    for key, nodes in candidates.items():
-        for region in _valid_regions(nodes):
-            index = per_layer[key[0]] = per_layer.get(key[0], -1) + 1
-            _extract(gm, region, f"recompute_{key[0]}_{index}", key[0])
+def apply_recompute(gm: fx.GraphModule, policy: RecomputePolicy, infos: dict[str, NodeInfo],
+                    num_layers: int) -> tuple[int, ...]:
+    """Move each layer `policy` recomputes into checkpointed regions; returns those layers."""
+    layers = set(policy.recomputed_layers(num_layers))
+    candidates: dict[int, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        layer = node_layer(node, infos)
+        if node.op not in SKIPPED_OPS and layer in layers:
+            candidates.setdefault(layer, []).append(node)
+    saves = tuple(sorted(policy.saves))
+    for layer, nodes in candidates.items():
+        for index, region in enumerate(_valid_regions(nodes)):
+            _extract(gm, region, f"recompute_{layer}_{index}", layer, saves)
     gm.graph.lint()
-    return sum(n + 1 for n in per_layer.values())
+    return tuple(sorted(candidates))
 
 
 def _valid_regions(nodes: list[fx.Node]) -> list[list[fx.Node]]:
@@ -95,7 +149,8 @@ def _movable(region: list[fx.Node], position: dict[fx.Node, int]) -> bool:
     return all(position[user] > last for n in region for user in n.users if user not in inside)
 
 
-def _extract(gm: fx.GraphModule, region: list[fx.Node], name: str, layer: int | None) -> None:
+def _extract(gm: fx.GraphModule, region: list[fx.Node], name: str, layer: int,
+             saves: tuple[str, ...]) -> None:
     inside = set(region)
     inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes
                                 if a not in inside and a.op != "get_attr"))
@@ -113,7 +168,7 @@ def _extract(gm: fx.GraphModule, region: list[fx.Node], name: str, layer: int | 
     with graph.inserting_after(region[-1]):
         module = graph.get_attr(name)
     with graph.inserting_after(module):
-        call = graph.create_node("call_function", recompute, (module, *inputs),
+        call = graph.create_node("call_function", recompute, (module, *inputs), {"saves": saves},
                                  name=f"{name}_out")
     results = [call]
     if len(outputs) > 1:

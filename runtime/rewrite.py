@@ -31,10 +31,11 @@
    sequence over tp (step 3 slices a replicated input and all-gathers the output where the next op
    wants it whole), so each tp rank dispatches its own 1/tp of the tokens; each expert's FFN is
    split over the etp ranks of the "expert_tp" group (whole when etp = 1).
-6. The fused kernels of runtime.kernels (runtime.kernel_ops) for norms, RoPE, the loss and the
+6. Under mixed precision, one cast of each tensor that several linears of a layer read
+   (runtime.casts). The fused kernels of runtime.kernels (runtime.kernel_ops) for norms, RoPE, the loss and the
    MLP activations, on the backend `plan.kernels` names ("auto": Triton on CUDA, torch on CPU).
-7. Recomputation as the plan says (runtime.recompute): "full" wraps each layer's subgraph, "selective"
-   the attention cores and pointwise ops, in torch.utils.checkpoint.
+7. Recomputation as the plan's policy says (runtime.recompute): each recomputed layer's subgraph in
+   torch's selective activation checkpointing, saving the outputs of the op families the policy names.
 
 The result prints as Python: `print(rewritten.graph_module.code)`.
 """
@@ -53,10 +54,12 @@ from autoplan.errors import PlanError
 from autoplan.models.config import ModelConfig
 from autoplan.placement import Partial, Placement, Replicate, Shard
 from autoplan.plan import Plan
+from autoplan.recompute_policy import RecomputePolicy, recompute_policy
 from autoplan.runtime import collectives as C
+from autoplan.runtime.casts import share_casts
 from autoplan.runtime.context import apply_context_parallel
 from autoplan.runtime.groups import RankGroup
-from autoplan.runtime.kernel_ops import apply_kernels, kernel_module
+from autoplan.runtime.kernel_ops import RopeTables, apply_kernels, kernel_module
 from autoplan.runtime.modules import (GradSummed, ParallelMoE, RowParallelLinear,
                                       SequenceParallelLoss, VocabParallelEmbedding,
                                       VocabParallelLoss)
@@ -143,7 +146,8 @@ class Rewritten:
     strategies: dict[str, Strategy]  # by node name
     infos: dict[str, NodeInfo] = field(default_factory=dict)  # the capture's, by node name
     module_targets: tuple[str, ...] = ()  # call_module targets, in graph order (FSDP units)
-    regions: int = 0  # recompute regions
+    recompute: RecomputePolicy = RecomputePolicy("none")  # the policy applied (the plan's)
+    recomputed_layers: tuple[int, ...] = ()  # the layers run as recomputed regions
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -170,12 +174,12 @@ def rewrite(model: nn.Module, config: ModelConfig, plan: Plan,
     strategies = resolve_strategies(plan, captured.nodes)
     params: dict[str, ParamLayout] = {}
     planned = {p.name: dict(p.placements) for p in plan.params}
-    targets = []
+    targets, rope_tables = [], RopeTables()
     for node in gm.graph.nodes:
         if node.op == "call_module":
             targets.append(node.target)
             current = gm.get_submodule(node.target)
-            original = kernel_module(current, plan.kernels)
+            original = kernel_module(current, plan.kernels, rope_tables)
             expert = experts.size > 1 and infos[node.name].op_kind == "moe"
             params.update(_layouts(node.name, node.target, original, strategies[node.name], planned,
                                    expert, folded, etp_group is not None))
@@ -190,11 +194,14 @@ def rewrite(model: nn.Module, config: ModelConfig, plan: Plan,
         _insert_conversions(gm.graph, infos, strategies)
     if groups["cp"].size > 1:
         apply_context_parallel(gm, infos, strategies, groups["cp"], tp.size, config.head_dim)
+    if plan.dtype != "float32":
+        share_casts(gm, getattr(torch, plan.dtype), infos)
     apply_kernels(gm.graph, plan.kernels)
-    regions = apply_recompute(gm, plan.recompute, infos, plan.recompute_nodes)
+    policy = recompute_policy(plan.recompute)
+    layers = apply_recompute(gm, policy, infos, config.num_layers)
     gm.graph.lint()
     gm.recompile()
-    return Rewritten(gm, params, strategies, infos, tuple(targets), regions)
+    return Rewritten(gm, params, strategies, infos, tuple(targets), policy, layers)
 
 
 def _complete(groups: dict[str, RankGroup] | RankGroup) -> dict[str, RankGroup]:

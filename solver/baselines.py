@@ -7,8 +7,8 @@ tensor-parallel assignment with sequence parallelism (`solver.intra_op.megatron_
 optimizer (ZeRO-1), as current Megatron-LM recipes use it; stages balanced by the same stage DP.
 
 FSDP / ZeRO-3: tp = pp = 1, dp = world, ZeRO-3, the lightest recompute policy under which anything
-fits (none, then selective, then full) and, under it, the largest microbatch that fits (up to the
-search's `max_microbatch_size`).
+fits (in the search's order: none, selective, matmul-only, full) and, under it, the largest microbatch
+that fits (up to the search's `max_microbatch_size`).
 
 Both are points of the search space (same assignment variants, microbatches and schedules), so the
 search's best plan is never predicted slower than either.

@@ -20,8 +20,9 @@ from autoplan.cost_model.comm import COLLECTIVE_KINDS, AxisGroup
 from autoplan.cost_model.compute import Efficiency
 from autoplan.cost_model.intra_op import CostContext, attention_head_dim, make_context
 from autoplan.cost_model.intra_op_problem import graph_strategies
-from autoplan.cost_model.memory import is_batched, param_placements, selective_recompute_nodes
+from autoplan.cost_model.memory import is_batched, param_placements
 from autoplan.cost_model.parts import BlockCosts, SolutionParts, block_costs, solution_parts
+from autoplan.recompute_policy import captured_op_family
 from autoplan.cost_model.step import Priced, StepEnv, StepModel
 from autoplan.errors import ConfigError
 from autoplan.mesh import MeshShape
@@ -82,10 +83,14 @@ class SearchContext:
 
     def flops_per_sequence(self) -> FlopsPerSequence:
         g, batch = self.graph, self.graph.batch_size
-        selective = set(selective_recompute_nodes(g))
-        return FlopsPerSequence(g.total_fwd_flops() / batch, g.total_bwd_flops() / batch,
-                                sum(n.fwd_flops for n in g.nodes if n.name in selective) / batch,
-                                sum(n.fwd_flops for n in g.nodes if n.layer is not None) / batch)
+        families: dict[str, float] = {}
+        for n in g.nodes:
+            if n.layer is not None:
+                family = captured_op_family(n.op_kind)
+                families[family] = families.get(family, 0.0) + n.fwd_flops / batch
+        layers = len({n.layer for n in g.nodes if n.layer is not None})
+        return FlopsPerSequence(g.total_fwd_flops() / batch, g.total_bwd_flops() / batch, sum(families.values()),
+                                tuple(sorted(families.items())), layers)
 
     def assignment(self, variant: str, tp: int, etp: int | None = None) -> dict[str, str]:
         if variant != VARIANT_MEGATRON:
@@ -203,8 +208,7 @@ class SearchContext:
                                   + self._replicated_note(cfg.tp, cfg.etp) + fits
                                   + (self.efficiency.kernels.note(self.efficiency.memory),
                                      self.efficiency.floor_note())),
-            dtype=self.dtype, kernels=self.efficiency.kernels.option,
-            recompute_nodes=selective_recompute_nodes(self.graph) if cfg.recompute == "selective" else ())
+            dtype=self.dtype, kernels=self.efficiency.kernels.option)
 
     def _replicated_note(self, tp: int, etp: int) -> tuple[str, ...]:
         """The ops that do work (FLOPs or bytes) and that no strategy rule can shard at this tp, so they run

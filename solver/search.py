@@ -12,7 +12,9 @@
        the same problem up to a constant, `SearchContext._folded_ilp_solution`) and price each configuration whose
        bound with the solution's exact per-layer times stays below the K-th best; for tp > 1, price
        the configurations that did not fit again with Megatron-LM's assignment with sequence
-       parallelism, whose lower activation memory can fit where the time-optimal assignment does not
+       parallelism, whose lower activation memory can fit where the time-optimal assignment does not;
+       where recomputing every layer fits and recomputing none does not, the fewest layers "full:k" that fit
+       (bisection over k: memory falls and time grows with k)
        (each mesh comes in each order of its axes over ranks that changes its links, `solver.space.mesh_orders`;
        the roofline bound does not depend on the order, the exact per-layer bound does, through the links);
        a configuration whose stages fit no partition (`stages.partition_fits`, exact and O(pp L)) counts
@@ -102,10 +104,27 @@ def _keys(configs: list[Config], flops: FlopsPerSequence, peak: float) -> list[t
     return sorted(found, key=lambda entry: (entry[0], entry[1]))
 
 
-def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Best, report: Progress
+def _fewest_recomputed_layers(ctx: SearchContext, block, cfg: Config, ranking: _Best) -> int:
+    """Where "full" fits and "none" does not: price "full:k" for the fewest layers k that fit, by bisection
+    (fewer recomputed layers keep more and re-run less), and rank it; returns how many were priced."""
+    if ctx.steps.price(block, cfg.replace(recompute="none")).fits:
+        return 1  # nothing need be recomputed: "none" is ranked on its own
+    fits, misses, found, priced = block.num_layers, 0, None, 1
+    while fits - misses > 1:
+        middle = (fits + misses) // 2
+        candidate = ctx.steps.price(block, cfg.replace(recompute=f"full:{middle}"))
+        priced += 1
+        fits, misses, found = (middle, misses, candidate) if candidate.fits else (fits, middle, found)
+    if found is not None:
+        ranking.add(found)
+    return priced
+
+
+def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Best, report: Progress, partial: bool = True
                       ) -> tuple[int, int, int, Priced | None]:
     """Steps 3-4 of the module docstring; (configurations pruned by time, priced, found unable to fit without
-    pricing, smallest that did not fit)."""
+    pricing, smallest that did not fit). `partial`: also search the fewest fully recomputed layers where
+    "full" fits (`_fewest_recomputed_layers`)."""
     pruned = priced_count = 0
     smallest: Priced | None = None
     unpriced: list = []  # (block, configuration) that cannot fit, not priced
@@ -142,6 +161,8 @@ def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Best, report: Pr
                 priced_count += 1
                 if priced.fits:
                     ranking.add(priced)
+                    if partial and cfg.recompute == "full":
+                        priced_count += _fewest_recomputed_layers(ctx, block, cfg, ranking)
                     continue
                 misfits.append((bound, cfg))
                 if smallest is None or priced.peak_memory_bytes < smallest.peak_memory_bytes:
@@ -196,7 +217,8 @@ def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq
             ranking.add(b.priced)
     keys = _keys(fitting, ctx.flops_per_sequence(),
                  cluster.device.peak_flops_for(dtype) * ctx.efficiency.max_matmul(cluster.device, dtype))
-    pruned, priced_count, cannot_fit, smallest = _branch_and_bound(ctx, keys, ranking, report)
+    pruned, priced_count, cannot_fit, smallest = _branch_and_bound(ctx, keys, ranking, report,
+                                                                   options.partial_recompute)
     if not ranking.items:
         raise infeasible(config, cluster, seq_len, dtype, smallest.peak_memory_bytes, smallest.config, bound=False)
     stats = SearchStats(len(configs), len(configs) - len(fitting), pruned, priced_count, len(ranking.items),

@@ -22,7 +22,8 @@ ZeRO stage, the recompute policy and the pipeline schedule. Enumerated (`enumera
          shards: D, or dp under ep_as = "cp"
     schedule 1F1B, or interleaved 1F1B with v virtual stages when pp > 1, the layers divide by pp v
          and m divides by pp
-    ZeRO 0-3, recompute none / selective / full
+    ZeRO 0-3, recompute none / selective / matmul-only / full on every layer (`autoplan.recompute_policy`),
+         and "full:k" (the first k layers) searched by the branch and bound where it pays
     order of the axes over ranks: the default (tp innermost), and cp, ep or dp innermost where that changes
          which priced groups stay inside a node (`mesh_orders`); it changes only links, never FLOPs or memory
 
@@ -53,11 +54,12 @@ from autoplan.cost_model.parallel_dims import axes_group
 from autoplan.validity import (SCHEDULE_1F1B, SCHEDULE_INTERLEAVED, cp_problem, etp_problem, nearest_multiples,
                                pipeline_problem, tp_problem, zero_problem)
 from autoplan.cost_model.step_config import ITEMSIZE, Config
-from autoplan.errors import ConfigError, InfeasibleError
+from autoplan.errors import ConfigError, InfeasibleError, PlanError
 from autoplan.mesh import DEFAULT_ORDER, MeshShape
 from autoplan.models.config import ModelConfig
-from autoplan.validity import RECOMPUTE_POLICIES, ZERO_STAGES
+from autoplan.validity import ZERO_STAGES
 from autoplan.validate import check_int
+from autoplan.recompute_policy import SEARCHED, recompute_policy
 
 MIN_TOKENS_PER_CP_RANK = 1024  # a search heuristic, not a rule: `_worth_cp`
 
@@ -74,7 +76,8 @@ class SearchOptions:
     ep_over_cp: bool = True  # also try ep_as = "cp" (the ep ranks as context-parallel ranks of the dense layers)
     virtual_stages: tuple[int, ...] = (2, 3, 4, 6, 8)
     zero_stages: tuple[int, ...] = ZERO_STAGES
-    recompute: tuple[str, ...] = RECOMPUTE_POLICIES
+    recompute: tuple[str, ...] = SEARCHED  # policy names (`autoplan.recompute_policy`), each on every layer
+    partial_recompute: bool = True  # where "full" fits and "none" does not: the fewest layers "full:k" needs
     orders: bool = True  # also try the other orders of the axes over ranks (`mesh_orders`)
 
     def __post_init__(self) -> None:
@@ -84,11 +87,14 @@ class SearchOptions:
                 raise ConfigError(f"SearchOptions {name}={getattr(self, name)!r}: expected True or False")
         for v in _tuple("virtual_stages", self.virtual_stages):
             check_int("SearchOptions virtual_stages entry", v, minimum=2)
-        zero, recompute = _tuple("zero_stages", self.zero_stages), _tuple("recompute", self.recompute)
-        if not all(type(z) is int for z in zero) or not set(zero) <= set(ZERO_STAGES) or \
-                not set(recompute) <= set(RECOMPUTE_POLICIES):
-            raise ConfigError(f"zero_stages {self.zero_stages} must be within {ZERO_STAGES} and recompute "
-                              f"{self.recompute} within {RECOMPUTE_POLICIES}")
+        zero = _tuple("zero_stages", self.zero_stages)
+        if not all(type(z) is int for z in zero) or not set(zero) <= set(ZERO_STAGES):
+            raise ConfigError(f"zero_stages {self.zero_stages} must be within {ZERO_STAGES}")
+        for name in _tuple("recompute", self.recompute):
+            try:
+                recompute_policy(name)
+            except PlanError as exc:
+                raise ConfigError(f"SearchOptions.recompute: {exc}") from None
 
 
 def _tuple(name: str, value: object) -> tuple:
@@ -294,16 +300,20 @@ def parameter_split(model: ModelConfig) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class FlopsPerSequence:
-    """Per sequence of the captured graph: forward, backward, and what each recompute policy re-runs."""
+    """Per sequence of the captured graph: forward, backward, the layers' forward (what full recompute
+    re-runs) and, per op family, the layers' forward of its ops (what a policy saving it does not)."""
 
     forward: float
     backward: float
-    selective: float
-    full: float
+    layers: float
+    saved: tuple[tuple[str, float], ...] = ()
+    num_layers: int = 1
 
     def per_microbatch(self, recompute: str) -> float:
-        extra = {"none": 0.0, "selective": self.selective, "full": self.full}[recompute]
-        return self.forward + self.backward + extra
+        policy = recompute_policy(recompute)
+        share = len(policy.recomputed_layers(self.num_layers)) / max(self.num_layers, 1)
+        kept = sum(flops for family, flops in self.saved if policy.saves_family(family))
+        return self.forward + self.backward + share * (self.layers - kept)
 
 
 def time_lower_bound_s(cfg: Config, flops: FlopsPerSequence, flops_per_s: float) -> float:

@@ -13,9 +13,10 @@ from autoplan.cost_model import comm
 from autoplan.cost_model.compute import Efficiency, calibrate, linear_time_s, op_time_s
 from autoplan.cost_model.intra_op import InputSpec, make_context, price_assignment, reshard_collectives
 from autoplan.cost_model.intra_op_problem import assignment_from_choice, build_intra_op_problem, resolve_strategies
-from autoplan.cost_model.memory import (activation_bytes, memory_breakdown, model_state_bytes, saved_tensors,
-                                        state_bytes_for)
-from autoplan.errors import ConfigError
+from autoplan.cost_model.activations import RunShape, activation_bytes, activations
+from autoplan.cost_model.memory import memory_breakdown, model_state_bytes, state_bytes_for
+from autoplan.recompute_policy import recompute_policy
+from autoplan.errors import ConfigError, PlanError
 from autoplan.mesh import MeshShape
 from autoplan.models import build_model, get_model_config
 from autoplan.models.config import ModelConfig
@@ -166,32 +167,44 @@ def test_parameter_bytes_match_the_config_count():
     assert mem.optimizer_bytes == 12 * cfg.num_parameters()
 
 
+MIXED = RunShape(mixed=True)  # bf16 under autocast over fp32 parameters, as the runtime trains
+
+
 def test_saved_activations_of_one_layer_by_hand():
-    """tiny-gpt, B=1, T=16, h=64, f=256, 4 heads, bf16 (2 B); one layer at tp 1, everything replicated:
-    ln_1 in 2048 + stats 128, ln_1 out 2048 (shared by q, k, v), q k v 6144, attention out 2048 and
-    log-sum-exp 4*16*4 = 256, o_proj in 2048, ln_2 in 2048 + 128, ln_2 out 2048, fc out 8192, gelu out
-    8192 = 35328 B. Selective drops attention's out, lse, o_proj's input and gelu's output: 12544 B."""
+    """tiny-gpt, B=1, T=16, h=64, f=256, 4 heads, bf16 under autocast (the residual stream and norms in fp32,
+    4 B; GEMM outputs 2 B); layer 1 of 3 at tp 1, everything replicated, nothing recomputed: ln_1 in 4096
+    + stats (mean, 1/std) 128, one bf16 copy of ln_1 out for q, k, v 2048, q k v 6144, attention out
+    (also o_proj's input) 2048 and log-sum-exp 4*16*4 = 256, ln_2 in 4096 + 128, ln_2 out copy 2048, fc
+    out 8192, gelu out 8192 = 37376 B. Recomputed under "selective" the layer keeps its input 4096, its
+    GEMM outputs (q k v 6144, o_proj 2048, fc 8192, proj 2048) and attention's out and lse 2304: 24832 B;
+    re-running it holds the rest, 37376 - (4096 + 6144 + 2304 + 8192) = 16640 B."""
     cfg, graph = tiny_graph("tiny-gpt", layers=3)
     registry, info = default_registry(), cfg.rule_info()
     replicated = resolve_strategies(graph, registry, info, 1, {})
-    layer1 = [t for t in saved_tensors(graph, replicated, 1, info) if t.layer == 1]
-    assert sum(t.nbytes for t in layer1) == 35328
-    assert sum(t.nbytes for t in layer1 if not t.recomputable) == 35328 - 12544
-    # Megatron tp=2: q k v, attention internals, o_proj in, fc out, gelu out are halved -> 21888 B
+    acts = activations(graph, replicated, 1, info, MIXED)
+    assert acts.held("none")[0][1] == [37376, 0]
+    kept, transient = acts.held("selective")
+    assert (kept[1], transient[1]) == ([24832, 0], [16640, 0])
+    # Megatron tp=2: q k v, attention's out and lse, fc out, gelu out halved; o_proj (row, with a bias
+    # added after the all-reduce) gives an fp32 residual branch: 4096 + 128 + 2048 + 3072 + 1152 + 4096
+    # + 128 + 2048 + 4096 + 4096 = 24960 B
     megatron = resolve_strategies(graph, registry, info, 2, megatron_assignment(graph, registry, 2, info))
-    layer1 = [t for t in saved_tensors(graph, megatron, 2, info) if t.layer == 1]
-    assert sum(t.nbytes for t in layer1) == 21888
+    assert activations(graph, megatron, 2, info, MIXED).held("none")[0][1] == [24960, 0]
 
 
 def test_activation_policies_order_and_scale_with_the_microbatch():
     cfg, graph = tiny_graph("tiny-gpt", layers=4, seq=64)
     strategies = resolve_strategies(graph, default_registry(), cfg.rule_info(), 1, {})
-    sizes = {r: activation_bytes(graph, strategies, 1, 1, r) for r in ("none", "selective", "full")}
-    assert sizes["none"] > sizes["selective"] > sizes["full"] > 0
-    for policy in sizes:
-        assert activation_bytes(graph, strategies, 1, 4, policy) == pytest.approx(4 * sizes[policy])
-    with pytest.raises(ConfigError, match="recompute"):
-        activation_bytes(graph, strategies, 1, 1, "some")
+    acts = activations(graph, strategies, 1, cfg.rule_info(), MIXED)
+    sizes = {r: activation_bytes(acts, recompute_policy(r)) for r in ("none", "selective", "matmul-only", "full")}
+    held = [sizes[r][0] for r in ("none", "selective", "matmul-only", "full")]
+    assert held == sorted(held, reverse=True) and len(set(held)) == 4 and held[-1] > 0
+    assert sizes["none"][1] == 0 < sizes["selective"][1] < sizes["matmul-only"][1] < sizes["full"][1]
+    positions = 64 * 8  # GPT's position ids (int64, one sequence's worth), kept by pos_emb: they do not scale
+    for policy, (kept, transient) in sizes.items():
+        assert activation_bytes(acts, recompute_policy(policy), 4) == (4 * kept - 3 * positions, 4 * transient)
+    with pytest.raises(PlanError, match="recompute 'some'"):
+        recompute_policy("some")
 
 
 # ------------------------------------------------------------------------------ resharding

@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
-from autoplan.cli.explain import (add_compare_parser, add_explain_parser, add_search_options, cmd_compare, cmd_explain,
-                              compare_plans, explain_plan, op_family, op_family_costs, save_top, search_report,
-                              side_by_side)
+from autoplan.cli.explain import (activation_families, add_compare_parser, add_explain_parser, add_search_options,
+                                  cmd_compare, cmd_explain, compare_plans, explain_plan, op_family, op_family_costs,
+                                  save_top, search_report, side_by_side)
 from autoplan.mesh import MeshShape
 from autoplan.models import get_model_config
 from autoplan.api import capture_model, estimate, search_plans
@@ -39,6 +39,16 @@ def test_op_family_costs_add_up_to_the_plan_compute(plans):
     assert 0 <= recompute < 0.1 * per_microbatch  # selective recompute re-runs a little of the forward
     assert op_family("layers_12_attn_q_proj") == "layers.*.attn_q_proj" and op_family("add_7") == "add"
     assert op_family("model_layers_3_mlp_up_proj") == "model_layers.*.mlp_up_proj"  # a Hugging Face export's
+
+
+def test_activation_families_add_up_to_the_plan_activations(plans):
+    """The bytes `explain` attributes to each op family (storage by storage, `cost_model.activations`) add up,
+    with the re-run layer's transient, to the plan's own activation figure (the step model's per-part sums)."""
+    plan = plans[0]  # pp = 1: one microbatch of activations in flight
+    config = get_model_config("gpt3-1.3b")
+    rows, transient = activation_families(plan, capture_model(config, 1024), config)
+    assert sum(b for _, b in rows) + transient == pytest.approx(plan.predicted.memory.activations_bytes, rel=1e-9)
+    assert transient > 0 and "activations per op family" in explain_plan(plan)
 
 
 def test_compare_says_which_is_faster_and_why(plans):

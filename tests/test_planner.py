@@ -40,7 +40,8 @@ def test_gpt3_plan_uses_every_gpu_and_fits(gpt3_plan):
     assert plan.predicted.step_time_s == pytest.approx(plan.predicted.time.total_s())
     assert 0.05 < plan.predicted.mfu < 0.8
     assert plan.predicted.tokens_per_s == pytest.approx(1536 * 2048 / plan.predicted.step_time_s)
-    assert plan.provenance.solver in ("highs", "cbc", "elimination")
+    # tp = 1 leaves every op one strategy: the intra-op solve is "trivial"
+    assert plan.provenance.solver in ("highs", "cbc", "elimination") or (plan.mesh.tp, plan.provenance.solver) == (1, "trivial")
     assert plan.provenance.search_time_s > 0
 
 
@@ -66,9 +67,13 @@ def test_search_is_deterministic(gpt3_plan):
 
 
 def test_gpt3_plan_shards_the_layers(gpt3_plan):
-    chosen = {op.strategy for op in gpt3_plan.ops}
-    assert gpt3_plan.mesh.tp > 1 and {"column", "heads"} <= chosen
-    sharded = [p for p in gpt3_plan.params if str(dict(p.placements)["tp"]) != "R"]
+    """175B parameters do not fit one H100: the plan splits most weights over tp, or over dp (ZeRO-3)."""
+    axis = "tp" if gpt3_plan.mesh.tp > 1 else "dp"
+    if axis == "tp":
+        assert {"column", "heads"} <= {op.strategy for op in gpt3_plan.ops}
+    else:
+        assert gpt3_plan.zero_stage == 3
+    sharded = [p for p in gpt3_plan.params if str(dict(p.placements)[axis]) != "R"]
     assert len(sharded) > 0.5 * len(gpt3_plan.params)
 
 

@@ -1,12 +1,15 @@
-"""Recomputation as the plan says, and bf16 mixed precision, on 2 gloo ranks.
+"""Recomputation as the plan's policy says, and bf16 mixed precision, on 2 gloo ranks.
 
-Recompute ("full": each layer's subgraph in torch.utils.checkpoint; "selective": attention cores and
-pointwise ops; also under ZeRO 3, whose FSDP2 hooks then gather parameters again for the
-recomputation) must not change the numbers: each policy's losses, first-step gradients and final
-parameters equal the run without recomputation (the same ops in the same order: bit for bit) and
-the single-process run. It must also keep less for backward: the bytes saved for backward in one
-forward (counted with saved-tensor hooks; a checkpointed region's own inputs are held by the
-checkpoint, not counted) fall from none to selective to full.
+Recompute (each recomputed layer one region under torch's selective activation checkpointing:
+"selective" keeps its GEMM and attention outputs, "matmul-only" its GEMM outputs, "full" nothing,
+"full:1" only the first layer recomputed; also under ZeRO 3, whose FSDP2 hooks then gather
+parameters again for the recomputation) must not change the numbers: each policy's losses,
+first-step gradients and final parameters equal the run without recomputation (the same ops in the
+same order: bit for bit) and the single-process run. The run applies the plan's policy: the layers
+it runs as regions are the policy's, and in them the outputs saved are those of the families the
+policy names and no other (`runtime.recompute.observe_recompute`). It must also keep less for
+backward, by real margins: the bytes one forward leaves for backward (`runtime.memory_probe`, which
+sees checkpoints' inputs and their caches) fall from none to selective to full.
 
 Mixed precision (plan dtype bfloat16): master weights and gradients stay fp32, matmuls run in bf16
 (the lm_head's output is bf16), and the loss stays finite and within 2e-3 of the fp32 run's.
@@ -22,7 +25,9 @@ from _dist import assert_matches, batches, make_plan, spawn, train_program
 pytestmark = pytest.mark.gloo
 
 SEED, STEPS, LR, EPS = 5, 3, 1e-3, 1e-6
-POLICIES = ("none", "selective", "full")
+POLICIES = ("none", "selective", "matmul-only", "full", "full:1")
+ORDERED = ("none", "selective", "full")  # each keeps less than the one before, by MARGIN of none's bytes
+MARGIN = 0.05
 SETUPS = {  # id: (model, make_plan keyword arguments)
     "gpt-tp2-megatron-sp": ("tiny-gpt", dict(dp=1, tp=2, assignment="megatron-sp")),
     "llama-dp2": ("tiny-llama", dict(dp=2, tp=1, num_microbatches=2)),
@@ -53,18 +58,15 @@ def _plans() -> list[tuple]:
 # ------------------------------------------------------------------------------ in the ranks
 
 
-def _saved_bytes(program, tokens, targets) -> int:
-    total = 0
+def _saved_bytes(program, tokens, targets) -> tuple[int, dict]:
+    """What one forward leaves for backward, and the save / recompute decisions the regions made."""
+    from autoplan.runtime.memory_probe import measure_saved_bytes
+    from autoplan.runtime.recompute import observe_recompute
 
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = program(*program.shard_batch(tokens, targets))
-    loss.backward()
-    return total
+    shard = program.shard_batch(tokens, targets)
+    with observe_recompute() as decisions:
+        _, measured = measure_saved_bytes(lambda: program(*shard), program)
+    return measured.saved_bytes, {f"{family}:{saved}": n for (family, saved), n in decisions.items()}
 
 
 def _dtypes_seen(program, tokens, targets) -> dict:
@@ -92,13 +94,13 @@ def _run_all(rank: int, world: int, plans: list) -> dict:
         config = get_model_config(model)
         tokens, targets = batches(plan.global_batch, plan.seq_len, STEPS)
         program = parallelize(build_model(config), None, plan, seed=SEED, config=config)
-        saved = _saved_bytes(program, tokens[0], targets[0])  # grads only: train_step clears them
+        saved, decisions = _saved_bytes(program, tokens[0], targets[0])  # train_step clears the grads
         dtypes = _dtypes_seen(program, tokens[0], targets[0]) if "megatron-" in cid else None
         optimizer = program.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
         out[cid] = {**train_program(program, optimizer, tokens, targets), "saved": saved,
-                    "expected": dict(expected_collectives(plan, config)),
-                    "dtypes": dtypes, "regions": sum(1 for n in program.graph_module.graph.nodes
-                                                     if n.name.startswith("recompute_"))}
+                    "expected": dict(expected_collectives(plan, config)), "decisions": decisions,
+                    "dtypes": dtypes, "layers": list(program.recomputed_layers),
+                    "policy": program.recompute_policy.name}
     return out
 
 
@@ -137,7 +139,7 @@ def test_recompute_composes(results, cid, reference_run):
 
 
 @pytest.mark.parametrize("setup", SETUPS)
-@pytest.mark.parametrize("policy", ("selective", "full"))
+@pytest.mark.parametrize("policy", POLICIES[1:])
 def test_recompute_changes_no_number(results, setup, policy):
     for out in results:
         base, got = out[f"{setup}-none"], out[f"{setup}-{policy}"]
@@ -145,6 +147,28 @@ def test_recompute_changes_no_number(results, setup, policy):
         for name in base["params"]:
             assert torch.equal(got["grads"][name], base["grads"][name]), name
             assert torch.equal(got["params"][name], base["params"][name]), name
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_run_applies_the_plans_policy(results, setup, policy):
+    """The program's policy is the plan's; its regions are the policy's layers; inside them every output
+    of a family the policy saves was saved and nothing else was."""
+    from autoplan.models import get_model_config
+    from autoplan.recompute_policy import recompute_policy
+
+    model, plan = _PLANS[f"{setup}-{policy}"]
+    expected = recompute_policy(plan.recompute)
+    layers = list(expected.recomputed_layers(get_model_config(model).num_layers))
+    for out in results:
+        got = out[f"{setup}-{policy}"]
+        assert got["policy"] == plan.recompute and got["layers"] == layers
+        seen = {key.split(":")[0] for key in got["decisions"]}
+        saved = {family for family in seen if f"{family}:True" in got["decisions"]}
+        recomputed = {family for family in seen if f"{family}:False" in got["decisions"]}
+        assert bool(seen) == bool(layers)  # decisions are made in regions, which exist where the policy says
+        assert saved == expected.saves & seen and recomputed == seen - expected.saves
+        assert expected.saves <= seen or not layers  # the saved families did occur
 
 
 @pytest.mark.parametrize("setup", SETUPS)
@@ -160,12 +184,15 @@ def test_recomputed_collectives_match_the_plan(results, setup, policy):
 
 @pytest.mark.parametrize("setup", SETUPS)
 def test_recompute_keeps_less_for_backward(results, setup):
+    """Each of none > selective > full keeps at least MARGIN of none's bytes less than the one before;
+    matmul-only (attention recomputed too) keeps less than selective and more than full, and so does
+    recomputing the first of two layers in full."""
     for out in results:
-        none, selective, full = (out[f"{setup}-{p}"] for p in POLICIES)
-        assert none["regions"] == 0 < selective["regions"] and full["regions"] >= 2
-        assert full["saved"] < selective["saved"] < none["saved"], (full["saved"],
-                                                                     selective["saved"],
-                                                                     none["saved"])
+        saved = [out[f"{setup}-{p}"]["saved"] for p in ORDERED]
+        gaps = [a - b for a, b in zip(saved, saved[1:])]
+        assert min(gaps) >= MARGIN * saved[0], (dict(zip(ORDERED, saved)), gaps)
+        assert saved[1] > out[f"{setup}-matmul-only"]["saved"] > saved[2]
+        assert saved[-1] < out[f"{setup}-full:1"]["saved"] < saved[0]
 
 
 def test_bf16_computes_in_bf16_with_fp32_master_weights(results):

@@ -40,14 +40,22 @@ def mid() -> SearchContext:
 
 
 def _price_everything(ctx: SearchContext, options: SearchOptions) -> list:
-    """Every configuration with every strategy variant, the fitting ones ranked (the brute-force reference)."""
+    """Every configuration with every strategy variant, the fitting ones ranked (the brute-force reference);
+    with every "full:k" where "full" fits and "none" does not (the search bisects over k there)."""
     best: dict[Config, object] = {}
     for cfg in enumerate_configs(ctx.config, ctx.cluster, ctx.global_batch, ctx.seq_len, options):
         for variant in (VARIANT_ILP, VARIANT_MEGATRON) if cfg.tp > 1 else (VARIANT_ILP,):
-            priced = ctx.price(cfg, variant)
-            if priced.fits and (cfg not in best or priced.rank_key() < best[cfg].rank_key()):
-                best[cfg] = priced
+            for priced in _with_partial_recompute(ctx, cfg, variant):
+                if priced.fits and (priced.config not in best or priced.rank_key() < best[priced.config].rank_key()):
+                    best[priced.config] = priced
     return sorted(best.values(), key=lambda p: p.rank_key())
+
+
+def _with_partial_recompute(ctx: SearchContext, cfg: Config, variant: str) -> list:
+    priced = [ctx.price(cfg, variant)]
+    if cfg.recompute == "full" and priced[0].fits and not ctx.price(cfg.replace(recompute="none"), variant).fits:
+        priced += [ctx.price(cfg.replace(recompute=f"full:{k}"), variant) for k in range(1, ctx.config.num_layers)]
+    return priced
 
 
 def test_branch_and_bound_equals_pricing_everything(mid):
@@ -59,7 +67,8 @@ def test_branch_and_bound_equals_pricing_everything(mid):
     # 0.6 GB per GPU: the best plans shard everything (ZeRO-3), recompute, and split the sequence or the
     # tensors; with small GEMMs below peak, the fastest keeps them as large as the memory allows
     best = result.plans[0]
-    assert best.recompute == "full" and best.zero_stage == 3 and best.predicted.peak_memory_bytes > 0.5e9
+    assert best.recompute.startswith("full") and best.zero_stage == 3 and best.predicted.peak_memory_bytes > 0.5e9
+    assert any(":" in p.config.recompute for p in result.priced)  # recomputing some of the layers paid
     assert any(p.config.cp > 1 for p in result.priced)
 
 

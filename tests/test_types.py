@@ -210,6 +210,19 @@ def test_plan_with_expert_tp_round_trips_and_old_plans_load():
     assert Plan.from_json(data).mesh.etp == 4 and Plan.from_json(data) == make_plan()
 
 
+def test_plan_names_its_recompute_policy_and_version_2_plans_load():
+    """Version 3 writes the policy's name and no node list; a version 2 plan's node list is dropped and
+    its policy name kept; a layer count beyond the model's is refused with the largest that works."""
+    plan = make_plan(recompute="full:1")
+    data = json.loads(plan.dumps())
+    assert data["version"] == 3 and data["recompute"] == "full:1" and "recompute_nodes" not in data
+    assert Plan.from_json(data) == plan
+    old = json.loads(make_plan().dumps()) | {"version": 2, "recompute_nodes": ["layers_0_attn_core", "gelu"]}
+    assert Plan.from_json(old) == make_plan()
+    with pytest.raises(PlanError, match=r"recompute 'full:3' names 3 layers but the model has 2; use at most 'full:2'"):
+        make_plan(recompute="full:3")
+
+
 def test_plan_has_the_documented_keys():
     data = make_plan().to_json()
     for key in ("version", "model", "cluster", "mesh", "microbatch_size", "num_microbatches", "global_batch", "seq_len",

@@ -69,6 +69,17 @@ def _load_profile(args):
     return HardwareProfile.load(args.profile) if args.profile else None
 
 
+def _recompute_arg(text: str) -> str:
+    """A recompute policy name (`autoplan.recompute_policy`), refused by argparse when it is not one."""
+    from autoplan.recompute_policy import recompute_policy
+
+    try:
+        recompute_policy(text)
+    except AutoplanError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _estimate_parser(sub) -> None:
     p = sub.add_parser("estimate", help="price one configuration you give (how fast would my config be?)")
     _model_options(p, hf=True)
@@ -86,7 +97,9 @@ def _estimate_parser(sub) -> None:
                    "or cp (each sequence split over cp x ep, attention's context-parallel group spanning them)")
     p.add_argument("--mbs", type=positive_int, default=1, help="microbatch size (default 1)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage (default 1)")
-    p.add_argument("--recompute", default="selective", choices=("none", "selective", "full"))
+    p.add_argument("--recompute", default="selective", type=_recompute_arg,
+                   help="recompute policy: none, selective (layers keep their GEMM and attention outputs; "
+                   "default), matmul-only, full, or full:<k> (the first k layers)")
     p.add_argument("--schedule", default=SCHEDULE_1F1B, choices=(SCHEDULE_1F1B, SCHEDULE_INTERLEAVED))
     p.add_argument("--virtual-stages", type=positive_int, default=1, help="model chunks per pipeline rank (interleaved)")
     p.add_argument("--stage-layers", metavar="N,N,...", type=parse_stage_layers,

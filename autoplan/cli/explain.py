@@ -4,7 +4,9 @@
                               bubble, optimizer; parameters, gradients, optimizer states, activations,
                               temporary), per pipeline stage, and per op family (the strategies the plan
                               chose and what each costs per microbatch, re-priced from the plan's
-                              assignment with `cost_model.intra_op.price_assignment`)
+                              assignment with `cost_model.intra_op.price_assignment`; and the activations
+                              each family's ops leave for backward under the plan's recompute policy,
+                              `cost_model.activations`)
     compare_plans(a, b)       which is faster and why: the configuration differences, then every time
                               and memory part, largest difference first
     side_by_side(plans)       a table of several plans (`autoplan search --top K`, `--baseline`)
@@ -35,6 +37,14 @@ def _s(value: float) -> str:
 
 def _gb(value: float) -> str:
     return f"{value / GB:,.2f} GB"
+
+
+def _bytes(value: float) -> str:
+    """GB, MB or kB, whichever keeps three significant digits for small models too."""
+    for unit, scale in (("GB", GB), ("MB", 1e6)):
+        if value >= 0.1 * scale:
+            return f"{value / scale:,.2f} {unit}"
+    return f"{value / 1e3:,.1f} kB"
 
 
 def _table(header: list[str], rows: list[list[str]], right: set[int] | None = None) -> list[str]:
@@ -188,7 +198,37 @@ def _ops_text(plan: Plan, config, graph, max_ops: int, profile=None, registry=No
         table.append([f"({len(rest)} more families)", "", str(sum(r[2] for r in rest)), _s(sum(r[3] for r in rest)),
                       _s(sum(r[4] for r in rest)), _s(sum(r[5] for r in rest)),
                       f"{sum(r[3] + r[4] + r[5] for r in rest) / total:.1%}"])
-    return [head] + _table(["op family", "strategy", "ops", "forward", "backward", "tp comm", "share"], table, {2, 3, 4, 5, 6})
+    return ([head] + _table(["op family", "strategy", "ops", "forward", "backward", "tp comm", "share"], table, {2, 3, 4, 5, 6})
+            + [""] + _activations_text(plan, graph, config, max_ops))
+
+
+def activation_families(plan: Plan, graph, config) -> tuple[list[tuple[str, float]], float]:
+    """([(op family, bytes its ops leave for backward)], largest first; the most a recomputed layer adds
+    while it is re-run) per microbatch on one rank under the plan's recompute policy."""
+    from autoplan.cost_model.activations import activation_bytes, held_storages
+    from autoplan.cost_model.memory import plan_activations
+    from autoplan.recompute_policy import recompute_policy
+
+    acts, scale = plan_activations(plan, graph, config.rule_info())
+    policy = recompute_policy(plan.recompute)
+    families: dict[str, float] = defaultdict(float)
+    for storage in held_storages(acts, policy):
+        families[op_family(storage.node)] += storage.nbytes * (scale if storage.batched else 1.0)
+    return sorted(families.items(), key=lambda fb: (-fb[1], fb[0])), activation_bytes(acts, policy, scale)[1]
+
+
+def _activations_text(plan: Plan, graph, config, max_rows: int) -> list[str]:
+    if plan.mesh.pp > 1:
+        return ["activations per op family: shown for pp = 1 plans (one stage holds every layer)"]
+    rows, transient = activation_families(plan, graph, config)
+    total = sum(b for _, b in rows) or 1e-30
+    table = [[f, _bytes(b), f"{b / total:.1%}"] for f, b in rows[:max_rows]]
+    if rows[max_rows:]:
+        rest = sum(b for _, b in rows[max_rows:])
+        table.append([f"({len(rows) - max_rows} more families)", _bytes(rest), f"{rest / total:.1%}"])
+    head = (f"activations per op family: bytes one microbatch's forward leaves for backward on one rank, recompute "
+            f"{plan.recompute} (a recomputed layer adds {_bytes(transient)} while backward re-runs it)")
+    return [head] + _table(["op family", "held", "share"], table)
 
 
 def _context_text(mesh) -> str:

@@ -141,8 +141,9 @@ class ModelConfig:
         return self.hidden // self.heads
 
     def rule_info(self) -> dict:
-        """What the strategy rules (`autoplan.strategies`) read of the model besides its graph."""
-        return {"head_dim": self.head_dim, "ffn_hidden": self.ffn_hidden}
+        """What the strategy rules (`autoplan.strategies`) and the activation model
+        (`cost_model.activations`: RoPE's tables and rotated q, k) read of the model besides its graph."""
+        return {"head_dim": self.head_dim, "ffn_hidden": self.ffn_hidden, "rope": self.family != "gpt"}
 
     def to_json(self) -> dict:
         return asdict(self)

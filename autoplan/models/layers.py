@@ -15,6 +15,35 @@ from torch import nn
 from autoplan.errors import ConfigError
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """y = x * r * w with r = 1 / sqrt(mean(x^2, -1) + eps), all in fp32, cast back to x's dtype.
+
+    Backward keeps x and r (one fp32 per row) only; with xh = x r and g = dy w:
+        dx = r (g - xh mean(g xh, -1)),   dw = sum over rows of dy xh
+    (autograd of the composite would also keep xh, a second tensor of x's size)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        ctx.save_for_backward(x, weight, rstd)
+        return (x32 * rstd * weight.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        xh = x.float() * rstd
+        g = dy.float() * weight.float()
+        dx = rstd * (g - xh * (g * xh).mean(-1, keepdim=True))
+        dw = (dy.float() * xh).reshape(-1, x.shape[-1]).sum(0)
+        return dx.to(x.dtype), dw.to(weight.dtype), None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x (..., D) with weight (D,), keeping only x and the per-row scale for backward."""
+    return _RMSNormFunction.apply(x, weight, eps)
+
+
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2, -1) + eps) * weight, computed in fp32 and cast back to x's dtype."""
 
@@ -24,9 +53,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device
@@ -84,10 +111,9 @@ class CausalAttention(nn.Module):
         if self.rope:
             cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, q.device)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        n_rep = q.shape[1] // k.shape[1]  # q head j uses kv head j // n_rep
-        k = k.repeat_interleave(n_rep, dim=1)  # (B, Hq, T, d)
-        v = v.repeat_interleave(n_rep, dim=1)  # (B, Hq, T, d)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, Hq, T, d)
+        # q head j uses kv head j // (Hq / Hkv), without repeating k and v to the q heads' width
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=k.shape[1] != q.shape[1])  # (B, Hq, T, d)
         return y.transpose(1, 2).reshape(B, T, -1)  # (B, T, Hq*d)
 
 

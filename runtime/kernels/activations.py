@@ -12,7 +12,8 @@ projection (`t.chunk(2, -1)`) go in without a copy. Tiles are (BLOCK_R, BLOCK_C)
 The bias-GELU backward walks row blocks in a grid-stride loop per column block and writes fp32
 partial bias grads (P, cols), summed by torch. 2*k0 = 1.5957691216057308 and 3*k1 = 0.134145
 are literals in the kernels (a jitted kernel reads no module globals). Only the inputs are
-saved for backward.
+saved for backward, on the torch path too (`_SiluMulSaved`, `_GeluSaved`: the references' values,
+and their gradients bit for bit, keeping only the inputs).
 """
 
 from __future__ import annotations
@@ -29,6 +30,39 @@ from autoplan.runtime.kernels.dispatch import (Backend, cdiv, device_guard, next
                                                use_triton)
 
 _TILE_ELEMS = 4096
+
+
+class _SiluMulSaved(Function):
+    """`silu_mul_torch` keeping only a and b for backward, as the kernel does (autograd of the
+    reference would keep fp32 copies of a and b and silu(a) too); the backward is autograd's own
+    formulas in the same order, so the gradients are bitwise those of the reference."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return silu_mul_torch(a, b)
+
+    @staticmethod
+    def backward(ctx, dy):
+        a, b = ctx.saved_tensors
+        a32, b32, g = upcast(a), upcast(b), upcast(dy)
+        da = torch.ops.aten.silu_backward(g * b32, a32)
+        return da.to(a.dtype), (g * F.silu(a32)).to(b.dtype)
+
+
+class _GeluSaved(Function):
+    """`bias_gelu_torch` without a bias, keeping only x for backward (autograd of the reference
+    would keep an fp32 copy of a half-precision x); gradients bitwise the reference's."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return bias_gelu_torch(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        return torch.ops.aten.gelu_backward(upcast(dy), upcast(x), approximate="tanh").to(x.dtype)
 
 
 def silu_mul_torch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -205,7 +239,7 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor, backend: Backend = "auto") -> tor
         raise ValueError(f"silu_mul: gate {tuple(a.shape)} and up {tuple(b.shape)} must have "
                          f"the same shape")
     if a.numel() == 0 or not use_triton(a.device, backend):
-        return silu_mul_torch(a, b)
+        return _SiluMulSaved.apply(a, b)
     return _SiluMul.apply(a, b)
 
 
@@ -216,5 +250,5 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None,
         raise ValueError(f"bias_gelu: bias has shape {tuple(bias.shape)}, expected "
                          f"({x.shape[-1]},) to match the last dim of x {tuple(x.shape)}")
     if x.numel() == 0 or not use_triton(x.device, backend):
-        return bias_gelu_torch(x, bias)
+        return bias_gelu_torch(x, bias) if bias is not None else _GeluSaved.apply(x)
     return _BiasGelu.apply(x, bias)

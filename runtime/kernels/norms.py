@@ -15,8 +15,11 @@ dw / db in registers, writing one fp32 partial row each; torch sums the partials
 A program holds whole rows (the row width padded to a power of two): no spills for sm_90 up to
 hidden 8192; above that the backward's accumulators spill a few hundred bytes per thread (ptxas),
 which only the H200 can price (a column-chunked variant is the alternative).
-The torch references (`rms_norm_torch`, `layer_norm_torch`) are the CPU path and match
-`autoplan.models.layers.RMSNorm` and `torch.nn.functional.layer_norm`.
+The torch references (`rms_norm_torch`, `layer_norm_torch`) match `autoplan.models.layers.RMSNorm`
+and `torch.nn.functional.layer_norm`. The CPU path is `layer_norm_torch` and, for RMSNorm,
+`autoplan.models.layers.rms_norm`: the same values as the reference, keeping only x and r for
+backward as the kernel does (autograd of the reference would keep xh too); float64 takes the
+reference, which stays in float64.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import Function
 
+from autoplan.models.layers import rms_norm as lean_rms_norm
 from autoplan.runtime.kernels.dispatch import (Backend, cdiv, device_guard, next_pow2, num_warps,
                                                persistent_programs, rows_per_program, upcast,
                                                use_triton)
@@ -191,7 +195,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
     """RMSNorm of x (..., D) with weight (D,); Triton or torch as `use_triton` decides."""
     _check(x, weight, None, "rms_norm")
     if x.numel() == 0 or not use_triton(x.device, backend):
-        return rms_norm_torch(x, weight, eps)
+        return rms_norm_torch(x, weight, eps) if x.dtype == torch.float64 else lean_rms_norm(x, weight, eps)
     return _Norm.apply(x, weight, None, eps, True)
 
 

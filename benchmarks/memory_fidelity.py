@@ -1,0 +1,252 @@
+"""Memory fidelity: the activation bytes a plan predicts per rank against what the run holds, on CPU.
+
+    python benchmarks/memory_fidelity.py                       # the whole grid (a few minutes)
+    python benchmarks/memory_fidelity.py --cases llama tp2     # rows whose id holds every word
+
+Grid: three small models of the zoo's families (4 layers, hidden 256, 8 heads; Llama and MoE with 4
+kv heads; MoE 8 experts, top 2) x strategies (one rank; tp = 2 Megatron; tp = 2 with sequence
+parallelism; cp = 2 Ulysses; ep = 2 for the MoE) x float32 and bfloat16 (autocast over float32
+parameters) x recompute none, selective, matmul-only, full, full:2. Plans come from
+`autoplan.api.plan_from_assignment`; sequences of 1024 tokens (2048 under cp, whose rules want
+1024 per rank), microbatch 1 (2 for the MoE: more tokens per expert).
+
+    predicted  `cost_model.memory.plan_activation_bytes`: bytes held after one microbatch's
+               forward, and the most a recomputed layer holds while backward re-runs it
+    measured   `runtime.memory_probe.measure_saved_bytes` on each rank: the storages the forward
+               made that are alive after it (parameters and tensors made from them alone left out;
+               checkpoints' inputs and caches in), and the most a region's re-run holds
+    error      predicted / measured - 1, per rank; a case's row gives its worst rank. Under ep the
+               routing decides how many rows each rank's experts get; the model prices the mean over
+               the expert group's ranks, so the summary also gives the error against that mean
+
+Every case runs in fresh processes (one, or two gloo ranks), one forward and backward each.
+Writes benchmarks/out/memory_fidelity.json and benchmarks/out/memory_fidelity.png (predicted
+against measured, and the error by policy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+OUT = Path(__file__).parent / "out"
+TOLERANCE = 0.05  # the goal of issue 19: within 5% per rank
+POLICIES = ("none", "selective", "matmul-only", "full", "full:2")
+DTYPES = ("float32", "bfloat16")
+SEQ, CP_SEQ = 1024, 2048  # cp: each context-parallel rank needs >= 1024 tokens (parallel_dims.cp_problem)
+STRATEGIES = {  # name: (mesh degrees, assignment), ranks = their product
+    "single": (dict(), "replicate"),
+    "tp2": (dict(tp=2), "megatron"),
+    "tp2-sp": (dict(tp=2), "megatron-sp"),
+    "cp2": (dict(cp=2), "replicate"),
+    "ep2": (dict(ep=2), "replicate"),
+}
+
+
+def bench_models() -> dict:
+    from autoplan.models.config import ModelConfig
+
+    shape = dict(num_layers=4, hidden=256, heads=8, vocab=1024, max_seq=CP_SEQ)
+    return {"gpt": ModelConfig("bench-gpt", "gpt", kv_heads=8, ffn_hidden=1024, **shape),
+            "llama": ModelConfig("bench-llama", "llama", kv_heads=4, ffn_hidden=768, **shape),
+            "moe": ModelConfig("bench-moe", "moe", kv_heads=4, ffn_hidden=384, experts=8, top_k=2, **shape)}
+
+
+def cases(words: list[str]) -> list[tuple[str, str, str, str, str]]:
+    """(id, family, strategy, dtype, policy) of the grid, the ids holding every word of `words`."""
+    found = []
+    for family in ("gpt", "llama", "moe"):
+        for strategy in STRATEGIES:
+            if strategy == "ep2" and family != "moe":
+                continue
+            for dtype in DTYPES:
+                for policy in POLICIES:
+                    cid = f"{family} {strategy} {dtype} {policy}"
+                    if all(w in cid.split() for w in words):
+                        found.append((cid, family, strategy, dtype, policy))
+    return found
+
+
+def make_plan(config, strategy: str, dtype: str, policy: str):
+    """The plan of one case through the public planning API."""
+    from autoplan.api import capture_model, plan_from_assignment
+    from autoplan.cluster import parse_cluster
+    from autoplan.mesh import MeshShape
+    from autoplan.solver.intra_op import megatron_assignment
+    from autoplan.strategies import default_registry
+
+    degrees, assignment = STRATEGIES[strategy]
+    mesh = MeshShape(dp=1, **degrees)
+    graph = capture_model(config, CP_SEQ if mesh.cp > 1 else SEQ, dtype)
+    chosen = {}
+    if assignment.startswith("megatron"):
+        chosen = megatron_assignment(graph, default_registry(), mesh.tp, config.rule_info(), assignment == "megatron-sp")
+    microbatch = 2 if config.experts else 1
+    plan = plan_from_assignment(graph, config, parse_cluster(f"{mesh.world_size}xcpu"), mesh, chosen, microbatch,
+                                1, 0, policy, dtype=dtype)
+    return plan, graph
+
+
+def predict(config, plan, graph) -> tuple[float, float]:
+    from autoplan.cost_model.memory import plan_activation_bytes
+
+    return plan_activation_bytes(plan, graph, config.rule_info())
+
+
+# ------------------------------------------------------------------------------ the ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, config, plan, out: str) -> None:
+    """One rank: build the program, run one forward and backward under the probe, save the bytes."""
+    from autoplan.models import build_model
+    from autoplan.runtime.launch import parallelize
+    from autoplan.runtime.memory_probe import measure_saved_bytes
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        program = parallelize(build_model(config, device="meta"), None, plan, config=config)
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, config.vocab, (plan.global_batch, plan.seq_len), generator=gen)
+        shard = program.shard_batch(tokens, tokens.roll(-1, dims=1))
+        _, measured = measure_saved_bytes(lambda: program(*shard), program)
+        torch.save([measured.saved_bytes, measured.recompute_bytes], Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(config, plan) -> list[tuple[int, int]]:
+    """(saved, recompute) bytes of each rank of a fresh run of `plan`."""
+    world = plan.mesh.world_size
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_rank, args=(world, _free_port(), config, plan, out), nprocs=world, join=True,
+                           start_method="spawn")
+        return [tuple(torch.load(Path(out) / f"rank{r}.pt")) for r in range(world)]
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def _error(predicted: float, measured: float) -> float:
+    return predicted / measured - 1 if measured else (0.0 if predicted == 0 else float("inf"))
+
+
+def run_case(models: dict, case: tuple) -> dict:
+    cid, family, strategy, dtype, policy = case
+    config = models[family]
+    plan, graph = make_plan(config, strategy, dtype, policy)
+    held, transient = predict(config, plan, graph)
+    ranks = measure(config, plan)
+    return {"id": cid, "family": family, "strategy": strategy, "dtype": dtype, "policy": policy,
+            "predicted_bytes": held, "predicted_recompute_bytes": transient,
+            "measured_bytes": [r[0] for r in ranks], "measured_recompute_bytes": [r[1] for r in ranks],
+            "errors": [_error(held, r[0]) for r in ranks],
+            "recompute_errors": [_error(transient, r[1]) for r in ranks]}
+
+
+def _worst(errors: list[float]) -> float:
+    return max(errors, key=abs)
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'case':34s} {'predicted MB':>12s} {'measured MB':>12s} {'error':>7s}  {'re-run pred.':>12s} "
+             f"{'measured':>9s} {'error':>7s}"]
+    for r in rows:
+        measured = max(r["measured_bytes"], key=lambda b: abs(_error(r["predicted_bytes"], b)))
+        again = max(r["measured_recompute_bytes"], key=lambda b: abs(_error(r["predicted_recompute_bytes"], b)))
+        lines.append(f"{r['id']:34s} {r['predicted_bytes'] / 1e6:12.3f} {measured / 1e6:12.3f} "
+                     f"{_worst(r['errors']):+7.2%}  {r['predicted_recompute_bytes'] / 1e6:12.3f} {again / 1e6:9.3f} "
+                     f"{_worst(r['recompute_errors']):+7.2%}")
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict]) -> dict:
+    """Median and largest |error| over every (case, rank), and how many are within TOLERANCE; the same
+    against each case's mean over its ranks (what the model prices under ep)."""
+    held = [abs(e) for r in rows for e in r["errors"]]
+    again = [abs(e) for r in rows for e, b in zip(r["recompute_errors"], r["measured_recompute_bytes"]) if b]
+    mean = [abs(_error(r["predicted_bytes"], statistics.mean(r["measured_bytes"]))) for r in rows]
+    return {"cases": len(rows), "rank_measurements": len(held),
+            "median_abs_error": statistics.median(held), "max_abs_error": max(held),
+            "within_tolerance": sum(e <= TOLERANCE for e in held),
+            "mean_of_ranks_max_abs_error": max(mean), "mean_of_ranks_within_tolerance": sum(e <= TOLERANCE for e in mean),
+            "recompute_median_abs_error": statistics.median(again) if again else 0.0,
+            "recompute_max_abs_error": max(again, default=0.0),
+            "recompute_within_tolerance": sum(e <= TOLERANCE for e in again), "recompute_measurements": len(again)}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
+    for strategy in STRATEGIES:
+        points = [(b / 1e6, r["predicted_bytes"] / 1e6) for r in rows if r["strategy"] == strategy
+                  for b in r["measured_bytes"]]
+        if points:
+            left.scatter(*zip(*points), s=14, label=strategy)
+    low, high = left.get_xlim()
+    for factor, style in ((1.0, "-"), (1 + TOLERANCE, ":"), (1 - TOLERANCE, ":")):
+        left.plot([low, high], [low * factor, high * factor], "k" + style, linewidth=0.8)
+    left.set(xscale="log", yscale="log", xlabel="measured MB per rank", ylabel="predicted MB",
+             title="activations held after a forward")
+    left.legend()
+    errors = [[100 * e for r in rows if r["policy"] == p for e in r["errors"]] for p in POLICIES]
+    right.boxplot(errors, tick_labels=POLICIES)
+    right.axhspan(-100 * TOLERANCE, 100 * TOLERANCE, color="0.9")
+    right.set(ylabel="error, % (predicted / measured - 1)", title="per rank, by recompute policy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", default=[], help="run the cases whose id holds every word")
+    parser.add_argument("--from-json", metavar="FILE", help="print the table, summary and plot of a saved run")
+    args = parser.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        report(saved["rows"], saved["command"])
+        return
+    models, rows = bench_models(), []
+    for case in cases(args.cases):
+        rows.append(run_case(models, case))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    if not rows:
+        sys.exit(f"no case id holds every word of {args.cases}")
+    report(rows, " ".join(["python benchmarks/memory_fidelity.py", *(["--cases", *args.cases] if args.cases else [])]))
+
+
+def report(rows: list[dict], command: str) -> None:
+    """Write benchmarks/out/memory_fidelity.{json,png} and print the table and the summary."""
+    OUT.mkdir(exist_ok=True)
+    result = {"summary": summary(rows), "rows": rows, "command": command}
+    (OUT / "memory_fidelity.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(rows, OUT / "memory_fidelity.png")
+    print()
+    print(table(rows))
+    print()
+    print(json.dumps(result["summary"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

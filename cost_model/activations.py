@@ -1,0 +1,525 @@
+"""Activation memory per rank: the storages one microbatch's forward leaves for backward, as the
+runtime makes them (`autoplan.runtime`), and what a recompute policy keeps of them.
+
+A storage is one allocation (views share it; two ops saving the same tensor keep it once), with its
+bytes on this rank at the capture batch, whether it scales with the microbatch, the layer whose ops
+make it and the family of the op that makes it (`autoplan.recompute_policy`). `activations()` walks
+the captured graph once and records, per op, the storages it makes and those its backward keeps:
+
+    linear        keeps its input as the GEMM reads it: under mixed precision (autocast over fp32
+                  parameters) a bf16 copy of an fp32 input, one per tensor read by several linears
+                  of a layer (runtime.casts); makes its GEMM output (matmul); row-parallel: a full
+                  size partial GEMM output, then the all-reduced (or reduce-scattered) output
+    norm          keeps its input and fp32 row statistics (LayerNorm mean and 1/std, RMSNorm 1/rms)
+    attention     flash kernel: keeps q and k after RoPE (fresh tensors; plain q and k without it),
+                  v, its output (the o_proj input is a view of it) and the fp32 log-sum-exp (B, H, T);
+                  under cp the all-to-all'd q, k, v (kv heads repeated where cp needs it) and a second
+                  all-to-all of the output. RoPE's cos and sin are made once per program (resident).
+                  Materialized kernel (Korthikanti et al.): q, k, v, the T x T probabilities (and with
+                  dropout its mask and the dropped probabilities), and the projection input, a copy
+    pointwise     silu * mul (fused): the gate and up inputs; gelu, silu: the input; tanh, sigmoid,
+                  exp, relu, rsqrt, sqrt: the output; mul / div: both inputs; add / sub / neg: nothing
+    embedding     the token ids (made in forward only under vocabulary parallelism: masked ids + mask)
+    cross_entropy the logits as given, fp32 log-sum-exp and a valid mask per token (vocab and
+                  replicated: runtime.kernels.cross_entropy); sequence parallel: fp32 log-probabilities
+    moe           `_moe` below
+    conversions   each tp conversion of a producer's output (gather, split, all-to-all) is a fresh
+                  storage of the local size in the consumer's layer; copy-to-region is a view
+
+Runtime dtypes under mixed precision: GEMM, attention and MoE outputs in the compute dtype; the
+embedding (fp32 weights) and so the residual stream and norm inputs in fp32; pointwise ops in
+their inputs' widest dtype.
+
+What a policy keeps (`held`): without recomputation, every storage some op keeps. A recomputed layer
+(a checkpointed region, runtime.recompute) keeps instead its region inputs (storages made outside it
+that its ops read) and the outputs of its ops whose family the policy saves, saved or not; while
+backward re-runs it, it holds the rest of what its ops keep (the transient). Storages are
+attributed to the first part (pre, layers in order, post) that holds them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
+
+from autoplan.placement import Placement, Replicate, Shard
+from autoplan.recompute_policy import KINDS, RecomputePolicy
+from autoplan.strategies import Strategy
+
+if TYPE_CHECKING:
+    from autoplan.capture import CapturedGraph, NodeInfo, TensorMeta
+    from autoplan.cost_model.compute import AttentionKernel
+
+FP32, INT64, BOOL = 4, 8, 1
+REPLICATE = Replicate()
+VIEW_TARGETS = frozenset({"view", "reshape", "unsqueeze", "squeeze", "expand", "transpose", "permute",
+                          "flatten", "contiguous", "getitem", "chunk", "split", "t"})
+NO_SAVE_POINTWISE = frozenset({"add", "iadd", "add_", "sub", "isub", "sub_", "neg", "float", "to"})
+SAVE_ALL_POINTWISE = frozenset({"mul", "imul", "mul_", "truediv", "div"})
+SAVE_OUTPUT_POINTWISE = frozenset({"tanh", "sigmoid", "exp", "relu", "rsqrt", "sqrt"})
+MOE_ROUTER_INTS = 2  # top-k indices and softmax weights kept per routed slot (int64 + fp32 below)
+
+
+@dataclass(frozen=True)
+class Storage:
+    """One allocation made in forward (module docstring)."""
+
+    key: str
+    nbytes: float  # on this rank at the capture batch
+    batched: bool
+    layer: int | None
+    family: str
+    node: str = ""  # the captured op that makes it (its conversion, cast or internal tensor included)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Storages of one forward and who keeps them (module docstring). Parts are "pre", the layer
+    indices and "post"."""
+
+    storages: Mapping[str, Storage]
+    saved: tuple[tuple[str, object], ...]  # (storage key, part of an op keeping it), graph order
+    inputs: Mapping[int, tuple[str, ...]]  # layer -> region inputs
+    resident: tuple[str, ...] = ()  # made once per program (RoPE tables), held whatever the policy
+    layers: tuple[int, ...] = field(default=())
+
+    @functools.cached_property
+    def _made(self) -> dict[tuple, list[str]]:
+        """(layer, family) -> the storages its ops make."""
+        found: dict[tuple, list[str]] = {}
+        for storage in self.storages.values():
+            found.setdefault((storage.layer, storage.family), []).append(storage.key)
+        return found
+
+    def holders(self, kind: str) -> dict[str, object]:
+        """{storage key: the first part holding it after forward} with every layer recomputed under
+        `kind` (none: nothing recomputed)."""
+        recomputed = set(self.layers) if kind != "none" else set()
+        holders = [(key, part) for key, part in self.saved if part not in recomputed]
+        for layer in sorted(recomputed):
+            holders += [(key, layer) for key in self.inputs.get(layer, ())]
+            holders += [(key, layer) for family in KINDS[kind] for key in self._made.get((layer, family), ())]
+        order = {part: i for i, part in enumerate(("pre", *self.layers, "post"))}
+        first: dict[str, object] = dict.fromkeys(self.resident, "pre")
+        for key, part in sorted(holders, key=lambda kp: order[kp[1]]):
+            first.setdefault(key, part)
+        return first
+
+    @functools.cached_property
+    def _held(self) -> dict[str, tuple[dict, dict]]:
+        return {}
+
+    def held(self, kind: str) -> tuple[dict, dict]:
+        """({part: [batched, fixed] bytes held after forward}, {layer: [batched, fixed] transient})
+        with every layer recomputed under `kind` (none: nothing recomputed); computed once per kind
+        (callers must not change the lists)."""
+        if kind not in self._held:
+            self._held[kind] = self._held_now(kind)
+        return self._held[kind]
+
+    def _held_now(self, kind: str) -> tuple[dict, dict]:
+        recomputed = set(self.layers) if kind != "none" else set()
+        first = self.holders(kind)
+        kept: dict[object, list] = {part: [0.0, 0.0] for part in ("pre", *self.layers, "post")}
+        for key, part in first.items():
+            _add(kept[part], self.storages[key])
+        transient: dict[object, list] = {layer: [0.0, 0.0] for layer in recomputed}
+        for key, part in set(self.saved):
+            if part in recomputed and key not in first:
+                _add(transient[part], self.storages[key])
+        return kept, transient
+
+
+def _add(pair: list, storage: Storage) -> None:
+    pair[0 if storage.batched else 1] += storage.nbytes
+
+
+def activation_bytes(acts: Activations, policy: RecomputePolicy, scale: float = 1.0) -> tuple[float, float]:
+    """(bytes held after one forward, the largest transient while a layer is re-run) at `scale` times
+    the capture batch: the layers `policy` recomputes as `held(kind)` says, the others as "none"."""
+    recomputed = set(policy.recomputed_layers(len(acts.layers)))
+    none, _ = acts.held("none")
+    kept, transient = acts.held(policy.kind)
+    total = sum(_at(kept[p] if p in recomputed else none[p], scale) for p in none)
+    peak = max((_at(transient[i], scale) for i in recomputed), default=0.0)
+    return total, peak
+
+
+def _at(pair: list, scale: float) -> float:
+    return pair[0] * scale + pair[1]
+
+
+def held_storages(acts: Activations, policy: RecomputePolicy) -> list[Storage]:
+    """The storages held after forward under `policy` (`activation_bytes`' held bytes, one by one)."""
+    recomputed = set(policy.recomputed_layers(len(acts.layers)))
+    none, kind = acts.holders("none"), acts.holders(policy.kind)
+    keys = {k for k, part in none.items() if part not in recomputed}
+    keys |= {k for k, part in kind.items() if part in recomputed}
+    return [acts.storages[k] for k in sorted(keys)]
+
+
+# ------------------------------------------------------------------------------------ the walk
+
+
+def runtime_itemsizes(graph: "CapturedGraph", mixed: bool, strategies: Mapping[str, Strategy]) -> dict[str, int]:
+    """Bytes per element of each node's output as the runtime holds it (module docstring)."""
+    found: dict[str, int] = {}
+    for node in graph.nodes:
+        meta = node.output
+        if meta is None:
+            continue
+        size = meta.nbytes // max(meta.numel, 1)
+        if mixed and _is_float(meta):
+            size = _mixed_itemsize(node, found, size, strategies[node.name])
+        found[node.name] = size
+    return found
+
+
+def _biased(node: "NodeInfo") -> bool:
+    return any(name.endswith(".bias") for name, _ in node.params)
+
+
+def _is_float(meta: "TensorMeta") -> bool:
+    return meta.dtype in ("float32", "bfloat16", "float16", "float64")
+
+
+def _mixed_itemsize(node: "NodeInfo", found: Mapping[str, int], compute: int, strategy: Strategy) -> int:
+    """Under autocast over fp32 parameters: GEMM-like ops give the compute dtype (a row-parallel linear
+    with a bias fp32: its bias is added after the reduction, outside autocast's GEMM), embeddings fp32,
+    "float" fp32, the rest their (first, or for binary arithmetic widest) float input's."""
+    if node.op_kind == "linear" and strategy.name in ("row", "row_sp") and _biased(node):
+        return FP32
+    if node.op_kind in ("linear", "attention", "moe"):
+        return compute
+    if node.op_kind == "embedding" or node.target == "float":
+        return FP32
+    widths = [found[p] for p, m in zip(node.inputs, node.input_metas) if p in found and _is_float(m)]
+    binary = node.op_kind == "elementwise" and node.target in SAVE_ALL_POINTWISE | NO_SAVE_POINTWISE
+    return max(widths if binary else widths[:1], default=compute)
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the runtime's storages depend on beyond the tp strategies: mixed precision, the context
+    group (Ulysses all-to-alls around attention when > 1), whether each MoE layer's experts are
+    spread over an expert group (ep, or ep x tp / etp: tokens dispatched by all-to-all), and whether
+    the fused kernels run as Triton (GPUs) or as their torch paths (CPU): of what they keep, only the
+    MoE combine differs (the kernel keeps the expert outputs as they are, the torch path an fp32 copy)."""
+
+    mixed: bool = False
+    context: int = 1
+    spread: bool = False
+    triton: bool = False
+
+
+def activations(graph: "CapturedGraph", strategies: Mapping[str, Strategy], tp: int, info: Mapping | None = None,
+                shape: RunShape = RunShape(), attention: "AttentionKernel | None" = None) -> Activations:
+    """Every storage one forward makes and keeps for backward (module docstring), per rank at the
+    capture batch; `attention`: the attention kernel (None: flash)."""
+    walk = _Walk(graph, strategies, tp, dict(info or {}), shape, attention)
+    for node in graph.nodes:
+        walk.visit(node)
+    return walk.result()
+
+
+class _Walk:
+    """The state of `activations`: storages made so far, who keeps which, each node's output."""
+
+    def __init__(self, graph, strategies, tp, info, shape: RunShape, attention) -> None:
+        self.graph, self.strategies, self.tp, self.info, self.shape = graph, strategies, tp, info, shape
+        self.attention = attention
+        self.itemsize = runtime_itemsizes(graph, shape.mixed, strategies)
+        self.users = _users(graph)
+        self.storages: dict[str, Storage] = {}
+        self.saved: list[tuple[str, object]] = []
+        self.inputs: dict[int, dict[str, None]] = {}
+        self.resident: list[str] = []
+        self.out: dict[str, str] = {}  # node -> the storage of its output
+        self.nodes = {n.name: n for n in graph.nodes}
+        layered = [k for k, n in enumerate(graph.nodes) if n.layer is not None]
+        first = layered[0] if layered else len(graph.nodes)
+        self.part = {n.name: n.layer if n.layer is not None else ("pre" if k < first else "post")
+                     for k, n in enumerate(graph.nodes)}
+        self.readers = _linear_readers(self)
+
+    def result(self) -> Activations:
+        layers = tuple(sorted({n.layer for n in self.graph.nodes if n.layer is not None}))
+        return Activations(dict(self.storages), tuple(self.saved),
+                           {i: tuple(keys) for i, keys in self.inputs.items()}, tuple(self.resident), layers)
+
+    # ---------------------------------------------------------------- bookkeeping
+    def make(self, key: str, nbytes: float, node: "NodeInfo", family: str, batched: bool = True) -> str:
+        if key not in self.storages:  # the first maker's (a conversion shared by several consumers)
+            self.storages[key] = Storage(key, float(nbytes), batched, node.layer, family, node.name)
+        return key
+
+    def keep(self, key: str, node: "NodeInfo") -> None:
+        if self.storages[key].nbytes:
+            self.saved.append((key, self.part[node.name]))
+
+    def output(self, node: "NodeInfo", family: str, key: str | None = None) -> str:
+        """Make the node's output storage (its local size under its strategy) and return its key."""
+        meta = node.output
+        nbytes = self.local(self.bytes_of(node.name), self.strategies[node.name].output)
+        self.out[node.name] = self.make(key or f"out:{node.name}", nbytes, node, family,
+                                        _batched(meta, self.graph.batch_size))
+        return self.out[node.name]
+
+    def bytes_of(self, name: str) -> float:
+        """Full bytes of a node's output as the runtime holds it."""
+        meta = self.nodes[name].output
+        return meta.numel * self.itemsize.get(name, meta.nbytes // max(meta.numel, 1))
+
+    def local(self, nbytes: float, placement: Placement) -> float:
+        return nbytes / self.tp if isinstance(placement, Shard) else nbytes
+
+    def rows(self, meta: "TensorMeta", placement: Placement) -> float:
+        """Rows (elements over the last dim) of a tensor on this rank under `placement`."""
+        split = isinstance(placement, Shard) and placement.dim % len(meta.shape) != len(meta.shape) - 1
+        return meta.numel / meta.shape[-1] / (self.tp if split else 1)
+
+    def edge(self, node: "NodeInfo", i: int) -> tuple:
+        """(producer, conversion) of input i: the identity of the tensor the op reads; the conversion
+        (source, destination placement, grad_partial), None when there is none or it is a view."""
+        producer = node.inputs[i]
+        if self.tp == 1:
+            return producer, None
+        src, spec = self.strategies[producer].output, self.strategies[node.name].inputs[i]
+        if src is spec.placement and not spec.grad_partial:  # the rules share placement objects: no compare
+            return producer, None
+        if src == spec.placement and not spec.grad_partial or spec.grad_partial and src == REPLICATE:
+            return producer, None  # no conversion, or copy-to-region (a view)
+        return producer, (src, spec.placement, spec.grad_partial)
+
+    def seen(self, node: "NodeInfo", i: int) -> str:
+        """The storage op `node` reads as input i: its producer's output, or the tp conversion of it
+        (a fresh storage in the consumer's layer); records region inputs."""
+        producer, conversion = self.edge(node, i)
+        key = self.out[producer]
+        if node.layer is not None and self.nodes[producer].layer != node.layer:
+            self.inputs.setdefault(node.layer, {})[key] = None
+        if conversion is None:
+            return key
+        src, dst, grad_partial = conversion
+        key = f"conv:{producer}:{src}>{dst}:{grad_partial}"
+        if key in self.storages:
+            return key
+        family = "other" if src == REPLICATE else "collective"  # a split copies
+        return self.make(key, self.local(self.bytes_of(producer), dst), node, family,
+                         _batched(self.nodes[producer].output, self.graph.batch_size))
+
+    def matmul_input(self, node: "NodeInfo", i: int) -> str:
+        """What a linear keeps of input i: the tensor as read, or under mixed precision the compute-dtype
+        copy autocast makes of an fp32 one, shared by the linears of a layer reading it (runtime.casts)."""
+        key, producer = self.seen(node, i), node.inputs[i]
+        compute = node.output.nbytes // max(node.output.numel, 1)
+        width = self.itemsize.get(producer, compute)
+        if not self.shape.mixed or width <= compute:
+            return key
+        shared = self.readers[(self.edge(node, i), node.layer)] >= 2
+        cast = f"cast:{key}" if shared else f"cast:{key}:{node.name}"
+        stored = self.storages[key]
+        return self.make(cast, stored.nbytes * compute / width, node, "other", stored.batched)
+
+    # ---------------------------------------------------------------- ops
+    def visit(self, node: "NodeInfo") -> None:
+        if node.op_kind == "placeholder":
+            self.out[node.name] = self.make(f"in:{node.name}", 0.0, node, "other")  # not made in forward
+        elif node.op_kind != "output" and node.output is not None:
+            getattr(self, f"_{node.op_kind}", self._other)(node)
+
+    def _view(self, node: "NodeInfo") -> None:
+        """Views, reshapes, slices (captured Hugging Face graphs): the input's storage, or a copy where
+        the shape cannot be viewed, which nothing keeps (a copy's backward needs no input)."""
+        if node.inputs:
+            self.out[node.name] = self.seen(node, 0)
+        else:
+            self.output(node, "other")
+
+    def _other(self, node: "NodeInfo") -> None:
+        if node.target in VIEW_TARGETS and node.inputs:
+            self.out[node.name] = self.seen(node, 0)
+        else:
+            self.output(node, "other")
+
+    def _embedding(self, node: "NodeInfo") -> None:
+        if self.strategies[node.name].name in ("vocab", "vocab_sp"):  # masked local ids and the mask
+            ids = node.input_metas[0].numel
+            self.keep(self.make(f"{node.name}:ids", ids * INT64, node, "other"), node)
+            self.keep(self.make(f"{node.name}:mask", ids * BOOL, node, "other"), node)
+            self.output(node, "collective")
+            return
+        self.keep(self.seen(node, 0), node)
+        self.output(node, "other")
+
+    def _linear(self, node: "NodeInfo") -> None:
+        self.keep(self.matmul_input(node, 0), node)
+        if self.strategies[node.name].name in ("row", "row_sp"):  # a full-size partial GEMM output, reduced
+            self.make(f"{node.name}:partial", node.output.nbytes, node, "matmul",
+                      _batched(node.output, self.graph.batch_size))
+            self.output(node, "other" if _biased(node) else "collective")
+        else:
+            self.output(node, "matmul")
+
+    def _norm(self, node: "NodeInfo") -> None:
+        self.keep(self.seen(node, 0), node)
+        rows = self.rows(node.output, self.strategies[node.name].output)
+        stats = 1 if node.target == "RMSNorm" else 2  # 1/rms; LayerNorm's mean and 1/std
+        self.keep(self.make(f"{node.name}:stats", rows * stats * FP32, node, "other"), node)
+        self.output(node, "other")
+
+    def _elementwise(self, node: "NodeInfo") -> None:
+        target, floats = node.target, [i for i, m in enumerate(node.input_metas) if _is_float(m)]
+        if target == "silu" and self.fused_silu(node):
+            self.out[node.name] = self.seen(node, 0)  # runtime.kernel_ops fuses it into the mul
+            return
+        if target in SAVE_ALL_POINTWISE and any(self.fused_silu(self.nodes[p]) for p in node.inputs):
+            kept = [self.out[p] for p in node.inputs]  # silu's input (the gate) and the other operand
+        elif target in NO_SAVE_POINTWISE:
+            kept = []
+        elif target in SAVE_ALL_POINTWISE:
+            kept = [self.seen(node, i) for i in floats]
+        else:
+            kept = [self.seen(node, i) for i in floats[:1]]
+        made = self.output(node, "other")
+        for key in [made] if target in SAVE_OUTPUT_POINTWISE else kept:
+            self.keep(key, node)
+
+    def fused_silu(self, node: "NodeInfo") -> bool:
+        """A silu whose only user is a mul, which runtime.kernel_ops makes one silu_mul kernel."""
+        users = self.users.get(node.name, ())
+        return (node.op_kind == "elementwise" and node.target == "silu" and len(users) == 1
+                and self.nodes[users[0]].target in ("mul", "imul"))
+
+    def _attention(self, node: "NodeInfo") -> None:
+        qkv = [self.seen(node, i) for i in range(3)]
+        if self.shape.context > 1:  # Ulysses: sequence shards -> head shards, kv heads repeated if needed
+            repeat = self.kv_repeat(node)
+            qkv = [self.make(f"cp:{node.name}:{i}", self.storages[key].nbytes * (repeat if i else 1), node,
+                             "collective", True) for i, key in enumerate(qkv)]
+        if self.info.get("rope"):
+            qkv[:2] = [self.make(f"rope:{node.name}:{i}", self.storages[key].nbytes, node, "other", True)
+                       for i, key in enumerate(qkv[:2])]
+            self.rope_tables(node)
+        for key in qkv:
+            self.keep(key, node)
+        out_bytes = self.local(self.bytes_of(node.name), self.strategies[node.name].output)
+        heads_rows = out_bytes / self.itemsize[node.name] / int(self.info.get("head_dim", 128))
+        if self.attention is not None and self.attention.kind == "materialized":
+            self.materialized(node, out_bytes, heads_rows)
+            return
+        kernel = self.make(f"{node.name}:sdpa" if self.shape.context > 1 else f"out:{node.name}", out_bytes,
+                           node, "attention")
+        self.keep(kernel, node)
+        self.keep(self.make(f"{node.name}:lse", heads_rows * FP32, node, "attention"), node)
+        self.out[node.name] = kernel if self.shape.context == 1 else self.output(node, "collective")
+
+    def materialized(self, node: "NodeInfo", out_bytes: float, heads_rows: float) -> None:
+        """Korthikanti et al.'s attention: the T x T probabilities (itemsize each; with dropout its mask
+        and the dropped ones), the P V output (not kept) and the projection's input, a copy."""
+        scores, itemsize = heads_rows * node.output.shape[1], self.itemsize[node.name]
+        kept = [("probs", itemsize)] + ([("mask", BOOL), ("dropped", itemsize)] if self.attention.dropout else [])
+        for what, size in kept:
+            self.keep(self.make(f"{node.name}:{what}", scores * size, node, "other"), node)
+        self.make(f"{node.name}:pv", out_bytes, node, "matmul")
+        self.output(node, "other")
+
+    def kv_repeat(self, node: "NodeInfo") -> int:
+        """How many times Ulysses repeats the local kv heads (runtime.context.kv_repeat)."""
+        d, strategy = int(self.info.get("head_dim", 128)), self.strategies[node.name]
+        heads = [self.local(m.shape[-1], strategy.inputs[i].placement) / d for i, m in enumerate(node.input_metas[:2])]
+        q_heads, kv_heads, cp = int(heads[0]), int(heads[1]), self.shape.context
+        if kv_heads % cp == 0:
+            return 1
+        return next((r for r in range(1, q_heads // kv_heads + 1)
+                     if (kv_heads * r) % cp == 0 and q_heads % (kv_heads * r) == 0), 1)
+
+    def rope_tables(self, node: "NodeInfo") -> None:
+        """cos and sin (T, d) fp32, made once per program (runtime.kernel_ops.RopeTables)."""
+        if not self.resident:
+            d = int(self.info.get("head_dim", 128))
+            self.resident.append(self.make("rope:tables", 2 * self.graph.seq_len * d * FP32, node, "other", False))
+
+    def _cross_entropy(self, node: "NodeInfo") -> None:
+        logits, targets = self.seen(node, 0), self.seen(node, 1)
+        placement = self.strategies[node.name].inputs[0].placement
+        rows = self.rows(node.input_metas[0], placement)
+        if self.strategies[node.name].name == "sequence":  # F.cross_entropy: fp32 log-probabilities
+            width = node.input_metas[0].shape[-1]
+            kept = [self.make(f"{node.name}:logprobs", rows * width * FP32, node, "other")]
+        else:  # runtime.kernels.cross_entropy: the logits as given, lse and the valid mask
+            kept = [logits, self.make(f"{node.name}:lse", rows * FP32, node, "other"),
+                    self.make(f"{node.name}:valid", rows * BOOL, node, "other")]
+        for key in kept + [targets]:
+            self.keep(key, node)
+        self.out[node.name] = self.make(f"out:{node.name}", 0.0, node, "other", False)  # the loss
+
+
+    def _moe(self, node: "NodeInfo") -> None:
+        """The runtime's MoE (runtime.experts, on one rank; N tokens here, k slots each, M = N k rows
+        reaching this rank's experts when balanced, times etp under 1 < etp < tp):
+            router     its input as the GEMM reads it (as a linear), top-k indices (int64) and softmax
+                       weights (fp32) per slot; the logits (N, E) made, not kept
+            routing    the sorted-row and row-position indices per slot (int64, 2 N k); spread over an
+                       expert group, the same again per received row (2 M)
+            experts    their input rows (M, h) as the GEMMs read them, gate and up (matmul) and their
+                       product (M, f) each; the down projection's output (matmul) made, not kept
+            combine    the expert output rows (N k, h), kept for the weights' gradient: in fp32 on the
+                       torch path, as they are (compute dtype) under the Triton kernel
+        """
+        shape = self._moe_shape(node)
+        n, k, h, f, rows, c, width = (shape[key] for key in ("tokens", "k", "h", "f", "rows", "c", "width"))
+        flat = self.seen(node, 0)
+        router_in = flat if width <= c or not self.shape.mixed else self.make(
+            f"{node.name}:router_in", n * h * c, node, "other")
+        self.make(f"{node.name}:logits", n * shape["experts"] * c, node, "matmul")
+        ints = 2 * n * k + (2 * rows if shape["spread"] else 0)
+        kept = [router_in, ("topk", n * k * (INT64 + FP32), "other"), ("routing", ints * INT64, "other"),
+                ("expert_in", rows * h * (c if self.shape.mixed else width), "other"),
+                ("gate", rows * f * c, "matmul"), ("up", rows * f * c, "matmul"), ("product", rows * f * c, "other"),
+                ("combine", n * k * h * (c if self.shape.triton else FP32), "other")]
+        for item in kept:
+            self.keep(item if isinstance(item, str) else self.make(f"{node.name}:{item[0]}", item[1], node, item[2]),
+                      node)
+        self.make(f"{node.name}:down", rows * h * c, node, "matmul")
+        self.output(node, "collective" if self.strategies[node.name].name == "ffn" else "other")
+
+    def _moe_shape(self, node: "NodeInfo") -> dict:
+        """Sizes of one MoE layer on this rank (`_moe`)."""
+        strategy, x = self.strategies[node.name], node.input_metas[0]
+        h = x.shape[-1]
+        experts, _, ffn = dict((n.rsplit(".", 1)[-1], m.shape) for n, m in node.params)["w_gate"]
+        tokens_all = x.numel // h
+        k = max(1, round((node.fwd_flops - 2 * tokens_all * h * experts) / (6 * tokens_all * h * ffn)))
+        tokens = self.rows(x, strategy.inputs[0].placement)
+        split = {"ffn": self.tp, "expert": strategy.expert_ffn_split}.get(strategy.name, 1)
+        gathered = strategy.expert_ffn_split if strategy.name == "expert" else 1  # rows of the etp peers
+        spread = self.shape.spread or strategy.name == "expert"
+        return {"tokens": tokens, "k": k, "h": h, "f": ffn / split, "rows": tokens * k * gathered,
+                "experts": experts, "spread": spread, "c": node.output.nbytes // node.output.numel,
+                "width": self.itemsize.get(node.inputs[0], 4)}
+
+
+def _batched(meta: "TensorMeta | None", batch: int) -> bool:
+    """Whether a tensor's leading dim is the batch (its size then scales with the microbatch)."""
+    return meta is not None and len(meta.shape) >= 2 and meta.shape[0] == batch
+
+
+def _users(graph: "CapturedGraph") -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        for producer in node.inputs:
+            found.setdefault(producer, []).append(node.name)
+    return found
+
+
+def _linear_readers(walk: _Walk) -> dict[tuple, int]:
+    """How many linears of each layer read each tensor (producer, conversion): the shared casts."""
+    found: dict[tuple, int] = {}
+    for node in walk.graph.nodes:
+        if node.op_kind == "linear":
+            key = (walk.edge(node, 0), node.layer)
+            found[key] = found.get(key, 0) + 1
+    return found
+

@@ -1,0 +1,152 @@
+"""What one forward leaves for backward on this rank, measured exactly on any device.
+
+A dispatch mode sees every op the forward runs (inside recomputed regions and under autocast too) and
+records each storage an op makes that is not a view of its inputs' storages. After the forward,
+
+    saved_bytes   the bytes of those storages still alive: what autograd, checkpoints and their
+                  caches hold for backward. Left out: storages made from parameters alone (autocast's
+                  weight copies, parameter views), those the forward returns (the loss), and the
+                  inputs, which the caller made
+    hooked_bytes  the part of saved_bytes that `torch.autograd.graph.saved_tensors_hooks` sees (ops
+                  outside recomputed regions, and the regions' inputs): equal to saved_bytes when
+                  nothing is recomputed, which tests check as a second view of the same quantity
+
+and while `backward` runs,
+
+    recompute_bytes  the most bytes made by re-running one recomputed region that are alive when its
+                     re-run ends (what the region's backward then holds besides the saved bytes).
+
+An op runs in a recomputed region's re-run when it runs during backward inside a call of one of the
+program's region modules (runtime.recompute: `recompute_<layer>_<i>`); the re-run ends when that
+call returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+# gloo's worker threads drop their references to a collective's tensors a moment after the call
+# returns; without a pause a snapshot may count a buffer that is already garbage (seen as a rank's
+# +1-3 activation-sized tensors, now and then). 5 ms is ample on these machines.
+SETTLE_S = 0.005
+
+
+def _settle() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        time.sleep(SETTLE_S)
+
+
+@dataclass(frozen=True)
+class MeasuredMemory:
+    """Bytes on this rank (module docstring)."""
+
+    saved_bytes: int
+    hooked_bytes: int
+    recompute_bytes: int
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Records the storages each op makes, by phase: "forward", "recompute" or "backward"."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        super().__init__()
+        self.from_params = {_key(p) for p in params}
+        self.made: dict[int, tuple[StorageWeakRef, int, str]] = {}  # key -> (ref, bytes, phase)
+        self.backward = False
+        self.regions = 0  # region calls open
+        self.recompute_bytes = 0
+
+    def phase(self) -> str:
+        if not self.backward:
+            return "forward"
+        return "recompute" if self.regions else "backward"
+
+    def enter_region(self, *_) -> None:
+        self.regions += 1
+
+    def exit_region(self, module, args, output) -> None:
+        self.regions -= 1
+        if self.backward:  # a re-run ends: what it made and still holds (but the outputs the
+            # re-run drops on return) is the region's backward's
+            _settle()
+            dropped = {_key(t) for t in tree_leaves(output) if isinstance(t, torch.Tensor)}
+            held = sum(n for k, n in self.live("recompute").items() if k not in dropped)
+            self.recompute_bytes = max(self.recompute_bytes, held)
+            self.made = {k: v for k, v in self.made.items() if v[2] != "recompute" or not v[0].expired()}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        phase = self.phase()
+        inputs = {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        derived = bool(inputs) and inputs <= self.from_params
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and _key(t) not in inputs:
+                self._record(t, derived, phase)
+        return out
+
+    def _record(self, t: torch.Tensor, derived: bool, phase: str) -> None:
+        key, old = _key(t), self.made.get(_key(t))
+        if derived:
+            self.from_params.add(key)
+        elif old is None or old[0].expired():  # a new storage (an address may be reused once freed)
+            self.from_params.discard(key)
+            storage = t.untyped_storage()
+            self.made[key] = (StorageWeakRef(storage), storage.nbytes(), phase)
+
+    def live(self, phase: str) -> dict[int, int]:
+        return {k: n for k, (ref, n, p) in self.made.items() if p == phase and not ref.expired()}
+
+    def live_bytes(self, phase: str) -> int:
+        return sum(self.live(phase).values())
+
+
+@contextlib.contextmanager
+def _watch_regions(tracker: _StorageTracker, module: nn.Module | None) -> Iterator[None]:
+    handles = []
+    for name, sub in (module.named_modules() if module is not None else ()):
+        if name.rsplit(".", 1)[-1].startswith("recompute_"):
+            handles += [sub.register_forward_pre_hook(tracker.enter_region),
+                        sub.register_forward_hook(tracker.exit_region)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def measure_saved_bytes(forward: Callable[[], torch.Tensor], module: nn.Module,
+                        backward: bool = True) -> tuple[torch.Tensor, MeasuredMemory]:
+    """Run `forward()` (returning the loss) of `module` (whose parameters are left out and whose
+    recomputed regions are watched) and, with `backward`, `loss.backward()`, measuring what the
+    forward leaves for backward (module docstring); returns (loss, MeasuredMemory)."""
+    tracker, packed = _StorageTracker(p for _, p in module.named_parameters()), set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.add(_key(t))
+        return t
+
+    with tracker, _watch_regions(tracker, module):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = forward()
+        _settle()
+        returned = {_key(t) for t in tree_leaves(loss) if isinstance(t, torch.Tensor)}
+        live = {k: n for k, n in tracker.live("forward").items() if k not in returned}
+        tracker.backward = True
+        if backward:
+            loss.backward()
+    hooked = sum(n for k, n in live.items() if k in packed)
+    return loss, MeasuredMemory(sum(live.values()), hooked, tracker.recompute_bytes)
