@@ -15,7 +15,8 @@ from autoplan.cost_model.comm import AxisGroup
 from autoplan.cost_model.compute import Efficiency
 from autoplan.cost_model.intra_op import AssignmentCost, CostContext, make_context, price_assignment
 from autoplan.cost_model.intra_op_problem import resolve_strategies
-from autoplan.cost_model.activations import Activations, RunShape, activations
+from autoplan.cost_model.activations import RunShape, activations
+from autoplan.cost_model.storages import Activations
 from autoplan.cost_model.memory import comm_buffer_lines, largest_comm_buffer_bytes, parameter_count_by_layer
 from autoplan.mesh import MeshShape
 from autoplan.strategies import Strategy, StrategyRegistry, strategy_info

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Mapping
 
 from autoplan.errors import ConfigError
 from autoplan.placement import Partial, Placement, Replicate, Shard
-from autoplan.cost_model.activations import Activations, RunShape, activation_bytes, activations
+from autoplan.cost_model.activations import RunShape, activations
+from autoplan.cost_model.storages import Activations, activation_bytes
 from autoplan.cost_model.kernels import fused_kernels
 from autoplan.plan import MemoryBreakdown, Plan
 from autoplan.recompute_policy import recompute_policy

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
-from autoplan.cost_model.activations import Activations
+from autoplan.cost_model.storages import Activations
 from autoplan.cost_model.intra_op import CostContext, price_assignment
 from autoplan.cost_model.memory import is_batched, largest_comm_buffer_bytes, local_nbytes, param_placements
 from autoplan.placement import Shard

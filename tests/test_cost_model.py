@@ -13,7 +13,8 @@ from autoplan.cost_model import comm
 from autoplan.cost_model.compute import Efficiency, calibrate, linear_time_s, op_time_s
 from autoplan.cost_model.intra_op import InputSpec, make_context, price_assignment, reshard_collectives
 from autoplan.cost_model.intra_op_problem import assignment_from_choice, build_intra_op_problem, resolve_strategies
-from autoplan.cost_model.activations import RunShape, activation_bytes, activations
+from autoplan.cost_model.activations import RunShape, activations
+from autoplan.cost_model.storages import activation_bytes
 from autoplan.cost_model.memory import memory_breakdown, model_state_bytes, state_bytes_for
 from autoplan.recompute_policy import recompute_policy
 from autoplan.errors import ConfigError, PlanError

@@ -40,7 +40,8 @@ import torch
 from autoplan.capture import capture
 from autoplan.cost_model.compute import AttentionKernel
 from autoplan.cost_model.intra_op_problem import resolve_strategies
-from autoplan.cost_model.activations import RunShape, activation_bytes, activations
+from autoplan.cost_model.activations import RunShape, activations
+from autoplan.cost_model.storages import activation_bytes
 from autoplan.recompute_policy import recompute_policy
 from autoplan.models import build_model, get_model_config
 from autoplan.solver.intra_op import megatron_assignment

@@ -205,7 +205,7 @@ def _ops_text(plan: Plan, config, graph, max_ops: int, profile=None, registry=No
 def activation_families(plan: Plan, graph, config) -> tuple[list[tuple[str, float]], float]:
     """([(op family, bytes its ops leave for backward)], largest first; the most a recomputed layer adds
     while it is re-run) per microbatch on one rank under the plan's recompute policy."""
-    from autoplan.cost_model.activations import activation_bytes, held_storages
+    from autoplan.cost_model.storages import activation_bytes, held_storages
     from autoplan.cost_model.memory import plan_activations
     from autoplan.recompute_policy import recompute_policy
 

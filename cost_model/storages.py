@@ -1,0 +1,109 @@
+"""What one forward keeps for backward, as storages (`Storage`, `Activations`), and what a recompute
+policy holds of them (`activation_bytes`, `held_storages`). `cost_model.activations` walks a captured
+graph into these; its docstring states the rules.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from autoplan.recompute_policy import KINDS, RecomputePolicy
+
+@dataclass(frozen=True)
+class Storage:
+    """One allocation made in forward (module docstring)."""
+
+    key: str
+    nbytes: float  # on this rank at the capture batch
+    batched: bool
+    layer: int | None
+    family: str
+    node: str = ""  # the captured op that makes it (its conversion, cast or internal tensor included)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Storages of one forward and who keeps them (module docstring). Parts are "pre", the layer
+    indices and "post"."""
+
+    storages: Mapping[str, Storage]
+    saved: tuple[tuple[str, object], ...]  # (storage key, part of an op keeping it), graph order
+    inputs: Mapping[int, tuple[str, ...]]  # layer -> region inputs
+    resident: tuple[str, ...] = ()  # made once per program (RoPE tables), held whatever the policy
+    layers: tuple[int, ...] = field(default=())
+
+    @functools.cached_property
+    def _made(self) -> dict[tuple, list[str]]:
+        """(layer, family) -> the storages its ops make."""
+        found: dict[tuple, list[str]] = {}
+        for storage in self.storages.values():
+            found.setdefault((storage.layer, storage.family), []).append(storage.key)
+        return found
+
+    def holders(self, kind: str) -> dict[str, object]:
+        """{storage key: the first part holding it after forward} with every layer recomputed under
+        `kind` (none: nothing recomputed)."""
+        recomputed = set(self.layers) if kind != "none" else set()
+        holders = [(key, part) for key, part in self.saved if part not in recomputed]
+        for layer in sorted(recomputed):
+            holders += [(key, layer) for key in self.inputs.get(layer, ())]
+            holders += [(key, layer) for family in KINDS[kind] for key in self._made.get((layer, family), ())]
+        order = {part: i for i, part in enumerate(("pre", *self.layers, "post"))}
+        first: dict[str, object] = dict.fromkeys(self.resident, "pre")
+        for key, part in sorted(holders, key=lambda kp: order[kp[1]]):
+            first.setdefault(key, part)
+        return first
+
+    @functools.cached_property
+    def _held(self) -> dict[str, tuple[dict, dict]]:
+        return {}
+
+    def held(self, kind: str) -> tuple[dict, dict]:
+        """({part: [batched, fixed] bytes held after forward}, {layer: [batched, fixed] transient})
+        with every layer recomputed under `kind` (none: nothing recomputed); computed once per kind
+        (callers must not change the lists)."""
+        if kind not in self._held:
+            self._held[kind] = self._held_now(kind)
+        return self._held[kind]
+
+    def _held_now(self, kind: str) -> tuple[dict, dict]:
+        recomputed = set(self.layers) if kind != "none" else set()
+        first = self.holders(kind)
+        kept: dict[object, list] = {part: [0.0, 0.0] for part in ("pre", *self.layers, "post")}
+        for key, part in first.items():
+            _add(kept[part], self.storages[key])
+        transient: dict[object, list] = {layer: [0.0, 0.0] for layer in recomputed}
+        for key, part in set(self.saved):
+            if part in recomputed and key not in first:
+                _add(transient[part], self.storages[key])
+        return kept, transient
+
+
+def _add(pair: list, storage: Storage) -> None:
+    pair[0 if storage.batched else 1] += storage.nbytes
+
+
+def activation_bytes(acts: Activations, policy: RecomputePolicy, scale: float = 1.0) -> tuple[float, float]:
+    """(bytes held after one forward, the largest transient while a layer is re-run) at `scale` times
+    the capture batch: the layers `policy` recomputes as `held(kind)` says, the others as "none"."""
+    recomputed = set(policy.recomputed_layers(len(acts.layers)))
+    none, _ = acts.held("none")
+    kept, transient = acts.held(policy.kind)
+    total = sum(_at(kept[p] if p in recomputed else none[p], scale) for p in none)
+    peak = max((_at(transient[i], scale) for i in recomputed), default=0.0)
+    return total, peak
+
+
+def _at(pair: list, scale: float) -> float:
+    return pair[0] * scale + pair[1]
+
+
+def held_storages(acts: Activations, policy: RecomputePolicy) -> list[Storage]:
+    """The storages held after forward under `policy` (`activation_bytes`' held bytes, one by one)."""
+    recomputed = set(policy.recomputed_layers(len(acts.layers)))
+    none, kind = acts.holders("none"), acts.holders(policy.kind)
+    keys = {k for k, part in none.items() if part not in recomputed}
+    keys |= {k for k, part in kind.items() if part in recomputed}
+    return [acts.storages[k] for k in sorted(keys)]
