@@ -28,12 +28,17 @@ from autoplan.errors import AutoplanError
 from autoplan.validate import check_output_file, path_kind
 
 
-def _search_parser(sub) -> None:
-    p = sub.add_parser("search", help="find the fastest plan for a model on a cluster and write it")
+def _workload_options(p) -> None:
+    """The model, the cluster and the batch: what `search` and `estimate` both take."""
     _model_options(p, hf=True)
     p.add_argument("--cluster", required=True, help="NODESxGPUSxDEVICE (e.g. 128x8xh100) or a cluster YAML/JSON file")
     p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq", type=positive_int, required=True, help="tokens per sequence")
+
+
+def _search_parser(sub) -> None:
+    p = sub.add_parser("search", help="find the fastest plan for a model on a cluster and write it")
+    _workload_options(p)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON to stdout instead of the tables")
@@ -82,10 +87,7 @@ def _recompute_arg(text: str) -> str:
 
 def _estimate_parser(sub) -> None:
     p = sub.add_parser("estimate", help="price one configuration you give (how fast would my config be?)")
-    _model_options(p, hf=True)
-    p.add_argument("--cluster", required=True, help="NODESxGPUSxDEVICE (e.g. 128x8xh100) or a cluster YAML/JSON file")
-    p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per optimizer step")
-    p.add_argument("--seq", type=positive_int, required=True, help="tokens per sequence")
+    _workload_options(p)
     for axis in ("tp", "pp", "cp", "ep"):
         p.add_argument(f"--{axis}", type=positive_int, default=1, help=f"{axis} degree (default 1)")
     p.add_argument("--dp", type=positive_int, help="dp degree (default: world / (tp pp cp ep))")
