@@ -39,6 +39,8 @@ TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so that each attempt rendezvouses afresh: r
 
 Rank 0 logs each tenth step's loss, step time, tokens/s and MFU, and at the end the measured step time
 (median, first step left out) against the plan's prediction, warning past 10% (`autoplan.step_meter`).
+After the first step it logs the activation bytes one microbatch's forward leaves on the largest rank
+against the plan's prediction, warning past 5% (`autoplan.train_memory`; not for pipelined plans).
 
 `--log-json` is strict JSON: {"model", "first_step" (the step of losses[0]), "losses", and with
 --hf-model "eval_loss" (the trained weights' loss on the next batch)}, a loss that
@@ -200,6 +202,8 @@ def train(args, run: Run | None = None) -> list[float]:
         meter.add(time.perf_counter() - began)
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(meter.line(step, losses[-1]), flush=True)
+        if step == start and not args.hf_model:  # once, after the first step: the memory the plan promised
+            _report_memory(program, plan, args, tokens, targets, rank)
         if args.save and args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(program, args, step + 1)
             saved_at = step + 1
@@ -212,6 +216,23 @@ def train(args, run: Run | None = None) -> list[float]:
     if rank == 0:
         _report_timing(meter)
     return losses
+
+
+def _report_memory(program, plan, args, tokens: torch.Tensor, targets: torch.Tensor, rank: int) -> None:
+    """Measured against predicted activation bytes (`autoplan.train_memory`), warning past 5%; every
+    rank measures, rank 0 reports."""
+    from autoplan.train_memory import OVER, memory_line
+    from autoplan.models import get_model_config
+
+    found = memory_line(program, plan, get_model_config(args.model), tokens, targets)
+    if found is None or rank != 0:
+        return
+    line, over = found
+    print(line, flush=True)
+    if over:
+        print(f"autoplan.train: warning: this run holds more activation memory than the plan predicts (more "
+              f"than {OVER:.0%} above it); a plan that fits only just may not fit on the device", file=sys.stderr,
+              flush=True)
 
 
 def _report_timing(meter: StepMeter) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -32,6 +33,10 @@ def test_torchrun_two_ranks_trains_and_the_loss_falls(tmp_path, free_port):
     assert len(record["step_times_s"]) == 12 and record["measured_step_time_s"] > 0
     assert record["mfu"] > 0 and record["predicted_step_time_s"] > 0
     assert "predicted for" in result.stdout and "tokens/s" in result.stdout
+    # after the first step: the activations one microbatch leaves, measured against the plan (issue 19)
+    found = re.search(r"activations of one microbatch: measured [\d.]+ MB \(largest rank\) against [\d.]+ MB "
+                      r"predicted \(([+-][\d.]+)%\)", result.stdout)
+    assert found and abs(float(found.group(1))) <= 5.0, result.stdout[-2000:]
     assert losses[-1] < losses[0] - 0.5, losses
 
 
