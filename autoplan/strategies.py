@@ -140,7 +140,8 @@ def default_registry() -> StrategyRegistry:
 # ---------------------------------------------------------------------------------------- rules
 
 
-def _divides(tp: int, size: int) -> bool:
+def divides(tp: int, size: int) -> bool:
+    """Whether `tp` ranks split a dim of `size` evenly (the strategy rules' shard test)."""
     return size % tp == 0
 
 
@@ -169,16 +170,16 @@ def linear_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy]:
     names = _params(node)
     has_bias = "bias" in names
     found = replicate_only(node, tp, info)
-    if _divides(tp, out_f):
+    if divides(tp, out_f):
         params = (ParamSpec("weight", Shard(0)),) + ((ParamSpec("bias", Shard(0)),) if has_bias else ())
         found.append(Strategy("column", (InputSpec(R, grad_partial=True),), FEAT, params, 1 / tp))
-    if _divides(tp, in_f):
+    if divides(tp, in_f):
         params = (ParamSpec("weight", Shard(1)),) + ((ParamSpec("bias", R),) if has_bias else ())
         found.append(Strategy("row", (InputSpec(FEAT),), R, params, 1 / tp, fwd_comm=(Comm("all_reduce", "output"),)))
-        if _divides(tp, seq):
+        if divides(tp, seq):
             found.append(Strategy("row_sp", (InputSpec(FEAT),), SEQ, params, 1 / tp,
                                   fwd_comm=(Comm("reduce_scatter", "output"),), bwd_comm=(Comm("all_gather", "output"),)))
-    if _divides(tp, seq):
+    if divides(tp, seq):
         params = tuple(ParamSpec(p, R, grad_partial=True) for p in names)
         found.append(Strategy("sequence", (InputSpec(SEQ),), SEQ, params, 1 / tp, bwd_comm=(Comm("all_reduce", "params"),)))
     return found
@@ -195,13 +196,13 @@ def embedding_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy
     seq = node.input_metas[0].shape[1]
     idx = (InputSpec(R),)
     found = replicate_only(node, tp, info)
-    if _divides(tp, vocab):
+    if divides(tp, vocab):
         found.append(Strategy("vocab", idx, R, (ParamSpec("weight", Shard(0)),), 1 / tp,
                               fwd_comm=(Comm("all_reduce", "output"),)))
-        if _divides(tp, seq):
+        if divides(tp, seq):
             found.append(Strategy("vocab_sp", idx, SEQ, (ParamSpec("weight", Shard(0)),), 1 / tp,
                                   fwd_comm=(Comm("reduce_scatter", "output"),), bwd_comm=(Comm("all_gather", "output"),)))
-    if _divides(tp, hidden):
+    if divides(tp, hidden):
         found.append(Strategy("hidden", idx, FEAT, (ParamSpec("weight", Shard(1)),), 1 / tp))
     return found
 
@@ -209,7 +210,7 @@ def embedding_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy
 def norm_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy]:
     """LayerNorm / RMSNorm over the features: replicated, or on a sequence shard (weights' grads summed)."""
     found = replicate_only(node, tp, info)
-    if _divides(tp, node.input_metas[0].shape[1]):
+    if divides(tp, node.input_metas[0].shape[1]):
         params = tuple(ParamSpec(p, R, grad_partial=True) for p in _params(node))
         bwd = (Comm("all_reduce", "params"),) if params else ()
         found.append(Strategy("sequence", (InputSpec(SEQ),), SEQ, params, 1 / tp, bwd_comm=bwd))
@@ -223,7 +224,7 @@ def elementwise_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strate
     if out is None or len(out.shape) != 3 or any(m.shape != out.shape for m in node.input_metas):
         return found
     for name, placement in (("sequence", SEQ), ("features", FEAT)):
-        if _divides(tp, out.shape[placement.dim]):
+        if divides(tp, out.shape[placement.dim]):
             inputs = tuple(InputSpec(placement) for _ in node.inputs)
             found.append(Strategy(name, inputs, placement, (), 1 / tp))
     return found
@@ -237,7 +238,7 @@ def attention_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy
         return found
     q_heads = node.input_metas[0].shape[-1] // head_dim
     kv_heads = node.input_metas[1].shape[-1] // head_dim
-    if _divides(tp, q_heads) and _divides(tp, kv_heads):
+    if divides(tp, q_heads) and divides(tp, kv_heads):
         inputs = tuple(InputSpec(FEAT) for _ in node.inputs)
         found.append(Strategy("heads", inputs, FEAT, (), 1 / tp))
     return found
@@ -251,10 +252,10 @@ def cross_entropy_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Stra
     """
     found = replicate_only(node, tp, info)
     logits = node.input_metas[0]
-    if _divides(tp, logits.shape[2]):
+    if divides(tp, logits.shape[2]):
         found.append(Strategy("vocab", (InputSpec(FEAT), InputSpec(R)), R, (), 1 / tp,
                               fwd_comm=(Comm("all_reduce", "stats"),)))
-    if _divides(tp, logits.shape[1]):
+    if divides(tp, logits.shape[1]):
         found.append(Strategy("sequence", (InputSpec(SEQ), InputSpec(SEQ)), R, (), 1 / tp,
                               fwd_comm=(Comm("all_reduce", "output"),)))
     return found
@@ -285,12 +286,12 @@ def moe_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy]:
     found = replicate_only(node, tp, info)
     names = _params(node)
     ffn_hidden = info.get("ffn_hidden")
-    if ffn_hidden and _divides(tp, ffn_hidden):
+    if ffn_hidden and divides(tp, ffn_hidden):
         shard = {"w_gate": Shard(2), "w_up": Shard(2), "w_down": Shard(1)}
         params = tuple(ParamSpec(p, shard.get(p, R)) for p in names)
         found.append(Strategy("ffn", (InputSpec(R),), R, params, 1 / tp,
                               fwd_comm=(Comm("all_reduce", "output"),), bwd_comm=(Comm("all_reduce", "input:0"),)))
-    if _divides(tp, node.input_metas[0].shape[1]):
+    if divides(tp, node.input_metas[0].shape[1]):
         params = tuple(ParamSpec(p, R, grad_partial=True) for p in names)
         found.append(Strategy("sequence", (InputSpec(SEQ),), SEQ, params, 1 / tp, bwd_comm=(Comm("all_reduce", "params"),)))
     return found
@@ -299,7 +300,7 @@ def moe_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy]:
 def _expert_folded(node: "NodeInfo", tp: int, etp: int = 1) -> Strategy:
     """The MoE strategy of etp < tp (`moe_strategies`)."""
     tokens = node.input_metas[0].shape[1]
-    if not _divides(tp, tokens):
+    if not divides(tp, tokens):
         raise ConfigError(f"node {node.name!r}: etp={etp} splits the MoE's {tokens} tokens per sequence over tp={tp}, "
                           f"which does not divide them; use a sequence divisible by tp x cp, or etp={tp}")
     experts = {"w_gate": Shard(0), "w_up": Shard(0), "w_down": Shard(0)}

@@ -85,10 +85,15 @@ def check_choice(what: str, value: object, choices: tuple, error: type[AutoplanE
     raise error(f"{what}={shown(value)}: expected one of {', '.join(map(repr, choices))}")
 
 
-def check_str(what: str, value: object, error: type[AutoplanError] = ConfigError) -> str:
-    if isinstance(value, str):
+def _check_type(what: str, value: object, kind: type, expected: str, error: type[AutoplanError]):
+    """`value` if it is a `kind`; otherwise `error` saying what was given and what was `expected`."""
+    if isinstance(value, kind):
         return value
-    raise error(f"{what}={shown(value)}: expected a string")
+    raise error(f"{what}={shown(value)}: expected {expected}")
+
+
+def check_str(what: str, value: object, error: type[AutoplanError] = ConfigError) -> str:
+    return _check_type(what, value, str, "a string", error)
 
 
 def path_kind(path: str | Path) -> str:
@@ -185,15 +190,11 @@ def check_keys(what: str, data: dict, allowed: set[str], required: set[str] = fr
 
 
 def check_mapping(what: str, value: object, error: type[AutoplanError] = ConfigError) -> dict:
-    if isinstance(value, dict):
-        return value
-    raise error(f"{what}={shown(value)}: expected a mapping of keys to values")
+    return _check_type(what, value, dict, "a mapping of keys to values", error)
 
 
 def check_list(what: str, value: object, error: type[AutoplanError] = PlanError) -> list:
-    if isinstance(value, list):
-        return value
-    raise error(f"{what}={shown(value)}: expected a list")
+    return _check_type(what, value, list, "a list", error)
 
 
 def record(cls, data: object, what: str, error: type[AutoplanError] = ConfigError):

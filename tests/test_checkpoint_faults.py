@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from _crafted import Call
 import torch
 
 from _dist import batches, make_plan, spawn
@@ -33,15 +34,6 @@ pytestmark = pytest.mark.gloo
 SEED, LR, SEQ, BATCH = 5, 1e-3, 16, 4
 PLAN = dict(assignment="megatron", microbatch_size=4)
 
-
-class _Call:
-    """Pickles as a call of `fn(*args)`."""
-
-    def __init__(self, fn, *args):
-        self.fn, self.args = fn, args
-
-    def __reduce__(self):
-        return self.fn, self.args
 
 
 # ------------------------------------------------------------------------------ in the ranks
@@ -122,7 +114,7 @@ def _crafted(rank: int, program, good: Path, root: Path) -> dict:
 
         def craft():
             shutil.copytree(good, evil)
-            (evil / ".metadata").write_bytes(pickle.dumps(_Call(os.system, f"touch {marker}")))
+            (evil / ".metadata").write_bytes(pickle.dumps(Call(os.system, f"touch {marker}")))
             if forged:
                 manifest = json.loads((evil / "autoplan.json").read_text())
                 manifest["files"][".metadata"] = digest(evil / ".metadata")

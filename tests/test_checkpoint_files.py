@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from _crafted import Call
 import torch
 
 from autoplan.runtime.checkpoint_files import (KIND, MANIFEST, MARKER, CheckpointError, begin,
@@ -39,15 +40,6 @@ def _manifest(directory: Path, step: int = 0) -> Path:
     return directory
 
 
-class _Call:
-    """Pickles as a call of `fn(*args)`: what a crafted checkpoint would make pickle.load run."""
-
-    def __init__(self, fn, *args):
-        self.fn, self.args = fn, args
-
-    def __reduce__(self):
-        return self.fn, self.args
-
 
 # ------------------------------------------------------------------ restricted unpickler
 
@@ -63,11 +55,11 @@ def test_a_real_dcp_metadata_reads_back_equal(tmp_path):
 
 def _payloads(marker: Path) -> dict:
     touch = f"open({str(marker)!r}, 'w').close()"
-    return {"os.system": _Call(os.system, f"touch {marker}"),
-            "builtins.exec": _Call(builtins.exec, touch),
-            "builtins.eval": _Call(builtins.eval, touch),
-            "subprocess.Popen": _Call(subprocess.Popen, ["touch", str(marker)]),
-            "torch.load": _Call(torch.load, str(marker))}
+    return {"os.system": Call(os.system, f"touch {marker}"),
+            "builtins.exec": Call(builtins.exec, touch),
+            "builtins.eval": Call(builtins.eval, touch),
+            "subprocess.Popen": Call(subprocess.Popen, ["touch", str(marker)]),
+            "torch.load": Call(torch.load, str(marker))}
 
 
 @pytest.mark.parametrize("kind", ["os.system", "builtins.exec", "builtins.eval",

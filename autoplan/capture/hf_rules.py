@@ -36,7 +36,7 @@ import re
 from typing import TYPE_CHECKING, Callable
 
 from autoplan.placement import Placement, Replicate, Shard
-from autoplan.strategies import (Comm, InputSpec, ParamSpec, Strategy, StrategyRegistry, default_registry,
+from autoplan.strategies import (Comm, InputSpec, ParamSpec, Strategy, StrategyRegistry, default_registry, divides,
                                  elementwise_strategies, linear_strategies, replicate_only)
 
 if TYPE_CHECKING:
@@ -59,10 +59,6 @@ def hf_registry() -> StrategyRegistry:
 # ---------------------------------------------------------------------------------- helpers
 
 
-def _divides(tp: int, size: int) -> bool:
-    return size % tp == 0
-
-
 def _relative(node: "NodeInfo", name: str) -> str:
     prefix = node.module_path + "." if node.module_path else ""
     return name[len(prefix):] if name.startswith(prefix) else name
@@ -80,7 +76,7 @@ def _sharded(node: "NodeInfo", tp: int, info: dict, mapping: InputMap,
     if out is None or len(out.shape) < 2 or tp == 1:
         return found
     for d in range(1, len(out.shape)):
-        if not _divides(tp, out.shape[d]):
+        if not divides(tp, out.shape[d]):
             continue
         specs, param_specs = mapping(d), params(d)
         if specs is None or param_specs is None or len(specs) != len(node.inputs):
@@ -95,7 +91,7 @@ def _broadcast_spec(meta: "TensorMeta", out: "TensorMeta", d: int, tp: int) -> P
     a = d - (len(out.shape) - len(meta.shape))
     if a < 0 or meta.shape[a] == 1:
         return R
-    if meta.shape[a] == out.shape[d] and _divides(tp, meta.shape[a]):
+    if meta.shape[a] == out.shape[d] and divides(tp, meta.shape[a]):
         return Shard(a)
     return None
 
@@ -184,7 +180,7 @@ def view_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy]:
         def cat_mapping(d: int):
             if dims is None or d == dims[0] % len(node.output.shape):
                 return None
-            if not all(len(m.shape) == len(node.output.shape) and _divides(tp, m.shape[d]) for m in node.input_metas):
+            if not all(len(m.shape) == len(node.output.shape) and divides(tp, m.shape[d]) for m in node.input_metas):
                 return None
             return tuple(InputSpec(Shard(d)) for _ in node.inputs)
         return _sharded(node, tp, info, cat_mapping)
@@ -195,7 +191,7 @@ def view_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy]:
         if a is None:
             return None
         first = (InputSpec(R, grad_partial=x.dtype in FLOAT_DTYPES) if a == -1 else
-                 InputSpec(Shard(a)) if _divides(tp, x.shape[a]) else None)
+                 InputSpec(Shard(a)) if divides(tp, x.shape[a]) else None)
         if first is None:
             return None
         return (first,) + tuple(InputSpec(R) for _ in node.inputs[1:])
@@ -226,19 +222,19 @@ def hf_linear_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy
     grouped = node.target.startswith("grouped")
     x, out = node.input_metas[0], node.output
     feat_in, feat_out = Shard(len(x.shape) - 1), Shard(len(out.shape) - 1)
-    if _divides(tp, meta.shape[out_dim]):
+    if divides(tp, meta.shape[out_dim]):
         params = (ParamSpec(weight, Shard(out_dim)),) + tuple(ParamSpec(b, Shard(len(m.shape) - 1))
                                                                for b, m in biases)
         found.append(Strategy("column", (InputSpec(R, grad_partial=True),), feat_out, params, 1 / tp))
-    if _divides(tp, meta.shape[in_dim]):
+    if divides(tp, meta.shape[in_dim]):
         params = (ParamSpec(weight, Shard(in_dim)),) + tuple(ParamSpec(b, R) for b, _ in biases)
         found.append(Strategy("row", (InputSpec(feat_in),), R, params, 1 / tp,
                               fwd_comm=(Comm("all_reduce", "output"),)))
-        if not grouped and len(out.shape) >= 3 and _divides(tp, out.shape[1]):
+        if not grouped and len(out.shape) >= 3 and divides(tp, out.shape[1]):
             found.append(Strategy("row_sp", (InputSpec(feat_in),), Shard(1), params, 1 / tp,
                                   fwd_comm=(Comm("reduce_scatter", "output"),),
                                   bwd_comm=(Comm("all_gather", "output"),)))
-    if not grouped and len(x.shape) >= 3 and _divides(tp, x.shape[1]):
+    if not grouped and len(x.shape) >= 3 and divides(tp, x.shape[1]):
         params = tuple(ParamSpec(n, R, grad_partial=True) for n in names)
         found.append(Strategy("sequence", (InputSpec(Shard(1)),), Shard(1), params, 1 / tp,
                               bwd_comm=(Comm("all_reduce", "params"),)))
