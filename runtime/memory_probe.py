@@ -1,7 +1,8 @@
 """What one forward leaves for backward on this rank, measured exactly on any device.
 
 A dispatch mode sees every op the forward runs (inside recomputed regions and under autocast too) and
-records each storage an op makes that is not a view of its inputs' storages. After the forward,
+records each storage an op makes that is not a view of its inputs' storages (a DTensor's: its local
+tensor's, the bytes this rank holds). After the forward,
 
     saved_bytes   the bytes of those storages still alive: what autograd, checkpoints and their
                   caches hold for backward. Left out: storages made from parameters alone (autocast's
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -55,8 +57,16 @@ class MeasuredMemory:
     recompute_bytes: int
 
 
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage that holds `t`'s bytes on this rank: a DTensor's local tensor's (the module runtime's
+    activations and parameters; the wrapper's own storage is a stand-in of the global size)."""
+    while isinstance(t, DTensor):
+        t = t._local_tensor
+    return t.untyped_storage()
+
+
 def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+    return _storage(t)._cdata
 
 
 class _StorageTracker(TorchDispatchMode):
@@ -104,7 +114,7 @@ class _StorageTracker(TorchDispatchMode):
             self.from_params.add(key)
         elif old is None or old[0].expired():  # a new storage (an address may be reused once freed)
             self.from_params.discard(key)
-            storage = t.untyped_storage()
+            storage = _storage(t)
             self.made[key] = (StorageWeakRef(storage), storage.nbytes(), phase)
 
     def live(self, phase: str) -> dict[int, int]:

@@ -2,14 +2,16 @@
 a Plan. The order matters:
 
     1. checks without communication: the mesh axes this runtime runs (dp, tp), the recompute
-       policy, the plan against the model (fingerprint of a transformers config, parameter
-       names), dropout under tp, tied weights under tp, where the weights come from
+       policy against the model's blocks (`runtime.module_recompute`), the plan against the model
+       (fingerprint of a transformers config, parameter names), dropout under tp, tied weights
+       under tp, where the weights come from
     2. the process group and the ("dp", "tp") DeviceMesh
     3. weights: a model with weights is broadcast from rank 0 (so every rank distributes the
        same tensors); a model on meta is loaded after step 4
     4. tp styles (`runtime.module_styles`), parameters becoming DTensors on the tp mesh
     5. a meta model's parameters read from the checkpoint, each rank its slices (`runtime.weights`)
-    6. ZeRO: FSDP2 over dp (`runtime.module_program`)
+    6. recompute: each block the policy names runs as one checkpointed region (`runtime.module_recompute`)
+    7. ZeRO: FSDP2 over dp (`runtime.module_program`), outside the recomputed regions
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from autoplan.runtime.launch import (_check_backend, check_cluster, _device, _de
                                      _launched_world_size, check_memory_fits)
 from autoplan.runtime.module_plan import ModulePlan, module_plan
 from autoplan.runtime.module_program import ModuleProgram, block_lists, plan_mesh
+from autoplan.runtime.module_recompute import apply_module_recompute, check_recompute_blocks
 from autoplan.runtime.module_styles import apply_module_plan
 from autoplan.runtime.weights import load_checkpoint
 
@@ -43,10 +46,7 @@ def check_module_plan(plan: Plan, model: nn.Module, cluster: ClusterSpec | str |
                         f"(with ZeRO and sequence parallelism) so far: plan with pipeline, context "
                         f"and expert parallelism off (SearchOptions(pipeline=False, "
                         f"context_parallel=False, expert_parallel=False))")
-    if plan.recompute != "none":
-        raise PlanError(f"recompute {plan.recompute!r}: the runtime for your own module does not "
-                        f"recompute activations yet; plan recompute 'none' "
-                        f"(SearchOptions(recompute=('none',)))")
+    check_recompute_blocks(plan.recompute, model)
     _check_model(plan, model)
     if plan.mesh.tp > 1:
         _check_dropout(model)
@@ -166,6 +166,7 @@ def parallelize_module_program(model: nn.Module, plan: Plan, *, cluster: Cluster
     if source == "meta":
         load_checkpoint(model, checkpoint, device)
     program = ModuleProgram(model, plan, mesh, mplan, device, check_finite)
+    program.recomputed_layers = apply_module_recompute(model, check_recompute_blocks(plan.recompute, model))
     if program.fsdp:
         _shard_over_dp(model, mesh["dp"], plan.zero_stage)
     return program

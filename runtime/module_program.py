@@ -92,6 +92,7 @@ class ModuleProgram(nn.Module):
         self.check_finite = check_finite
         self.step = 0  # train_step calls so far
         self.grad_norm: float | None = None  # the last step's global gradient norm (under check_finite)
+        self.recomputed_layers: tuple[int, ...] = ()  # the blocks run as recomputed regions (module_recompute)
 
     # ------------------------------------------------------------ parameters
     def make_optimizer(self, cls: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:

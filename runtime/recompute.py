@@ -31,7 +31,7 @@ import contextvars
 import functools
 import operator
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -99,13 +99,14 @@ def save_contexts(saves: frozenset[str]) -> tuple[TorchDispatchMode, TorchDispat
     return caching, ReplaySaved(cached, saves)
 
 
-def recompute(region: fx.GraphModule, *args, saves: tuple[str, ...] = ()):
-    """Run `region` keeping its inputs and the outputs of the `saves` families' ops for backward
-    (non-reentrant selective checkpoint). The whole region is re-run (early_stop=False), as the cost
-    model prices it and as runtime.counting predicts its collectives."""
+def recompute(region: Callable, *args, saves: tuple[str, ...] = (), **kwargs):
+    """Run `region(*args, **kwargs)` (a graph region, or a module block's forward:
+    runtime.module_recompute) keeping its inputs and the outputs of the `saves` families' ops for
+    backward (non-reentrant selective checkpoint). The whole region is re-run (early_stop=False), as
+    the cost model prices it and as runtime.counting predicts its collectives."""
     contexts = functools.partial(save_contexts, frozenset(saves))
     with set_checkpoint_early_stop(False):  # the context manager exists in every torch we support
-        return checkpoint(region, *args, use_reentrant=False, context_fn=contexts)
+        return checkpoint(region, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
 
 def node_layer(node: fx.Node, infos: dict[str, NodeInfo]) -> int | None:

@@ -20,6 +20,10 @@ size (2 and 4 ranks) runs all its configurations. Besides:
     no plan   autoplan.parallelize of a transformers model without a plan plans on rank 0 and runs
     losses    the plan's cross-entropy strategy: vocab-parallel (Megatron), on sequence shards (the head
               "sequence"), whole (a replicated plan: attention and MLP blocks replicated regions)
+    recompute the plan's policy (full, selective, matmul-only, full:1; under dp, tp, sp and ZeRO 3) gives
+              the same numbers; the blocks recomputed and the op families saved are the policy's; and
+              one microbatch's forward keeps less for backward (runtime.memory_probe) by the bytes the
+              cost model predicts (test_recompute_frees_what_the_cost_model_predicts says how close)
 Every case runs through autoplan.parallelize (one passes the checkpoint directory as the model).
 Pure checks (no processes): the module plan of a plan, what it refuses, checkpoints that do not match.
 """
@@ -45,6 +49,7 @@ B, T, STEPS, LR, SEED = 4, 16, 3, 1e-3, 0
 # ignores a shift shared by all keys), which AdamW would otherwise blow up to +-LR either way
 EPS = 1e-6
 TOL = dict(rtol=1e-5, atol=1e-5)
+FREED_TOLERANCE = 0.10  # relative: activation bytes recompute frees, measured against the cost model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +64,7 @@ class Case:
     weights: str = "module"  # "module": built with weights; "meta": loaded from the checkpoint
     assignment: str = "megatron"  # "megatron" (with sp: "megatron-sp"), "replicate", or "sequence-loss":
     # Megatron with sp, the head and the loss on sequence shards
+    recompute: str = "none"  # the plan's recompute policy (runtime.module_recompute)
 
     @property
     def world(self) -> int:
@@ -82,7 +88,15 @@ CASES = [
     Case("hand-dp2tp2-zero1", "hand", dp=2, tp=2, zero=1),
     # row-parallel slices read from the checkpoint are strided: FSDP2 must get them contiguous
     Case("llama-dp2tp2-zero1-meta", "llama", dp=2, tp=2, zero=1, weights="meta"),
+    # recompute: each mirrors a case above (BASES) but for its policy, so its activation bytes compare
+    Case("llama-dp2-full", "llama", dp=2, microbatches=2, recompute="full"),
+    Case("qwen2-tp2-sp-selective", "qwen2", tp=2, sp=True, weights="meta", recompute="selective"),
+    Case("hand-tp2-sp-full:1", "hand", tp=2, sp=True, recompute="full:1"),
+    Case("llama-tp2-matmul-only", "llama", tp=2, recompute="matmul-only"),
+    Case("qwen2-dp2tp2-zero3-selective", "qwen2", dp=2, tp=2, zero=3, recompute="selective"),
 ]
+BASES = {"llama-dp2-full": "llama-dp2", "qwen2-tp2-sp-selective": "qwen2-tp2-sp",
+         "hand-tp2-sp-full:1": "hand-tp2-sp", "llama-tp2-matmul-only": "llama-tp2"}
 EXPORTED = ("llama-dp2tp2-sp", "qwen2-dp2tp2-zero3")
 
 
@@ -137,7 +151,7 @@ def _plan(case: Case, graph, summary):
     if case.assignment == "sequence-loss":
         assignment |= _sequence_head(graph, registry, case.tp, info)
     cluster, mesh = parse_cluster(f"1x{case.world}xcpu"), MeshShape(dp=case.dp, tp=case.tp)
-    batch = (B // case.dp // case.microbatches, case.microbatches, case.zero, "none")
+    batch = (B // case.dp // case.microbatches, case.microbatches, case.zero, case.recompute)
     return plan_from_assignment(graph, summary, cluster, mesh, assignment, *batch, registry=registry,
                                 dtype="float32")
 
@@ -176,7 +190,16 @@ def setup(tmp_path_factory) -> dict:
     refs["hand"] = _reference(_hand_model(), tokens)
     graphs["hand"] = (capture_hf(_hand_model("meta"), 1, T, torch.float32), _hand_summary())
     plans = {c.name: _plan(c, *graphs[c.model]) for c in CASES}
-    return {"root": root, "dirs": dirs, "tokens": tokens, "refs": refs, "plans": plans}
+    predicted = {c.name: _predicted_bytes(plans[c.name], *graphs[c.model]) for c in CASES
+                 if c.name in BASES or c.name in BASES.values()}
+    return {"root": root, "dirs": dirs, "tokens": tokens, "refs": refs, "plans": plans, "predicted": predicted}
+
+
+def _predicted_bytes(plan, graph, summary) -> float:
+    """The cost model's bytes one microbatch's forward leaves for backward on a rank, for `plan`."""
+    from autoplan.cost_model.memory import plan_activation_bytes
+
+    return plan_activation_bytes(plan, graph, summary.rule_info())[0]
 
 
 # ------------------------------------------------------------------------------- in the ranks
@@ -223,6 +246,22 @@ def _train(program, tokens: torch.Tensor, keep: bool) -> dict:
             "grad_norm": norm}
 
 
+def _activations(program, tokens: torch.Tensor) -> dict:
+    """What one microbatch's forward leaves for backward on this rank (runtime.memory_probe), and the
+    save / recompute decisions of the recomputed blocks, as {"family:saved": ops}. Its gradients are
+    dropped by the first train_step (zero_grad)."""
+    from autoplan.runtime.memory_probe import measure_saved_bytes
+    from autoplan.runtime.recompute import observe_recompute
+
+    rows = program._rows(tokens)[:program.plan.microbatch_size]
+    targets = rows.roll(-1, dims=1)
+    targets[:, -1] = -100
+    with program._loss_context(), observe_recompute() as decisions:
+        _, measured = measure_saved_bytes(lambda: program._token_loss_sum(rows, targets), program.model)
+    return {"saved_bytes": measured.saved_bytes,
+            "decisions": {f"{family}:{saved}": n for (family, saved), n in decisions.items()}}
+
+
 def _evaluate(program, tokens: torch.Tensor) -> dict:
     """This rank's logits, all logits, and the loss of the gathered logits on new tokens."""
     local = program.forward(tokens)
@@ -245,7 +284,10 @@ def _run_case(rank: int, case: Case, plan, setup_: dict) -> dict:
         model, checkpoint = str(setup_["dirs"]["llama"]), None
     program = autoplan.parallelize(model, f"1x{case.world}xcpu", plan, checkpoint=checkpoint)
     held = _local_numel(program)
-    found = {"reads": sum(reads), "held": held, "table": str(program.module_plan)}
+    found = {"reads": sum(reads), "held": held, "table": str(program.module_plan),
+             "recomputed": program.recomputed_layers}
+    if case.name in BASES or case.name in BASES.values() or case.recompute != "none":
+        found |= _activations(program, setup_["tokens"][0])
     found |= _train(program, setup_["tokens"], keep=rank == 0)
     found |= _evaluate(program, setup_["tokens"][STEPS])
     if case.name in EXPORTED:
@@ -388,3 +430,38 @@ def test_a_nan_stops_every_rank_before_the_update(runs):
 def test_parallelize_without_a_plan(setup, runs):
     for ranks in runs[2]:
         assert ranks["unplanned"] == pytest.approx(setup["refs"]["llama"]["losses"], rel=1e-5)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.recompute != "none"], ids=lambda c: c.name)
+def test_recompute_applies_the_plans_policy(runs, case):
+    """The blocks run as regions are the policy's layers, and in them only the families the policy
+    names are saved (every block's matmuls and attention are seen, saved or not)."""
+    from autoplan.recompute_policy import recompute_policy
+
+    policy = recompute_policy(case.recompute)
+    for ranks in runs[case.world]:
+        got = ranks[case.name]
+        assert got["recomputed"] == tuple(policy.recomputed_layers(2))
+        saved = {k.split(":")[0] for k, n in got["decisions"].items() if k.endswith(":True") and n}
+        assert saved == set(policy.saves)
+        linears = 6 if case.model == "hand" else 7  # q, k, v, o, (gate,) up, down
+        matmuls = got["decisions"].get("matmul:True", 0) + got["decisions"].get("matmul:False", 0)
+        assert matmuls == linears * len(got["recomputed"])
+
+
+@pytest.mark.parametrize("name", sorted(BASES), ids=str)
+def test_recompute_frees_what_the_cost_model_predicts(setup, runs, name):
+    """One microbatch's forward keeps less for backward with recompute than the same plan without,
+    and the bytes it frees are the cost model's: within FREED_TOLERANCE where the runtime keeps what
+    the model prices (dp, tp); under sequence parallelism at least the predicted bytes (the module
+    runtime's DTensor all-gathers keep whole-sequence inputs of the column projections, which the
+    model prices as shards: the plain run holds more, and recompute frees that too)."""
+    case = next(c for c in CASES if c.name == name)
+    predicted = setup["predicted"][BASES[name]] - setup["predicted"][name]
+    assert predicted > 0
+    for ranks in runs[case.world]:
+        freed = ranks[BASES[name]]["saved_bytes"] - ranks[name]["saved_bytes"]
+        if case.sp:
+            assert freed >= predicted
+        else:
+            assert freed == pytest.approx(predicted, rel=FREED_TOLERANCE)

@@ -1,0 +1,66 @@
+"""Recomputation in the runtime for the user's own module, as the plan's policy says
+(`autoplan.recompute_policy`), with the zoo's mechanism (`runtime.recompute`): torch's non-reentrant
+checkpoint under selective activation checkpointing contexts, one region per recomputed block.
+
+    blocks       the members of the model's layer lists (`module_program.block_lists`, the blocks FSDP2
+                 wraps), in the model's order: block i is layer i of the plan
+    regions      the blocks `policy.recomputed_layers(len(blocks))` (every block, or the first k under
+                 "<kind>:k"); each block's `forward` runs as
+                     recompute(original_forward, *args, saves=policy.saves, **kwargs)
+                 so forward keeps the block's inputs and the outputs of the ops whose family the policy
+                 saves (selective: matmul and attention; matmul-only: matmul; full: nothing), and
+                 backward re-runs the whole block (its tp collectives too) before differentiating it
+
+The block's own parameters and module path are untouched (the forward is replaced on the instance,
+not wrapped in another module), so names, state dicts and FSDP2's per-block sharding stay as they
+were; FSDP2's hooks stay outside the region (they run around `__call__`), as torchtitan orders them,
+and its pre-backward gather brings the parameters back before the re-run. The ops and their order are
+those of the plain forward, so the numbers are the same.
+
+A plan that recomputes a model without layer lists cannot be applied: `check_recompute_blocks` refuses it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+from autoplan.errors import PlanError
+from autoplan.recompute_policy import RecomputePolicy, check_recompute
+from autoplan.runtime.module_program import block_lists
+from autoplan.runtime.recompute import recompute
+
+
+def check_recompute_blocks(plan_recompute: str, model: nn.Module) -> RecomputePolicy:
+    """The plan's policy, checked against the model's blocks: PlanError when it recomputes layers
+    the model has no layer list for, or more layers than it has."""
+    policy = check_recompute(plan_recompute)
+    if policy.kind == "none":
+        return policy
+    blocks = block_lists(model)
+    if not blocks:
+        raise PlanError(f"recompute {plan_recompute!r}: the model ({type(model).__name__}) has no "
+                        f"nn.ModuleList of blocks with parameters, which are the regions the module "
+                        f"runtime recomputes; keep the layers in an nn.ModuleList or plan recompute 'none'")
+    return check_recompute(plan_recompute, len(blocks))
+
+
+def apply_module_recompute(model: nn.Module, policy: RecomputePolicy) -> tuple[int, ...]:
+    """Run each block `policy` recomputes as one checkpointed region (module docstring), in place;
+    returns the indices of those blocks."""
+    blocks = block_lists(model)
+    layers = tuple(policy.recomputed_layers(len(blocks)))
+    saves = tuple(sorted(policy.saves))
+    for i in layers:
+        block = blocks[i]
+        if "forward" in vars(block):
+            raise PlanError(f"block {i} ({type(block).__name__}) is already recomputed or has its "
+                            f"forward replaced; apply the plan to a freshly built model")
+        block.forward = functools.partial(_recomputed, block.forward, saves)
+    return layers
+
+
+def _recomputed(forward, saves: tuple[str, ...], *args, **kwargs):
+    """`forward(*args, **kwargs)` as one recomputed region keeping the `saves` families' outputs."""
+    return recompute(forward, *args, saves=saves, **kwargs)
