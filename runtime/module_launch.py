@@ -4,7 +4,7 @@ a Plan. The order matters:
     1. checks without communication: the mesh axes this runtime runs (dp, tp), the recompute
        policy against the model's blocks (`runtime.module_recompute`), the plan against the model
        (fingerprint of a transformers config, parameter names), dropout under tp, tied weights
-       under tp, where the weights come from
+       under tp (held alike by every holder), where the weights come from
     2. the process group and the ("dp", "tp") DeviceMesh
     3. weights: a model with weights is broadcast from rank 0 (so every rank distributes the
        same tensors); a model on meta is loaded after step 4
@@ -31,7 +31,7 @@ from autoplan.runtime.launch import (_check_backend, check_cluster, _device, _de
 from autoplan.runtime.module_plan import ModulePlan, module_plan
 from autoplan.runtime.module_program import ModuleProgram, block_lists, plan_mesh
 from autoplan.runtime.module_recompute import apply_module_recompute, check_recompute_blocks
-from autoplan.runtime.module_styles import apply_module_plan
+from autoplan.runtime.module_styles import apply_module_plan, tied_groups, weight_layout
 from autoplan.runtime.weights import load_checkpoint
 
 RUNS_AXES = ("dp", "tp")
@@ -48,10 +48,11 @@ def check_module_plan(plan: Plan, model: nn.Module, cluster: ClusterSpec | str |
                         f"context_parallel=False, expert_parallel=False))")
     check_recompute_blocks(plan.recompute, model)
     _check_model(plan, model)
+    mplan = module_plan(plan, model)
     if plan.mesh.tp > 1:
         _check_dropout(model)
-        _check_tied(model)
-    return module_plan(plan, model)
+        _check_tied(model, mplan)
+    return mplan
 
 
 def _check_model(plan: Plan, model: nn.Module) -> None:
@@ -88,14 +89,20 @@ def _check_dropout(model: nn.Module) -> None:
                         f"config.attention_dropout = 0.0) or plan tp=1")
 
 
-def _check_tied(model: nn.Module) -> None:
-    seen: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            raise PlanError(f"parameters {seen[id(p)]!r} and {name!r} are tied (one tensor); the tp "
-                            f"styles would split them apart, which this runtime does not handle yet: "
-                            f"untie them (transformers: tie_word_embeddings=False) or plan tp=1")
-        seen[id(p)] = name
+def _check_tied(model: nn.Module, mplan: ModulePlan) -> None:
+    """Tied weights under tp: every module holding the one tensor must hold it alike (an embedding
+    vocab-parallel and a head column-parallel over the vocabulary both hold S(0); or all replicated),
+    so that it stays one tensor (`module_styles.apply_module_plan`)."""
+    for group in tied_groups(model):
+        paths = {name: name.rpartition(".")[0] for name in group}
+        layouts = {n: weight_layout(mplan.style(p), model.get_submodule(p)) for n, p in paths.items()}
+        if len(set(layouts.values())) > 1:
+            found = ", ".join(f"{n}: {lay}" for n, lay in layouts.items())
+            raise PlanError(f"parameters {' and '.join(map(repr, group))} are tied (one tensor), but the "
+                            f"plan holds them differently on tp ({found}); tied weights run when every "
+                            f"holder keeps the same layout: the embedding vocab-parallel and the head "
+                            f"column-parallel (both S(0)), or both replicated. Plan them so, untie them "
+                            f"(transformers: tie_word_embeddings=False), or plan tp=1")
 
 
 def _weights_source(model: nn.Module, checkpoint: str | Path | None) -> str:

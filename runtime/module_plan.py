@@ -14,6 +14,8 @@ linear of an nn.Linear, the lookup of an nn.Embedding, the scale of a norm). The
                         row_sp      RowwiseParallel(output S(1))             DTensor S(1)
                         sequence    SequenceParallel (weights replicated)    DTensor S(1)
                         replicate   Replicated                               DTensor R
+    Conv1D (GPT-2)      replicate   Replicated (the region of its parent)    DTensor R
+                        column, row refused: weight (in, out), c_attn's q|k|v not laid out per rank
     nn.Embedding        vocab       RowwiseParallel(input R, output R)       DTensor R
                         vocab_sp    RowwiseParallel(input R, output S(1))    DTensor S(1)
                         hidden      ColwiseParallel(input R)                 DTensor S(-1)
@@ -71,6 +73,7 @@ STYLES: dict[tuple[str, str], tuple[str, Placement | None, Placement, bool]] = {
     ("linear", "row_sp"): ("rowwise", LAST, SEQ, False),
     ("linear", "sequence"): ("sequence", SEQ, SEQ, False),
     ("linear", "replicate"): ("replicated", R, R, False),
+    ("conv1d", "replicate"): ("replicated", R, R, False),
     ("embedding", "vocab"): ("rowwise", R, R, False),
     ("embedding", "vocab_sp"): ("rowwise", R, SEQ, False),
     ("embedding", "hidden"): ("colwise", R, LAST, False),
@@ -130,7 +133,7 @@ def module_plan(plan: Plan, model: nn.Module) -> ModulePlan:
     by_module = _ops_by_module(plan)
     owners = {path: _speaking_ops(path, m, by_module) for path, m in modules.items()
               if any(True for _ in m.parameters(recurse=False))}
-    linears = {p for p in owners if isinstance(modules[p], nn.Linear)}
+    linears = {p for p in owners if _kind(modules[p]) in ("linear", "conv1d")}
     styles: dict[str, ModuleStyle] = {}
     regions = defaultdict(list)
     for path in linears:
@@ -172,8 +175,11 @@ def _speaking_ops(path: str, module: nn.Module, by_module) -> list[OpPlacement]:
 
 
 def _kind(module: nn.Module) -> str:
-    return "linear" if isinstance(module, nn.Linear) else "embedding" if isinstance(module, nn.Embedding) \
-        else "other"
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers' GPT-2 projection
+        return "conv1d"
+    return "embedding" if isinstance(module, nn.Embedding) else "other"
 
 
 def _leaf_style(path: str, module: nn.Module, ops: list[OpPlacement]) -> ModuleStyle:
@@ -185,6 +191,12 @@ def _leaf_style(path: str, module: nn.Module, ops: list[OpPlacement]) -> ModuleS
                         f"parameters are their own (nn.Linear, nn.Embedding, norms): move them into a "
                         f"submodule of their own, or plan tp=1")
     entry = STYLES.get((_kind(module), strategy))
+    if entry is None and _kind(module) == "conv1d":
+        raise PlanError(f"module {path!r} (Conv1D, weight (in, out)): strategy {strategy!r} of op "
+                        f"{ops[0].node!r}; the module runtime runs GPT-2's Conv1D projections "
+                        f"replicated only (their weight is transposed against nn.Linear's, and c_attn "
+                        f"holds q|k|v one after another, not per rank as a column split needs): plan "
+                        f"them 'replicate', or convert the model's Conv1D to nn.Linear")
     if entry is None:
         valid = sorted(s for k, s in STYLES if k == _kind(module))
         raise PlanError(f"module {path!r} ({type(module).__name__}): strategy {strategy!r} of op "
@@ -206,6 +218,9 @@ def _region_ops(parent: str, members: list[str], by_module) -> list[OpPlacement]
 
 def _region_styles(parent: str, members: list[str], owners, by_module, modules) -> dict[str, ModuleStyle]:
     """The styles of the linears of one parent module (module docstring, "Regions")."""
+    for m in members:
+        if _kind(modules[m]) == "conv1d":
+            _leaf_style(m, modules[m], owners[m])  # refuses a Conv1D planned other than replicated
     strategies = {owners[m][0].strategy for m in members}
     others = _region_ops(parent, members, by_module)
     if strategies <= {"column", "row", "row_sp"} and "column" in strategies and strategies & {"row", "row_sp"}:

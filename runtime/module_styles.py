@@ -111,11 +111,38 @@ def torch_style(style: ModuleStyle, module: nn.Module) -> ParallelStyle:
     raise ValueError(f"module style kind {style.kind!r} is unknown")
 
 
+def weight_layout(style: ModuleStyle | None, module: nn.Module) -> str:
+    """How a style holds its module's weight on tp: "S(0)", "S(1)", "R" (a DTensor) or "plain" (a
+    plain tensor: no style, or inside a replicated region). torch's styles shard an nn.Linear's
+    weight (out, in) on dim 0 colwise and 1 rowwise, an nn.Embedding's (vocab, hidden) the other way."""
+    if style is None or style.kind == "replicated_region":
+        return "plain"
+    if style.kind in ("replicated", "sequence"):
+        return "R"
+    embedding = isinstance(module, nn.Embedding)
+    return "S(1)" if (style.kind == "colwise") == embedding else "S(0)"
+
+
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter held under more than one name (tied weights), in model order."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
 def apply_module_plan(model: nn.Module, mplan: ModulePlan, tp_mesh: DeviceMesh) -> None:
     """Put every style of `mplan` on `model` (in place), parameters distributed over `tp_mesh`
-    from the module's own tensors (rank 0's values: every rank must hold the same model)."""
+    from the module's own tensors (rank 0's values: every rank must hold the same model). Each
+    style replaces its module's parameters, so tied weights (which `module_launch` checks are held
+    alike by every style) are tied again to the first name's new parameter."""
+    tied = tied_groups(model)
     for path, style in mplan.styles:
         module = model.get_submodule(path)
         if style.kind == "colwise":
             module.register_forward_pre_hook(_bring_first_input(Replicate()))
         parallelize_module(module, tp_mesh, torch_style(style, module))
+    for first, *aliases in tied:
+        for alias in aliases:
+            owner, _, attr = alias.rpartition(".")
+            setattr(model.get_submodule(owner), attr, model.get_parameter(first))

@@ -120,20 +120,35 @@ def test_refuses_what_this_slice_does_not_run(captured):
         check_module_plan(plan, model, "1x4xcpu")
 
 
-def test_refuses_tied_weights_under_tp():
-    from autoplan.api import estimate
+def _captured(config):
     from autoplan.capture.hf import capture_hf_for_planner
-    from autoplan.capture.hf_rules import hf_registry
-    from autoplan.mesh import MeshShape
 
-    config = _config(tie_word_embeddings=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         summary, graph, _ = capture_hf_for_planner(config, T, "float32")
-    plan = estimate(summary, "1x2xcpu", 2, T, mesh=MeshShape(tp=2), microbatch_size=2, zero_stage=0,
-                    recompute="none", dtype="float32", graph=graph, registry=hf_registry())
-    with pytest.raises(PlanError, match="'model.embed_tokens.weight' and 'lm_head.weight' are tied"):
-        check_module_plan(plan, _meta_model(config))
+    return summary, graph
+
+
+def test_tied_weights_under_tp_run_only_when_held_alike():
+    config = _config(tie_word_embeddings=True)
+    tied, model = _captured(config), _meta_model(config)
+    check_module_plan(_plan(tied), model)  # vocab-parallel embedding and column head: both hold S(0)
+    with pytest.raises(PlanError, match=r"'model.embed_tokens.weight' and 'lm_head.weight' are tied .*"
+                                        r"\(model.embed_tokens.weight: S\(0\), lm_head.weight: R\)"):
+        check_module_plan(_plan(tied, assignment={"lm_head": "replicate"}), model)
+
+
+def test_gpt2_conv1d_runs_replicated_only():
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0,
+                                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    gpt2, model = _captured(config), _meta_model(config)
+    styles = module_plan(_plan(gpt2, assignment="replicate"), model)
+    assert styles.style("transformer.h.0.attn").kind == "replicated_region"  # its Conv1D form a region
+    split = {f"transformer_h_{i}_attn_{name}": s for i in (0, 1) for name, s in (("c_attn", "column"), ("c_proj", "row"))}
+    column = _plan(gpt2, assignment=split)  # Megatron's, with the attention projections split
+    with pytest.raises(PlanError, match=r"'transformer.h.\d.attn.c_attn' \(Conv1D, weight \(in, out\)\): "
+                                        r"strategy 'column'.*replicated only.*q\|k\|v"):
+        module_plan(column, model)
 
 
 def test_weights_come_from_the_module_or_a_checkpoint(tmp_path):
