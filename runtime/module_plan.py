@@ -14,8 +14,10 @@ linear of an nn.Linear, the lookup of an nn.Embedding, the scale of a norm). The
                         row_sp      RowwiseParallel(output S(1))             DTensor S(1)
                         sequence    SequenceParallel (weights replicated)    DTensor S(1)
                         replicate   Replicated                               DTensor R
-    Conv1D (GPT-2)      replicate   Replicated (the region of its parent)    DTensor R
-                        column, row refused: weight (in, out), c_attn's q|k|v not laid out per rank
+    Conv1D (GPT-2)      column      Conv1DColwise (weight (in, out) S(1))   local shard S(-1)
+                        row, row_sp Conv1DRowwise (weight S(0))                 DTensor R, S(1)
+                        replicate   Replicated                               DTensor R
+                        a fused output (c_attn: q|k|v one after another) is refused column
     nn.Embedding        vocab       RowwiseParallel(input R, output R)       DTensor R
                         vocab_sp    RowwiseParallel(input R, output S(1))    DTensor S(1)
                         hidden      ColwiseParallel(input R)                 DTensor S(-1)
@@ -73,6 +75,9 @@ STYLES: dict[tuple[str, str], tuple[str, Placement | None, Placement, bool]] = {
     ("linear", "row_sp"): ("rowwise", LAST, SEQ, False),
     ("linear", "sequence"): ("sequence", SEQ, SEQ, False),
     ("linear", "replicate"): ("replicated", R, R, False),
+    ("conv1d", "column"): ("colwise", R, LAST, True),
+    ("conv1d", "row"): ("rowwise", LAST, R, False),
+    ("conv1d", "row_sp"): ("rowwise", LAST, SEQ, False),
     ("conv1d", "replicate"): ("replicated", R, R, False),
     ("embedding", "vocab"): ("rowwise", R, R, False),
     ("embedding", "vocab_sp"): ("rowwise", R, SEQ, False),
@@ -191,12 +196,6 @@ def _leaf_style(path: str, module: nn.Module, ops: list[OpPlacement]) -> ModuleS
                         f"parameters are their own (nn.Linear, nn.Embedding, norms): move them into a "
                         f"submodule of their own, or plan tp=1")
     entry = STYLES.get((_kind(module), strategy))
-    if entry is None and _kind(module) == "conv1d":
-        raise PlanError(f"module {path!r} (Conv1D, weight (in, out)): strategy {strategy!r} of op "
-                        f"{ops[0].node!r}; the module runtime runs GPT-2's Conv1D projections "
-                        f"replicated only (their weight is transposed against nn.Linear's, and c_attn "
-                        f"holds q|k|v one after another, not per rank as a column split needs): plan "
-                        f"them 'replicate', or convert the model's Conv1D to nn.Linear")
     if entry is None:
         valid = sorted(s for k, s in STYLES if k == _kind(module))
         raise PlanError(f"module {path!r} ({type(module).__name__}): strategy {strategy!r} of op "
@@ -210,19 +209,21 @@ def _inside_replicated(path: str, styles: dict[str, ModuleStyle]) -> bool:
     return any(s.kind == "replicated_region" and path.startswith(p + ".") for p, s in styles.items())
 
 
-def _region_ops(parent: str, members: list[str], by_module) -> list[OpPlacement]:
-    """The ops of region `parent` that are not its linears' (attention cores, activations, views)."""
-    inside = [m for m in by_module if m == parent or m.startswith(parent + ".")]
+def _region_ops(parent: str, members: list[str], by_module, modules) -> list[OpPlacement]:
+    """The ops of region `parent` that are not its linears' (attention cores, activations, views),
+    nor an nn.Dropout's: under tp its p is 0 (module_launch refuses more), an identity on any layout."""
+    inside = [m for m in by_module if (m == parent or m.startswith(parent + "."))
+              and not isinstance(modules.get(m), nn.Dropout)]
     return [o for m in inside if m not in members for o in by_module[m]]
 
 
 def _region_styles(parent: str, members: list[str], owners, by_module, modules) -> dict[str, ModuleStyle]:
     """The styles of the linears of one parent module (module docstring, "Regions")."""
     for m in members:
-        if _kind(modules[m]) == "conv1d":
-            _leaf_style(m, modules[m], owners[m])  # refuses a Conv1D planned other than replicated
+        if _kind(modules[m]) == "conv1d" and owners[m][0].strategy == "column":
+            _check_unfused(m, members, owners, modules)
     strategies = {owners[m][0].strategy for m in members}
-    others = _region_ops(parent, members, by_module)
+    others = _region_ops(parent, members, by_module, modules)
     if strategies <= {"column", "row", "row_sp"} and "column" in strategies and strategies & {"row", "row_sp"}:
         _check_split(parent, members, owners, others, modules)
         return {m: _leaf_style(m, modules[m], owners[m]) for m in members}
@@ -239,6 +240,21 @@ def _region_styles(parent: str, members: list[str], owners, by_module, modules) 
     raise PlanError(f"module {parent!r}: its linears mix strategies ({found}); the module runtime "
                     f"runs a module's linears all column/row (tensor parallel), all sequence, or "
                     f"all replicate: plan one of those for {parent!r}")
+
+
+def _check_unfused(path: str, members: list[str], owners, modules) -> None:
+    """A column Conv1D must give the row projections of its region their input width: GPT-2's
+    c_attn gives q|k|v (3 times c_proj's input) one after another, so a contiguous column shard
+    would hold whole q heads and no v, not each rank's heads of all three."""
+    rows = [m for m in members if _kind(modules[m]) == "conv1d" and owners[m][0].strategy in ("row", "row_sp")]
+    width = modules[path].nf
+    fused = [r for r in rows if modules[r].weight.shape[0] != width]
+    if fused:
+        raise PlanError(f"module {path!r} (Conv1D, {width} outputs) is planned 'column' but {fused[0]!r} "
+                        f"takes {modules[fused[0]].weight.shape[0]} inputs: its output is fused (GPT-2's "
+                        f"c_attn holds q|k|v one after another), which a column split would cut across "
+                        f"q, k and v instead of giving each rank its heads of all three; the module "
+                        f"runtime runs it replicated: plan {path.rpartition('.')[0]!r} 'replicate'")
 
 
 def _check_split(parent, members, owners, others, modules) -> None:

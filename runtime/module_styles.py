@@ -6,6 +6,9 @@
                  output_layouts=R | S(1))                                    S(0)), bias R
     sequence     SequenceParallel()                                          weights R, grads summed
     replicated   `Replicated`: weights R; input brought to R; output DTensor R
+    Conv1D       `Conv1DColwise` / `Conv1DRowwise` (transformers' GPT-2 projection, weight (in, out)):
+                 the same layouts with the weight's dims swapped: colwise weight S(1), bias S(0);
+                 rowwise weight S(0), bias R
     replicated_region  `ReplicatedRegion`: weights stay plain tensors (every tp rank computes the same);
                  DTensor inputs gathered to plain tensors, floating outputs wrapped as DTensor R
 
@@ -19,10 +22,12 @@ code), R for an embedding's token ids.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
@@ -85,6 +90,36 @@ class ReplicatedRegion(ParallelStyle):
         return module
 
 
+class Conv1DColwise(ColwiseParallel):
+    """ColwiseParallel for transformers' Conv1D (y = x @ weight + bias, weight (in, out)): the output
+    features are the weight's dim 1, so weight S(1) and bias S(0)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, _partition({"weight": Shard(1), "bias": Shard(0)}),
+                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class Conv1DRowwise(RowwiseParallel):
+    """RowwiseParallel for transformers' Conv1D: the input features are the weight's dim 0, so weight
+    S(0) and bias R; the input a shard of the last dim."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(module, device_mesh, _partition({"weight": Shard(0), "bias": Replicate()}),
+                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+def _partition(placements: dict):
+    """A partition_fn of `distribute_module` putting each named parameter at its placement."""
+    def partition(_name, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(param, device_mesh, [placements[name]]), requires_grad=param.requires_grad))
+    return partition
+
+
 def _bring_first_input(placement):
     """A forward pre-hook that redistributes a DTensor first input to `placement`."""
     def hook(_module, args):
@@ -97,6 +132,11 @@ def _bring_first_input(placement):
 def torch_style(style: ModuleStyle, module: nn.Module) -> ParallelStyle:
     """The torch ParallelStyle of one module's style (module docstring)."""
     out = torch_placement(style.output)
+    conv1d = not isinstance(module, (nn.Linear, nn.Embedding))  # module_plan styles no other such module
+    if style.kind == "colwise" and conv1d:
+        return Conv1DColwise(input_layouts=Replicate(), output_layouts=out, use_local_output=style.local_output)
+    if style.kind == "rowwise" and conv1d:
+        return Conv1DRowwise(input_layouts=Shard(-1), output_layouts=out, use_local_output=style.local_output)
     if style.kind == "colwise":
         return ColwiseParallel(input_layouts=Replicate(), output_layouts=out, use_local_output=style.local_output)
     if style.kind == "rowwise":
@@ -119,8 +159,8 @@ def weight_layout(style: ModuleStyle | None, module: nn.Module) -> str:
         return "plain"
     if style.kind in ("replicated", "sequence"):
         return "R"
-    embedding = isinstance(module, nn.Embedding)
-    return "S(1)" if (style.kind == "colwise") == embedding else "S(0)"
+    flipped = not isinstance(module, nn.Linear)  # nn.Embedding (vocab, hidden), Conv1D (in, out)
+    return "S(1)" if (style.kind == "colwise") == flipped else "S(0)"
 
 
 def tied_groups(model: nn.Module) -> list[list[str]]:

@@ -138,17 +138,16 @@ def test_tied_weights_under_tp_run_only_when_held_alike():
         check_module_plan(_plan(tied, assignment={"lm_head": "replicate"}), model)
 
 
-def test_gpt2_conv1d_runs_replicated_only():
+def test_gpt2_conv1d_styles_and_the_fused_qkv_refused():
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0,
                                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     gpt2, model = _captured(config), _meta_model(config)
     styles = module_plan(_plan(gpt2, assignment="replicate"), model)
     assert styles.style("transformer.h.0.attn").kind == "replicated_region"  # its Conv1D form a region
     split = {f"transformer_h_{i}_attn_{name}": s for i in (0, 1) for name, s in (("c_attn", "column"), ("c_proj", "row"))}
-    column = _plan(gpt2, assignment=split)  # Megatron's, with the attention projections split
-    with pytest.raises(PlanError, match=r"'transformer.h.\d.attn.c_attn' \(Conv1D, weight \(in, out\)\): "
-                                        r"strategy 'column'.*replicated only.*q\|k\|v"):
-        module_plan(column, model)
+    with pytest.raises(PlanError, match=r"'transformer.h.\d.attn.c_attn' \(Conv1D, 192 outputs\) is planned "
+                                        r"'column' but .*c_proj' takes 64 inputs: its output is fused"):
+        module_plan(_plan(gpt2, assignment=split), model)
 
 
 def test_weights_come_from_the_module_or_a_checkpoint(tmp_path):
