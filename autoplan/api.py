@@ -326,7 +326,7 @@ def search_module_plans(model, cluster: ClusterSpec | str, global_batch: int, se
     """The `top` best plans for the transformers `model` (on meta or with weights) that the module
     runtime runs: a search over `module_search_options` on the model's captured graph for the
     max(top, candidates) best, of which the first `top` that `check_module_plan` accepts are kept
-    (it refuses some for the model itself, such as dropout or tied weights under tp). `dtype`:
+    (it refuses some for the model itself, such as dropout under tp, or tied weights that tp would hold differently). `dtype`:
     the model's parameter dtype when None. `search`: more keywords of `search_plans` (progress,
     profile, kernels, baselines, fold, time_limit_s). PlanError naming why each was refused when
     none is accepted."""
