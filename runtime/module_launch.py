@@ -26,6 +26,7 @@ from torch import nn
 from autoplan.cluster import ClusterSpec
 from autoplan.errors import AutoplanError, ConfigError, PlanError
 from autoplan.plan import Plan
+from autoplan.recompute_policy import recompute_policy
 from autoplan.runtime.launch import (_check_backend, check_cluster, _device, _device_for, _init_process_group, _timeout,
                                      _launched_world_size, check_memory_fits)
 from autoplan.runtime.module_plan import ModulePlan, module_plan
@@ -46,7 +47,7 @@ def check_module_plan(plan: Plan, model: nn.Module, cluster: ClusterSpec | str |
                         f"(with ZeRO and sequence parallelism) so far: plan with pipeline, context "
                         f"and expert parallelism off (SearchOptions(pipeline=False, "
                         f"context_parallel=False, expert_parallel=False))")
-    check_recompute_blocks(plan.recompute, model)
+    check_recompute_blocks(plan.recompute, model, plan.model.num_layers)
     _check_model(plan, model)
     mplan = module_plan(plan, model)
     if plan.mesh.tp > 1:
@@ -173,7 +174,7 @@ def parallelize_module_program(model: nn.Module, plan: Plan, *, cluster: Cluster
     if source == "meta":
         load_checkpoint(model, checkpoint, device)
     program = ModuleProgram(model, plan, mesh, mplan, device, check_finite)
-    program.recomputed_layers = apply_module_recompute(model, check_recompute_blocks(plan.recompute, model))
+    program.recomputed_layers = apply_module_recompute(model, recompute_policy(plan.recompute))  # checked in step 1
     if program.fsdp:
         _shard_over_dp(model, mesh["dp"], plan.zero_stage)
     return program

@@ -17,7 +17,8 @@ were; FSDP2's hooks stay outside the region (they run around `__call__`), as tor
 and its pre-backward gather brings the parameters back before the re-run. The ops and their order are
 those of the plain forward, so the numbers are the same.
 
-A plan that recomputes a model without layer lists cannot be applied: `check_recompute_blocks` refuses it.
+A plan whose layers are not the blocks of the model's layer lists (none, or more lists than the layers)
+cannot be applied so: `check_recompute_blocks` refuses it.
 """
 
 from __future__ import annotations
@@ -32,18 +33,20 @@ from autoplan.runtime.module_program import block_lists
 from autoplan.runtime.recompute import recompute
 
 
-def check_recompute_blocks(plan_recompute: str, model: nn.Module) -> RecomputePolicy:
+def check_recompute_blocks(plan_recompute: str, model: nn.Module, num_layers: int) -> RecomputePolicy:
     """The plan's policy, checked against the model's blocks: PlanError when it recomputes layers
-    the model has no layer list for, or more layers than it has."""
-    policy = check_recompute(plan_recompute)
+    the model has no layer list for, or when its blocks are not the plan's `num_layers` layers (the
+    policy's layer i would not be the plan's)."""
+    policy = check_recompute(plan_recompute, num_layers)
     if policy.kind == "none":
         return policy
     blocks = block_lists(model)
-    if not blocks:
-        raise PlanError(f"recompute {plan_recompute!r}: the model ({type(model).__name__}) has no "
-                        f"nn.ModuleList of blocks with parameters, which are the regions the module "
-                        f"runtime recomputes; keep the layers in an nn.ModuleList or plan recompute 'none'")
-    return check_recompute(plan_recompute, len(blocks))
+    if len(blocks) != num_layers:
+        raise PlanError(f"recompute {plan_recompute!r}: the plan's model has {num_layers} layers but the "
+                        f"model ({type(model).__name__}) holds {len(blocks)} blocks in nn.ModuleLists, "
+                        f"which are the regions the module runtime recomputes; keep exactly the layers "
+                        f"in an nn.ModuleList, or plan recompute 'none'")
+    return policy
 
 
 def apply_module_recompute(model: nn.Module, policy: RecomputePolicy) -> tuple[int, ...]:
