@@ -73,18 +73,35 @@ def evaluate_partition(problem: StageProblem, bounds: Sequence[int]) -> StagePar
                           tuple(problem.stage_memory_bytes(s, i, j) for s, (i, j) in enumerate(ranges)))
 
 
-def _range_tables(problem: StageProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """[i, j] tables over start i and end j (0..L): sums of t, w, a over [i, j) and max of p."""
-    L = problem.num_layers
+def _range_tables(problem: StageProblem, memory: bool = True) -> tuple:
+    """[i, j] tables over start i and end j (0..L): sums of t, w, a over [i, j) and max of p (`memory` False:
+    t only, the others None)."""
 
     def sums(values: np.ndarray) -> np.ndarray:
         prefix = np.concatenate(([0.0], np.cumsum(values)))
         return prefix[None, :] - prefix[:, None]
 
+    if not memory:
+        return sums(problem.layer_time_s), None, None, None
+    return (sums(problem.layer_time_s), sums(problem.layer_static_bytes), sums(problem.layer_activation_bytes),
+            _range_peaks(problem.layer_transient_bytes))
+
+
+def _range_peaks(values: np.ndarray) -> np.ndarray:
+    """[i, j] = max(values[i:j]) for j > i, 0 elsewhere (values are >= 0), from a sparse table: level k holds
+    the maxima of the 2^k values from each start, and [i, j) is covered by the two blocks of the largest
+    2^k <= j - i that start at i and end at j (a few array operations instead of one per start)."""
+    L = len(values)
+    levels = np.zeros((max(1, L.bit_length()), L + 1))
+    levels[0, :L] = values
+    for k in range(1, levels.shape[0]):
+        half = 1 << (k - 1)
+        levels[k, :L + 1 - half] = np.maximum(levels[k - 1, :L + 1 - half], levels[k - 1, half:])
+    start, end = np.triu_indices(L + 1, 1)
+    k = np.array([n.bit_length() - 1 for n in range(L + 1)])[end - start]
     peak = np.zeros((L + 1, L + 1))
-    for i in range(L):
-        peak[i, i + 1:] = np.maximum.accumulate(problem.layer_transient_bytes[i:])
-    return (sums(problem.layer_time_s), sums(problem.layer_static_bytes), sums(problem.layer_activation_bytes), peak)
+    peak[start, end] = np.maximum(levels[k, start], levels[k, end - (1 << k)])
+    return peak
 
 
 def _with_ends(problem: StageProblem, s: int, time_s, memory, transient):
@@ -105,18 +122,28 @@ def partition_stages(problem: StageProblem) -> StagePartition | None:
     pp, L = problem.num_stages, problem.num_layers
     if problem.min_layers.sum() > L:
         return None
-    times, static, act, peak = _range_tables(problem)
+    limited = np.isfinite(problem.memory_limit_bytes)  # without a limit (the fastest partition) every range fits
+    tables = _range_tables(problem, limited)
     span = np.arange(L + 1)[None, :] - np.arange(L + 1)[:, None]  # [i, j]: j - i layers
     best = np.full(L + 1, np.inf)
     best[0] = 0.0
     choice = np.zeros((pp, L + 1), dtype=np.int64)
+    before = np.concatenate(([0], np.cumsum(problem.min_layers))).astype(int)  # least layers of stages < s
     for s in range(pp):
+        # stage s starts where stages < s can end and ends where stages > s can still hold their least: the
+        # rest of the [i, j] table is unfit or unreachable (inf), so its rows and columns are left out
+        rows = slice(before[s], L - (before[pp] - before[s]) + 1)
+        cols = slice(before[s + 1], L - (before[pp] - before[s + 1]) + 1)
+        times, static, act, peak = (t[rows, cols] if t is not None else 0.0 for t in tables)
         time_s, memory, transient = _with_ends(problem, s, times, static, peak)
-        fits = (span >= problem.min_layers[s]) & (
-            memory + problem.in_flight[s] * act + transient <= problem.memory_limit_bytes * (1 + MEMORY_RTOL))
-        candidate = np.where(fits, np.maximum(best[:, None], time_s), np.inf)
-        choice[s] = np.argmin(candidate, axis=0)
-        best = candidate[choice[s], np.arange(L + 1)]
+        fits = span[rows, cols] >= problem.min_layers[s]
+        if limited:
+            fits &= memory + problem.in_flight[s] * act + transient <= problem.memory_limit_bytes * (1 + MEMORY_RTOL)
+        candidate = np.where(fits, np.maximum(best[rows, None], time_s), np.inf)
+        picked = np.argmin(candidate, axis=0)
+        choice[s, cols] = picked + rows.start
+        best = np.full(L + 1, np.inf)
+        best[cols] = candidate[picked, np.arange(candidate.shape[1])]
     if not np.isfinite(best[L]):
         return None
     bounds = [L]
