@@ -90,6 +90,8 @@ def tp_solution(graph: CapturedGraph, registry: StrategyRegistry, info: Mapping,
     tp, info = mesh.tp, strategy_info(info, mesh.tp, mesh.etp)
     strategies = resolve_strategies(graph, registry, info, tp, assignment)
     ctx = make_context(graph, cluster, mesh, microbatch_size, dtype, efficiency)
-    return TpSolution(tp, microbatch_size, {n.name: strategies[n.name].name for n in graph.nodes}, strategies,
+    # every node named (`resolve_strategies` refuses unknown names): the names are the assignment's
+    names = dict(assignment) if len(assignment) == len(strategies) else {n: s.name for n, s in strategies.items()}
+    return TpSolution(tp, microbatch_size, names, strategies,
                       dict(info), dtype, AxisGroup.of(mesh, "dp", cluster.gpus_per_node), solver, status,
                       comm_buffer_lines(graph, strategies, tp) if lines else (), graph, ctx)

@@ -287,8 +287,11 @@ class BlockCosts:
     def recomputed(self, recompute: str) -> tuple[str, np.ndarray]:
         """The kind `recompute` re-runs layers under, and per layer whether it re-runs it (the others run
         as "none")."""
-        policy = recompute_policy(recompute)
-        return policy.kind, np.arange(self.num_layers) < len(policy.recomputed_layers(self.num_layers))
+        if ("recomputed", recompute) not in self._arrays:
+            policy = recompute_policy(recompute)
+            self._arrays[("recomputed", recompute)] = (
+                policy.kind, np.arange(self.num_layers) < len(policy.recomputed_layers(self.num_layers)))
+        return self._arrays[("recomputed", recompute)]
 
     def _per_layer(self, recompute: str, value) -> np.ndarray:
         """`value(distinct part or its index, kind)` for every layer, found once per distinct layer and kind."""

@@ -165,12 +165,14 @@ def partition_fits(problem: StageProblem) -> bool:
                                                                    problem.layer_activation_bytes))
     limit, start = problem.memory_limit_bytes * (1 + MEMORY_RTOL), 0
     for s in range(pp):
-        ends = np.arange(start, L + 1)
-        peak = np.concatenate(([0.0], np.maximum.accumulate(problem.layer_transient_bytes[start:])))
+        cap = L - int(later[s + 1])  # the later stages' minimums stay theirs: ends past cap are not tried
+        if cap < start:
+            return False
+        ends = np.arange(start, cap + 1)
+        peak = np.concatenate(([0.0], np.maximum.accumulate(problem.layer_transient_bytes[start:cap])))
         _, memory, transient = _with_ends(problem, s, 0.0, static[ends] - static[start], peak)
         fits = memory + problem.in_flight[s] * (act[ends] - act[start]) + transient <= limit  # True, then False
-        reach = L if fits.all() else start + int(np.argmin(fits)) - 1
-        end = min(reach, L - int(later[s + 1]))
+        end = cap if fits.all() else start + int(np.argmin(fits)) - 1
         if end - start < problem.min_layers[s]:
             return False
         start = end
