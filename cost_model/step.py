@@ -286,6 +286,8 @@ class StepModel:
     def _bounds(self, block: BlockCosts, cfg: Config, problem: StageProblem) -> tuple[int, ...]:
         """The stage DP's ranks: the fastest partition (memory aside: what it depends on is the key), or,
         where that does not fit, the fastest that does (keyed by the rest of the problem too)."""
+        if cfg.pp == 1:  # one stage holds every layer, fitting or not
+            return (0, problem.num_layers)
         key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg), cfg.pp,
                cfg.virtual_stages)
         if key not in self._partitions:

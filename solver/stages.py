@@ -20,7 +20,8 @@ interleaved rank v chunks' worth, `autoplan.validity.stage_min_layers`):
 with f[s] the microbatches stage s keeps in flight (1F1B: min(m, pp - s)). The partition minimises
 max_s time(s) subject to memory(s) <= limit for every s.
 
-Dynamic program over (stage, end layer), O(pp L^2), vectorised over the start and end layers:
+Dynamic program over (stage, end layer), O(pp L^2), vectorised over the start and end layers (stage s only
+over the starts and ends that leave every stage its least layers; the range maxima of p from a sparse table):
 
     best[0][j] = time(0, 0, j)                                      if j >= n_min[0] and memory(0, 0, j) fits
     best[s][j] = min_{i <= j - n_min[s]} max(best[s-1][i], time(s, i, j))   over i where memory(s, i, j) fits
@@ -122,8 +123,7 @@ def partition_stages(problem: StageProblem) -> StagePartition | None:
     pp, L = problem.num_stages, problem.num_layers
     if problem.min_layers.sum() > L:
         return None
-    limited = np.isfinite(problem.memory_limit_bytes)  # without a limit (the fastest partition) every range fits
-    tables = _range_tables(problem, limited)
+    tables = _range_tables(problem, np.isfinite(problem.memory_limit_bytes))
     span = np.arange(L + 1)[None, :] - np.arange(L + 1)[:, None]  # [i, j]: j - i layers
     best = np.full(L + 1, np.inf)
     best[0] = 0.0
@@ -134,12 +134,8 @@ def partition_stages(problem: StageProblem) -> StagePartition | None:
         # rest of the [i, j] table is unfit or unreachable (inf), so its rows and columns are left out
         rows = slice(before[s], L - (before[pp] - before[s]) + 1)
         cols = slice(before[s + 1], L - (before[pp] - before[s + 1]) + 1)
-        times, static, act, peak = (t[rows, cols] if t is not None else 0.0 for t in tables)
-        time_s, memory, transient = _with_ends(problem, s, times, static, peak)
-        fits = span[rows, cols] >= problem.min_layers[s]
-        if limited:
-            fits &= memory + problem.in_flight[s] * act + transient <= problem.memory_limit_bytes * (1 + MEMORY_RTOL)
-        candidate = np.where(fits, np.maximum(best[rows, None], time_s), np.inf)
+        candidate = _candidates(problem, s, [t[rows, cols] if t is not None else 0.0 for t in tables],
+                                span[rows, cols], best[rows])
         picked = np.argmin(candidate, axis=0)
         choice[s, cols] = picked + rows.start
         best = np.full(L + 1, np.inf)
@@ -150,6 +146,17 @@ def partition_stages(problem: StageProblem) -> StagePartition | None:
     for s in range(pp - 1, -1, -1):
         bounds.append(int(choice[s][bounds[-1]]))
     return evaluate_partition(problem, bounds[::-1])
+
+
+def _candidates(problem: StageProblem, s: int, tables: list, span: np.ndarray, best: np.ndarray) -> np.ndarray:
+    """max(best[i], time(s, i, j)) over a band of starts i (rows) and ends j (columns), inf where stage s
+    cannot hold [i, j): fewer layers than its least, or (under a finite limit) more memory than the limit."""
+    times, static, act, peak = tables
+    time_s, memory, transient = _with_ends(problem, s, times, static, peak)
+    fits = span >= problem.min_layers[s]
+    if np.isfinite(problem.memory_limit_bytes):  # without a limit (the fastest partition) every range fits
+        fits &= memory + problem.in_flight[s] * act + transient <= problem.memory_limit_bytes * (1 + MEMORY_RTOL)
+    return np.where(fits, np.maximum(best[:, None], time_s), np.inf)
 
 
 def partition_fits(problem: StageProblem) -> bool:
