@@ -118,3 +118,26 @@ def test_the_search_walks_as_many_nodes_at_32_layers_as_at_8(monkeypatch):
         assert result.stats.priced > 0
         per_depth[layers] = (len(walked), max(walked))
     assert per_depth[8] == per_depth[32]
+
+
+def test_a_hugging_face_graph_has_the_same_parts_on_its_representative_graph():
+    """torch.export graphs pass RoPE's cos and sin and the mask from outside the layers to each of them: still
+    local, and the parts are the whole graph's."""
+    tf = pytest.importorskip("transformers")
+    import torch
+
+    from autoplan.capture.hf import capture_hf, hf_model_config, hf_model_info
+    from autoplan.capture.hf_rules import hf_registry
+
+    config = tf.LlamaConfig(num_hidden_layers=9, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=128, vocab_size=256)
+    graph = capture_hf(config, 1, 64, torch.bfloat16)
+    ctx = search_context(hf_model_config(config), parse_cluster("1x8xh100"), 8, 64, graph=graph,
+                         info=hf_model_info(config), registry=hf_registry())
+    runs = ctx.layer_runs()
+    assert runs.local
+    sol = ctx.solution(2, 1).solution
+    assert sorted({n.layer for n in runs.representatives(sol.assignment).graph.nodes if n.layer is not None}) == \
+           [0, 1, 2, 7, 8]
+    whole = dataclasses.replace(sol, comm_lines=comm_buffer_lines(graph, sol.strategies, 2))
+    _same_parts(solution_parts(graph, whole), solution_parts(graph, sol, runs))
