@@ -98,15 +98,10 @@ def resolve_strategies(graph: "CapturedGraph", registry: StrategyRegistry, info:
         raise AutoplanError(f"assignment names nodes that are not in the graph: {unknown[:5]}")
     ids, firsts = graph.rule_table
     options = [registry.strategies(graph.nodes[k], tp, info) for k in firsts]
-    matched: dict[tuple, Strategy] = {}
-    resolved = {}
-    for name, i in zip(names, ids):
-        wanted = assignment.get(name)
-        strategy = matched.get((i, wanted))
-        if strategy is None:
-            strategy = matched[(i, wanted)] = _match(name, options[i], wanted, tp)
-        resolved[name] = strategy
-    return resolved
+    pairs = list(zip(ids, map(assignment.get, names)))  # (node shape, wanted name) per node
+    first_named = dict(zip(reversed(pairs), reversed(names)))  # each pair's first node, for the error
+    matched = {pair: _match(first_named[pair], options[pair[0]], pair[1], tp) for pair in dict.fromkeys(pairs)}
+    return dict(zip(names, map(matched.__getitem__, pairs)))
 
 
 def _match(name: str, options: list[Strategy], wanted: str | None, tp: int) -> Strategy:
