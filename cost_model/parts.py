@@ -16,7 +16,8 @@ after the last layer ("head": final norm, lm_head, loss; pinned to the last stag
                  (solution, shape), scaled to the microbatch
 
 Layers whose nodes, strategies, input placements and tallies are equal share one PartCost, so a
-96-layer model prices a handful of parts. The microbatch-independent facts of a solution
+96-layer model prices a handful of parts; the passes over nodes that find them (tallies, boundary, what
+each op keeps) walk a representative graph of a few layers per run of alike ones (`cost_model.layer_runs`). The microbatch-independent facts of a solution
 (`SolutionParts`) are computed once; `block_costs` scales them to a microbatch (possibly a fraction
 of a sequence: mbs / cp sequences per rank under context parallelism), re-pricing time at that size.
 """
@@ -294,7 +295,7 @@ class BlockCosts:
         return self._arrays[("recomputed", recompute)]
 
     def _per_layer(self, recompute: str, value) -> np.ndarray:
-        """`value(distinct part or its index, kind)` for every layer, found once per distinct layer and kind."""
+        """`value(index of a distinct layer, kind)` for every layer, found once per distinct layer and kind."""
         kind, recomputed = self.recomputed(recompute)
         plain = np.array([value(g, "none") for g in range(len(self.distinct))], dtype=np.float64)[self.index]
         if kind == "none" or not recomputed.any():
