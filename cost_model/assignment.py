@@ -84,11 +84,14 @@ class TpSolution:
 
 def tp_solution(graph: CapturedGraph, registry: StrategyRegistry, info: Mapping, cluster: ClusterSpec,
                 mesh: MeshShape, microbatch_size: int, assignment: Mapping[str, str], dtype: str,
-                efficiency: Efficiency, solver: str = "", status: str = "optimal") -> TpSolution:
-    """Everything the step model needs about `assignment` at this (tp, microbatch) and the mesh's etp."""
+                efficiency: Efficiency, solver: str = "", status: str = "optimal", lines: bool = True) -> TpSolution:
+    """Everything the step model needs about `assignment` at this (tp, microbatch) and the mesh's etp.
+    `lines`: False leaves `comm_lines` to the caller (`parts.solution_parts` finds them on fewer nodes)."""
     tp, info = mesh.tp, strategy_info(info, mesh.tp, mesh.etp)
     strategies = resolve_strategies(graph, registry, info, tp, assignment)
     ctx = make_context(graph, cluster, mesh, microbatch_size, dtype, efficiency)
-    return TpSolution(tp, microbatch_size, {n.name: strategies[n.name].name for n in graph.nodes}, strategies,
+    # every node named (`resolve_strategies` refuses unknown names): the names are the assignment's
+    names = dict(assignment) if len(assignment) == len(strategies) else {n: s.name for n, s in strategies.items()}
+    return TpSolution(tp, microbatch_size, names, strategies,
                       dict(info), dtype, AxisGroup.of(mesh, "dp", cluster.gpus_per_node), solver, status,
-                      comm_buffer_lines(graph, strategies, tp), graph, ctx)
+                      comm_buffer_lines(graph, strategies, tp) if lines else (), graph, ctx)

@@ -72,10 +72,15 @@ def assignment_from_choice(built: BuiltProblem, choice) -> dict[str, str]:
 
 def graph_strategies(graph: "CapturedGraph", registry: StrategyRegistry, info: Mapping, tp: int,
                      nodes=None) -> dict[str, list[Strategy]]:
-    """Valid strategies of every node (or of `nodes`), asking the registry once per distinct node shape."""
+    """Valid strategies of every node (or of `nodes`), asking the registry once per distinct node shape
+    (`CapturedGraph.rule_table`)."""
+    if nodes is None:
+        ids, firsts = graph.rule_table
+        by_id = [registry.strategies(graph.nodes[k], tp, info) for k in firsts]
+        return dict(zip(graph.index.names, map(by_id.__getitem__, ids)))
     cache: dict[tuple, list[Strategy]] = {}
     found = {}
-    for node in graph.nodes if nodes is None else nodes:
+    for node in nodes:
         key = node.rule_key  # what a strategy rule may read: equal keys, equal strategies
         if key not in cache:
             cache[key] = registry.strategies(node, tp, info)
@@ -86,18 +91,25 @@ def graph_strategies(graph: "CapturedGraph", registry: StrategyRegistry, info: M
 def resolve_strategies(graph: "CapturedGraph", registry: StrategyRegistry, info: Mapping, tp: int,
                        assignment: Mapping[str, str]) -> dict[str, Strategy]:
     """The Strategy objects of an assignment (node name -> strategy name); missing nodes take their first
-    strategy: replicate (a MoE under etp < tp has only "expert")."""
-    unknown = sorted(set(assignment) - {n.name for n in graph.nodes})
+    strategy: replicate (a MoE under etp < tp has only "expert"). Matched once per (node shape, name)."""
+    names = graph.index.names
+    unknown = sorted(set(assignment) - set(names))
     if unknown:
         raise AutoplanError(f"assignment names nodes that are not in the graph: {unknown[:5]}")
-    resolved = {}
-    for name, options in graph_strategies(graph, registry, info, tp).items():
-        wanted = assignment.get(name, options[0].name)
-        match = [s for s in options if s.name == wanted]
-        if not match:
-            raise AutoplanError(f"node {name!r} has no strategy {wanted!r} at tp={tp}; valid: {[s.name for s in options]}")
-        resolved[name] = match[0]
-    return resolved
+    ids, firsts = graph.rule_table
+    options = [registry.strategies(graph.nodes[k], tp, info) for k in firsts]
+    pairs = list(zip(ids, map(assignment.get, names)))  # (node shape, wanted name) per node
+    first_named = dict(zip(reversed(pairs), reversed(names)))  # each pair's first node, for the error
+    matched = {pair: _match(first_named[pair], options[pair[0]], pair[1], tp) for pair in dict.fromkeys(pairs)}
+    return dict(zip(names, map(matched.__getitem__, pairs)))
+
+
+def _match(name: str, options: list[Strategy], wanted: str | None, tp: int) -> Strategy:
+    """The strategy named `wanted` among a node's `options` (None: its first)."""
+    match = [s for s in options if s.name == wanted] if wanted is not None else options[:1]
+    if not match:
+        raise AutoplanError(f"node {name!r} has no strategy {wanted!r} at tp={tp}; valid: {[s.name for s in options]}")
+    return match[0]
 
 
 # ---------------------------------------------------------------------------------- segments

@@ -16,7 +16,8 @@ after the last layer ("head": final norm, lm_head, loss; pinned to the last stag
                  (solution, shape), scaled to the microbatch
 
 Layers whose nodes, strategies, input placements and tallies are equal share one PartCost, so a
-96-layer model prices a handful of parts. The microbatch-independent facts of a solution
+96-layer model prices a handful of parts; the passes over nodes that find them (tallies, boundary, what
+each op keeps) walk a representative graph of a few layers per run of alike ones (`cost_model.layer_runs`). The microbatch-independent facts of a solution
 (`SolutionParts`) are computed once; `block_costs` scales them to a microbatch (possibly a fraction
 of a sequence: mbs / cp sequences per rank under context parallelism), re-pricing time at that size.
 """
@@ -32,7 +33,8 @@ import numpy as np
 
 from autoplan.cost_model.storages import Activations
 from autoplan.cost_model.intra_op import CostContext, price_assignment
-from autoplan.cost_model.memory import is_batched, largest_comm_buffer_bytes, local_nbytes, param_placements
+from autoplan.cost_model.memory import (comm_buffer_lines, is_batched, largest_comm_buffer_bytes, local_nbytes,
+                                        param_placements)
 from autoplan.placement import Shard
 from autoplan.recompute_policy import KINDS, recompute_policy
 from autoplan.strategies import EXPERT_WEIGHTS, Strategy
@@ -40,6 +42,7 @@ from autoplan.strategies import EXPERT_WEIGHTS, Strategy
 if TYPE_CHECKING:
     from autoplan.capture import CapturedGraph, NodeInfo
     from autoplan.cost_model.assignment import TpSolution
+    from autoplan.cost_model.layer_runs import LayerRuns
 
 
 
@@ -112,6 +115,7 @@ class SolutionParts:
     pre_tally: Tally
     post_tally: Tally
     boundary_bytes_per_sequence: float  # full bytes crossing a stage boundary, per sequence
+    walked: "TpSolution | None" = None  # the solution over the representative graph (None: `solution`)
     _activations: dict = field(default_factory=dict, repr=False)
 
     def activation_tally(self, context: int = 1, spread: bool = False) -> ActivationTally:
@@ -119,7 +123,8 @@ class SolutionParts:
         (`spread`) MoE experts dispatched over an expert group (`cost_model.activations.RunShape`)."""
         key = (context, spread)
         if key not in self._activations:
-            self._activations[key] = _activation_tally(self.solution.activations(context, spread),
+            walked = self.walked if self.walked is not None else self.solution
+            self._activations[key] = _activation_tally(walked.activations(context, spread),
                                                        [nodes[0].layer for nodes, _ in self.groups])
         return self._activations[key]
 
@@ -199,25 +204,35 @@ def _signature(nodes: list["NodeInfo"], strategies: Mapping[str, Strategy], tall
                   tuple(strategies[p].output for p in n.inputs)) for n in nodes) + tally.key() + held
 
 
-def solution_parts(graph: "CapturedGraph", sol: "TpSolution") -> SolutionParts:
-    pre, layers, post = _split(graph)
+def solution_parts(graph: "CapturedGraph", sol: "TpSolution", runs: "LayerRuns | None" = None) -> SolutionParts:
+    """`sol` split into parts; with `runs`, every pass over nodes walks the representative graph of its
+    assignment (`cost_model.layer_runs`: a few layers of each run of alike ones), each other layer taking
+    the group of the layer that stands for it."""
+    reps = runs.representatives(sol.assignment) if runs is not None else None
+    if reps is not None:  # the same buffers as the whole graph's (`tp_solution(lines=False)`)
+        sol = dataclasses.replace(sol, comm_lines=comm_buffer_lines(reps.graph, sol.strategies, sol.tp))
+    walked = sol if reps is None else dataclasses.replace(sol, graph=reps.graph, activation_cache={})
+    pre, layers, post = _split(walked.graph)
     part_of: dict[str, object] = {n.name: "pre" for n in pre} | {n.name: "post" for n in post}
     part_of |= {n.name: i for i, nodes in layers.items() for n in nodes}
-    tally = _tallies(graph, sol, part_of)
-    boundary = _boundary(graph, layers)
-    held = _activation_tally(sol.activations(), sorted(layers))
+    tally = _tallies(walked.graph, sol, part_of)
+    boundary = _boundary(walked.graph, layers)
+    held = _activation_tally(walked.activations(), sorted(layers))
     groups: dict[tuple, int] = {}
-    members, index = [], []
+    members, group_of = [], {}
     for k, i in enumerate(sorted(layers)):
         by_kind = tuple(tuple(map(tuple, held.layers[kind][k])) for kind in KINDS)
         key = _signature(layers[i], sol.strategies, tally.setdefault(i, Tally()), by_kind)
         if key not in groups:
             groups[key] = len(members)
             members.append((tuple(layers[i]), tally[i]))
-        index.append(groups[key])
+        group_of[i] = groups[key]
+    stands = reps.of_layer if reps is not None else {i: i for i in layers}
+    index = [group_of[stands[i]] for i in sorted(stands)]
     parts = SolutionParts(sol, tuple(pre), tuple(post), tuple(members), np.array(index, dtype=np.int64),
-                          tally["pre"], tally["post"], boundary)
-    first = [index.index(g) for g in range(len(members))]  # each group's first layer, among sorted(layers)
+                          tally["pre"], tally["post"], boundary, walked if reps is not None else None)
+    kept = [group_of[i] for i in sorted(layers)]
+    first = [kept.index(g) for g in range(len(members))]  # each group's first layer, among sorted(layers)
     parts._activations[(1, False)] = ActivationTally(
         {kind: tuple(held.layers[kind][k] for k in first) for kind in KINDS}, held.pre, held.post)
     return parts
@@ -270,10 +285,23 @@ class BlockCosts:
     def num_layers(self) -> int:
         return int(self.index.shape[0])
 
-    def kinds(self, recompute: str) -> list[str]:
-        """Per layer, the recompute kind it runs under ("none" where the policy leaves it alone)."""
-        policy = recompute_policy(recompute)
-        return [policy.kind if policy.recomputes(i, self.num_layers) else "none" for i in range(self.num_layers)]
+    def recomputed(self, recompute: str) -> tuple[str, np.ndarray]:
+        """The kind `recompute` re-runs layers under, and per layer whether it re-runs it (the others run
+        as "none")."""
+        if ("recomputed", recompute) not in self._arrays:
+            policy = recompute_policy(recompute)
+            self._arrays[("recomputed", recompute)] = (
+                policy.kind, np.arange(self.num_layers) < len(policy.recomputed_layers(self.num_layers)))
+        return self._arrays[("recomputed", recompute)]
+
+    def _per_layer(self, recompute: str, value) -> np.ndarray:
+        """`value(index of a distinct layer, kind)` for every layer, found once per distinct layer and kind."""
+        kind, recomputed = self.recomputed(recompute)
+        plain = np.array([value(g, "none") for g in range(len(self.distinct))], dtype=np.float64)[self.index]
+        if kind == "none" or not recomputed.any():
+            return plain
+        under = np.array([value(g, kind) for g in range(len(self.distinct))], dtype=np.float64)[self.index]
+        return np.where(recomputed, under, plain)
 
     def total_s(self, recompute: str) -> float:
         """One microbatch's seconds over every part (equals the intra-op objective with no recompute)."""
@@ -284,17 +312,16 @@ class BlockCosts:
     def arrays(self, recompute: str) -> dict[str, np.ndarray]:
         """Per-layer arrays of what the step model sums, for one recompute policy."""
         if recompute not in self._arrays:
-            kinds = self.kinds(recompute)
-            layers = [(self.distinct[g], kind) for g, kind in zip(self.index, kinds)]
+            d = self.distinct
             per = {
-                "compute": [p.compute_s(kind) for p, kind in layers],
-                "comm": [p.comm_s(kind) for p, kind in layers],
-                "forward": [p.fwd_compute_s for p, _ in layers],
-                "backward": [p.backward_s(kind) for p, kind in layers],
-                "params": [p.params for p, _ in layers],
-                "expert": [p.expert_params for p, _ in layers],
+                "compute": lambda g, kind: d[g].compute_s(kind),
+                "comm": lambda g, kind: d[g].comm_s(kind),
+                "forward": lambda g, kind: d[g].fwd_compute_s,
+                "backward": lambda g, kind: d[g].backward_s(kind),
+                "params": lambda g, kind: d[g].params,
+                "expert": lambda g, kind: d[g].expert_params,
             }
-            self._arrays[recompute] = {k: np.array(v, dtype=np.float64) for k, v in per.items()}
+            self._arrays[recompute] = {k: self._per_layer(recompute, v) for k, v in per.items()}
         return self._arrays[recompute]
 
     def activations(self, recompute: str, context: int = 1, spread: bool = False) -> dict:
@@ -304,10 +331,9 @@ class BlockCosts:
         key = (recompute, context, spread)
         if key not in self._arrays:
             tally = self.parts.activation_tally(context, spread)
-            held = [tally.layers[kind][g] for g, kind in zip(self.index, self.kinds(recompute))]
             self._arrays[key] = {
-                "activation": np.array([Tally.at(kept, self.scale) for kept, _ in held], dtype=np.float64),
-                "transient": np.array([Tally.at(t, self.scale) for _, t in held], dtype=np.float64),
+                "activation": self._per_layer(recompute, lambda g, kind: Tally.at(tally.layers[kind][g][0], self.scale)),
+                "transient": self._per_layer(recompute, lambda g, kind: Tally.at(tally.layers[kind][g][1], self.scale)),
                 "pre": Tally.at(tally.pre, self.scale), "post": Tally.at(tally.post, self.scale)}
         return self._arrays[key]
 

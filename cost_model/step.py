@@ -70,6 +70,7 @@ from autoplan.cost_model.parallel_dims import (axes_group, expert_all_to_all_s, 
 from autoplan.validity import stage_min_layers
 from autoplan.cost_model.pipeline import (Part, StageProblem, chunk_ranges, chunk_sizes, in_flight_microbatches,
                                           p2p_per_microbatch_s, pipeline_time_s)
+from autoplan.mesh import MeshShape
 from autoplan.models.config import ModelConfig
 from autoplan.cost_model.parts import BlockCosts, PartCost
 from autoplan.plan import MemoryBreakdown, TimeBreakdown
@@ -168,6 +169,8 @@ class StepModel:
         self._partitions: dict[tuple, tuple[int, ...]] = {}
         self._times: dict[tuple, _Times] = {}
         self._states: dict[tuple, _States] = {}
+        self._links_of: dict[MeshShape, tuple[AxisGroup, ...]] = {}
+        self._schedules: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     def group(self, cfg: Config, axes: tuple[str, ...]) -> AxisGroup:
         key = (cfg.pp, cfg.dp, cfg.ep, cfg.cp, cfg.tp, cfg.order, axes, cfg.etp)  # etp: the tp halves' sizes
@@ -199,8 +202,12 @@ class StepModel:
     def _links(self, cfg: Config) -> tuple[AxisGroup, ...]:
         """The context (cp, or ep x cp), expert (ep, or ep x tp / etp) and expert-TP groups' shapes on the
         network: what the per-layer times depend on of the order."""
-        return (self.group(cfg, cfg.mesh.context_axes), self.group(cfg, cfg.mesh.expert_axes),
-                self.group(cfg, cfg.mesh.expert_tp_axes))
+        links = self._links_of.get(cfg.mesh)  # asked per configuration visited: once per mesh
+        if links is None:
+            links = self._links_of[cfg.mesh] = (self.group(cfg, cfg.mesh.context_axes),
+                                                self.group(cfg, cfg.mesh.expert_axes),
+                                                self.group(cfg, cfg.mesh.expert_tp_axes))
+        return links
 
     def times(self, block: BlockCosts, cfg: Config) -> _Times:
         key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg))
@@ -258,10 +265,12 @@ class StepModel:
         first = Part(t.pre_s, sum(st.pre[2:]), t.ends_bytes[0])
         last = Part(t.post_s, sum(st.post[2:]), t.ends_bytes[1])
         activation = np.diff(t.prefix["activation"])
-        return StageProblem(t.time, st.static, activation, t.transient,
-                            np.array([in_flight_microbatches(s, pp, m, v) for s in range(pp)]),
-                            self.env.memory_limit_bytes, first, last, np.full(pp, p2p), np.full(pp, st.temporary),
-                            np.array(stage_min_layers(pp, v)))
+        if (pp, m, v) not in self._schedules:  # what the schedule alone decides, asked per configuration
+            self._schedules[(pp, m, v)] = (np.array([in_flight_microbatches(s, pp, m, v) for s in range(pp)]),
+                                           np.array(stage_min_layers(pp, v)))
+        in_flight, min_layers = self._schedules[(pp, m, v)]
+        return StageProblem(t.time, st.static, activation, t.transient, in_flight, self.env.memory_limit_bytes,
+                            first, last, np.full(pp, p2p), np.full(pp, st.temporary), min_layers)
 
     def _ranges(self, block: BlockCosts, cfg: Config, problem: StageProblem) -> list[list[tuple[int, int]]]:
         """Layer ranges of each pipeline rank, chunk by chunk: the given partition, else the stage DP's layers
@@ -277,6 +286,8 @@ class StepModel:
     def _bounds(self, block: BlockCosts, cfg: Config, problem: StageProblem) -> tuple[int, ...]:
         """The stage DP's ranks: the fastest partition (memory aside: what it depends on is the key), or,
         where that does not fit, the fastest that does (keyed by the rest of the problem too)."""
+        if cfg.pp == 1:  # one stage holds every layer, fitting or not
+            return (0, problem.num_layers)
         key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg), cfg.pp,
                cfg.virtual_stages)
         if key not in self._partitions:

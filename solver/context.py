@@ -20,6 +20,7 @@ from autoplan.cost_model.comm import COLLECTIVE_KINDS, AxisGroup
 from autoplan.cost_model.compute import Efficiency
 from autoplan.cost_model.intra_op import CostContext, attention_head_dim, make_context
 from autoplan.cost_model.intra_op_problem import graph_strategies
+from autoplan.cost_model.layer_runs import LayerRuns
 from autoplan.cost_model.memory import is_batched, param_placements
 from autoplan.cost_model.parts import BlockCosts, SolutionParts, block_costs, solution_parts
 from autoplan.recompute_policy import captured_op_family
@@ -72,6 +73,7 @@ class SearchContext:
         self.graph = graph() if callable(graph) else graph
         self.head_dim = attention_head_dim(self.graph)
         self.fold_map = fold_graph(self.graph) if fold else None
+        self._layer_runs: LayerRuns | None = None
         self.steps = StepModel(StepEnv(config, cluster, seq_len, dtype, self.efficiency), partition_stages)
         self._blocks: dict[tuple, BlockCosts] = {}
         self._solutions: dict[tuple, SolutionParts] = {}
@@ -132,12 +134,18 @@ class SearchContext:
         shared = (mesh.tp, mesh.etp, tuple(sorted(chosen.items())))
         if shared not in self._by_assignment:
             sol = tp_solution(self.graph, self.registry, self.info, self.cluster, mesh, microbatch, chosen,
-                              self.dtype, self.efficiency, solver, status)
-            self._by_assignment[shared] = solution_parts(self.graph, sol)
+                              self.dtype, self.efficiency, solver, status, lines=False)
+            self._by_assignment[shared] = solution_parts(self.graph, sol, self.layer_runs())
         parts = self._by_assignment[shared]
         ctx = make_context(self.graph, self.cluster, mesh, microbatch, self.dtype, self.efficiency)
         sol = dataclasses.replace(parts.solution, microbatch_size=microbatch, solver=solver, status=status, ctx=ctx)
         return dataclasses.replace(parts, solution=sol)
+
+    def layer_runs(self) -> LayerRuns:
+        """The graph's runs of alike layers (`cost_model.layer_runs`), found on first need."""
+        if self._layer_runs is None:
+            self._layer_runs = LayerRuns.of(self.graph, self.fold_map or fold_graph(self.graph))
+        return self._layer_runs
 
     def _folded_ilp_choice(self, tp: int, microbatch: int) -> tuple[dict[str, str], str, str]:
         """The intra-op optimum under 1 < etp < tp without another ILP: every etp < tp gives each MoE its one

@@ -246,6 +246,7 @@ def _mesh_configs(model: ModelConfig, global_batch: int, options: SearchOptions,
     recompute."""
     tp, cp, pp, ep, dp = degrees
     per_rank, configs = global_batch // (dp if ep_as == "cp" else dp * ep), []
+    meshes = [MeshShape(pp=pp, dp=dp, tp=tp, cp=cp, ep=ep, order=order, etp=etp, ep_as=ep_as) for order in orders]
     for mbs in (d for d in divisors_up_to(per_rank, options.max_microbatch_size)
                 if not _dominated_by_ep_as_dp(global_batch, dp, ep, d, ep_as)):
         m = per_rank // mbs
@@ -254,8 +255,7 @@ def _mesh_configs(model: ModelConfig, global_batch: int, options: SearchOptions,
         for schedule, v in schedules:
             for zero in runnable_zero_stages(options.zero_stages, pp, ep):
                 for recompute in options.recompute:
-                    configs.extend(Config.of(tp, cp, pp, ep, dp, mbs, m, zero, recompute, schedule, v, order, etp,
-                                          ep_as) for order in orders)
+                    configs.extend(Config(mesh, mbs, m, zero, recompute, schedule, v) for mesh in meshes)
     return configs
 
 

@@ -20,7 +20,8 @@ interleaved rank v chunks' worth, `autoplan.validity.stage_min_layers`):
 with f[s] the microbatches stage s keeps in flight (1F1B: min(m, pp - s)). The partition minimises
 max_s time(s) subject to memory(s) <= limit for every s.
 
-Dynamic program over (stage, end layer), O(pp L^2), vectorised over the start and end layers:
+Dynamic program over (stage, end layer), O(pp L^2), vectorised over the start and end layers (stage s only
+over the starts and ends that leave every stage its least layers; the range maxima of p from a sparse table):
 
     best[0][j] = time(0, 0, j)                                      if j >= n_min[0] and memory(0, 0, j) fits
     best[s][j] = min_{i <= j - n_min[s]} max(best[s-1][i], time(s, i, j))   over i where memory(s, i, j) fits
@@ -73,18 +74,35 @@ def evaluate_partition(problem: StageProblem, bounds: Sequence[int]) -> StagePar
                           tuple(problem.stage_memory_bytes(s, i, j) for s, (i, j) in enumerate(ranges)))
 
 
-def _range_tables(problem: StageProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """[i, j] tables over start i and end j (0..L): sums of t, w, a over [i, j) and max of p."""
-    L = problem.num_layers
+def _range_tables(problem: StageProblem, memory: bool = True) -> tuple:
+    """[i, j] tables over start i and end j (0..L): sums of t, w, a over [i, j) and max of p (`memory` False:
+    t only, the others None)."""
 
     def sums(values: np.ndarray) -> np.ndarray:
         prefix = np.concatenate(([0.0], np.cumsum(values)))
         return prefix[None, :] - prefix[:, None]
 
+    if not memory:
+        return sums(problem.layer_time_s), None, None, None
+    return (sums(problem.layer_time_s), sums(problem.layer_static_bytes), sums(problem.layer_activation_bytes),
+            _range_peaks(problem.layer_transient_bytes))
+
+
+def _range_peaks(values: np.ndarray) -> np.ndarray:
+    """[i, j] = max(values[i:j]) for j > i, 0 elsewhere (values are >= 0), from a sparse table: level k holds
+    the maxima of the 2^k values from each start, and [i, j) is covered by the two blocks of the largest
+    2^k <= j - i that start at i and end at j (a few array operations instead of one per start)."""
+    L = len(values)
+    levels = np.zeros((max(1, L.bit_length()), L + 1))
+    levels[0, :L] = values
+    for k in range(1, levels.shape[0]):
+        half = 1 << (k - 1)
+        levels[k, :L + 1 - half] = np.maximum(levels[k - 1, :L + 1 - half], levels[k - 1, half:])
+    start, end = np.triu_indices(L + 1, 1)
+    k = np.array([n.bit_length() - 1 for n in range(L + 1)])[end - start]
     peak = np.zeros((L + 1, L + 1))
-    for i in range(L):
-        peak[i, i + 1:] = np.maximum.accumulate(problem.layer_transient_bytes[i:])
-    return (sums(problem.layer_time_s), sums(problem.layer_static_bytes), sums(problem.layer_activation_bytes), peak)
+    peak[start, end] = np.maximum(levels[k, start], levels[k, end - (1 << k)])
+    return peak
 
 
 def _with_ends(problem: StageProblem, s: int, time_s, memory, transient):
@@ -105,24 +123,40 @@ def partition_stages(problem: StageProblem) -> StagePartition | None:
     pp, L = problem.num_stages, problem.num_layers
     if problem.min_layers.sum() > L:
         return None
-    times, static, act, peak = _range_tables(problem)
+    tables = _range_tables(problem, np.isfinite(problem.memory_limit_bytes))
     span = np.arange(L + 1)[None, :] - np.arange(L + 1)[:, None]  # [i, j]: j - i layers
     best = np.full(L + 1, np.inf)
     best[0] = 0.0
     choice = np.zeros((pp, L + 1), dtype=np.int64)
+    before = np.concatenate(([0], np.cumsum(problem.min_layers))).astype(int)  # least layers of stages < s
     for s in range(pp):
-        time_s, memory, transient = _with_ends(problem, s, times, static, peak)
-        fits = (span >= problem.min_layers[s]) & (
-            memory + problem.in_flight[s] * act + transient <= problem.memory_limit_bytes * (1 + MEMORY_RTOL))
-        candidate = np.where(fits, np.maximum(best[:, None], time_s), np.inf)
-        choice[s] = np.argmin(candidate, axis=0)
-        best = candidate[choice[s], np.arange(L + 1)]
+        # stage s starts where stages < s can end and ends where stages > s can still hold their least: the
+        # rest of the [i, j] table is unfit or unreachable (inf), so its rows and columns are left out
+        rows = slice(before[s], L - (before[pp] - before[s]) + 1)
+        cols = slice(before[s + 1], L - (before[pp] - before[s + 1]) + 1)
+        candidate = _candidates(problem, s, [t[rows, cols] if t is not None else 0.0 for t in tables],
+                                span[rows, cols], best[rows])
+        picked = np.argmin(candidate, axis=0)
+        choice[s, cols] = picked + rows.start
+        best = np.full(L + 1, np.inf)
+        best[cols] = candidate[picked, np.arange(candidate.shape[1])]
     if not np.isfinite(best[L]):
         return None
     bounds = [L]
     for s in range(pp - 1, -1, -1):
         bounds.append(int(choice[s][bounds[-1]]))
     return evaluate_partition(problem, bounds[::-1])
+
+
+def _candidates(problem: StageProblem, s: int, tables: list, span: np.ndarray, best: np.ndarray) -> np.ndarray:
+    """max(best[i], time(s, i, j)) over a band of starts i (rows) and ends j (columns), inf where stage s
+    cannot hold [i, j): fewer layers than its least, or (under a finite limit) more memory than the limit."""
+    times, static, act, peak = tables
+    time_s, memory, transient = _with_ends(problem, s, times, static, peak)
+    fits = span >= problem.min_layers[s]
+    if np.isfinite(problem.memory_limit_bytes):  # without a limit (the fastest partition) every range fits
+        fits &= memory + problem.in_flight[s] * act + transient <= problem.memory_limit_bytes * (1 + MEMORY_RTOL)
+    return np.where(fits, np.maximum(best[:, None], time_s), np.inf)
 
 
 def partition_fits(problem: StageProblem) -> bool:
@@ -138,12 +172,14 @@ def partition_fits(problem: StageProblem) -> bool:
                                                                    problem.layer_activation_bytes))
     limit, start = problem.memory_limit_bytes * (1 + MEMORY_RTOL), 0
     for s in range(pp):
-        ends = np.arange(start, L + 1)
-        peak = np.concatenate(([0.0], np.maximum.accumulate(problem.layer_transient_bytes[start:])))
+        cap = L - int(later[s + 1])  # the later stages' minimums stay theirs: ends past cap are not tried
+        if cap < start:
+            return False
+        ends = np.arange(start, cap + 1)
+        peak = np.concatenate(([0.0], np.maximum.accumulate(problem.layer_transient_bytes[start:cap])))
         _, memory, transient = _with_ends(problem, s, 0.0, static[ends] - static[start], peak)
         fits = memory + problem.in_flight[s] * (act[ends] - act[start]) + transient <= limit  # True, then False
-        reach = L if fits.all() else start + int(np.argmin(fits)) - 1
-        end = min(reach, L - int(later[s + 1]))
+        end = cap if fits.all() else start + int(np.argmin(fits)) - 1
         if end - start < problem.min_layers[s]:
             return False
         start = end

@@ -135,6 +135,21 @@ class CapturedGraph:
         return self._label_table[1]
 
     @functools.cached_property
+    def rule_table(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(per node a small int, equal iff `NodeInfo.rule_key` is equal; per int the index of its first
+        node): the strategy rules are asked once per int, and a pass over every node compares ints, not
+        keys (computed once per graph)."""
+        ids: dict[tuple, int] = {}
+        firsts: list[int] = []
+        per_node = []
+        for k, node in enumerate(self.nodes):
+            found = ids.setdefault(node.rule_key, len(ids))
+            if found == len(firsts):
+                firsts.append(k)
+            per_node.append(found)
+        return tuple(per_node), tuple(firsts)
+
+    @functools.cached_property
     def input_indices(self) -> tuple[tuple[int, ...], ...]:
         """Per node, the indices of its `inputs` in `nodes`."""
         index = {n.name: i for i, n in enumerate(self.nodes)}
