@@ -49,18 +49,20 @@ from torch.distributed.tensor.parallel import loss_parallel
 from autoplan.errors import ConfigError, TrainingDivergedError
 from autoplan.plan import Plan
 from autoplan.runtime.health import check_token_range
+from autoplan.runtime.module_experts import expert_weight_names
 from autoplan.runtime.module_plan import ModulePlan
 
 IGNORE_INDEX = -100
 
 
 def plan_mesh(plan: Plan, device_type: str, global_rank_of=lambda r: r) -> DeviceMesh:
-    """The ("dp", "tp") DeviceMesh of `plan`: entry [d][t] is the rank at mesh coordinates
-    dp = d, tp = t (the MeshShape's order of axes over ranks)."""
+    """The ("dp", "ep", "tp") DeviceMesh of `plan`: entry [d][e][t] is the rank at mesh coordinates
+    dp = d, ep = e, tp = t (the MeshShape's order of axes over ranks)."""
     shape = plan.mesh
-    ranks = [[global_rank_of(shape.rank_of({**{a: 0 for a in shape.degrees()}, "dp": d, "tp": t}))
-              for t in range(shape.tp)] for d in range(shape.dp)]
-    return DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=("dp", "tp"))
+    zero = {a: 0 for a in shape.degrees()}
+    ranks = [[[global_rank_of(shape.rank_of({**zero, "dp": d, "ep": e, "tp": t})) for t in range(shape.tp)]
+              for e in range(shape.ep)] for d in range(shape.dp)]
+    return DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=("dp", "ep", "tp"))
 
 
 def block_lists(model: nn.Module) -> list[nn.Module]:
@@ -86,6 +88,10 @@ class ModuleProgram(nn.Module):
         super().__init__()
         self.model, self.plan, self.mesh, self.module_plan, self.device = model, plan, mesh, mplan, device
         self.dp, self.tp = plan.mesh.dp, plan.mesh.tp
+        # the dense layers are data-parallel over dp x ep, the experts over dp (runtime.module_experts)
+        self.data = plan.mesh.dp * plan.mesh.ep
+        self.data_mesh = mesh["dp", "ep"]._flatten("data") if plan.mesh.ep > 1 else mesh["dp"]
+        self.experts = frozenset(expert_weight_names(plan))
         self.fsdp = plan.zero_stage >= 1 and self.dp > 1
         self.hf = hasattr(getattr(model, "config", None), "use_cache")
         self.vocab = getattr(getattr(model, "config", None), "vocab_size", None)  # None: not checked
@@ -119,8 +125,8 @@ class ModuleProgram(nn.Module):
 
     # ------------------------------------------------------------ running
     def _rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        d = self.mesh.get_local_rank("dp")
-        rows = tokens.shape[0] // self.dp
+        d = self.data_mesh.get_local_rank()
+        rows = tokens.shape[0] // self.data
         return tokens[d * rows:(d + 1) * rows]
 
     def _logits(self, tokens: torch.Tensor):
@@ -152,10 +158,10 @@ class ModuleProgram(nn.Module):
         if not gather:
             return logits.to_local() if isinstance(logits, DTensor) else logits
         whole = logits.full_tensor() if isinstance(logits, DTensor) else logits
-        if self.dp == 1:
+        if self.data == 1:
             return whole
-        parts = [torch.empty_like(whole) for _ in range(self.dp)]
-        dist.all_gather(parts, whole.contiguous(), group=self.mesh.get_group("dp"))
+        parts = [torch.empty_like(whole) for _ in range(self.data)]
+        dist.all_gather(parts, whole.contiguous(), group=self.data_mesh.get_group())
         return torch.cat(parts)
 
     def _token_loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -213,7 +219,7 @@ class ModuleProgram(nn.Module):
                                          wanted.chunk(plan.num_microbatches)):
             with self._loss_context():
                 loss = self._token_loss_sum(mb_tokens, mb_targets)
-                (loss * (self.dp / count)).backward()
+                (loss * (self.data / count)).backward()
             total += loss.detach().float()
         self._sync_gradients()
         loss = self._global_loss(total, count)
@@ -238,9 +244,9 @@ class ModuleProgram(nn.Module):
         return self._global_loss(total, count)
 
     def _global_loss(self, total: torch.Tensor, count: int) -> float:
-        """all-reduce over dp of this rank's sum of token losses, / N (equal over tp already)."""
-        if self.dp > 1:
-            dist.all_reduce(total, group=self.mesh.get_group("dp"))
+        """all-reduce over dp x ep of this rank's sum of token losses, / N (equal over tp already)."""
+        if self.data > 1:
+            dist.all_reduce(total, group=self.data_mesh.get_group())
         return total.item() / count
 
     def _check_finite(self, loss: float) -> None:
@@ -268,26 +274,34 @@ class ModuleProgram(nn.Module):
     @torch.no_grad()
     def _sync_gradients(self) -> None:
         """Under tp, partial gradients (of weights used on sequence shards) summed to their
-        parameter's placement; under ZeRO 0, gradients averaged over dp in one all-reduce per
-        dtype (FSDP2 reduce-scatters them itself)."""
+        parameter's placement; under ZeRO 0, gradients averaged over the data-parallel ranks in one
+        all-reduce per dtype (FSDP2 reduce-scatters them itself): dense ones over dp x ep, expert
+        ones over dp (`runtime.module_experts`)."""
         if self.fsdp:
             return
         grads: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in self.model.parameters():
+        experts: dict[torch.dtype, list[torch.Tensor]] = {}
+        for name, p in self.model.named_parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(placements=p.placements)
             local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            grads.setdefault(local.dtype, []).append(local)
-        if self.dp == 1:
+            (experts if name in self.experts else grads).setdefault(local.dtype, []).append(local)
+        self._average(grads, self.data_mesh.get_group())
+        self._average(experts, self.mesh.get_group("dp"))
+
+    def _average(self, grads: dict[torch.dtype, list[torch.Tensor]], group) -> None:
+        """Each gradient summed over `group` and divided by the data-parallel ranks dp x ep."""
+        if self.data == 1:
             return
-        for dtype, group in sorted(grads.items(), key=lambda kv: str(kv[0])):
-            flat = torch.cat([g.reshape(-1) for g in group])
-            dist.all_reduce(flat, group=self.mesh.get_group("dp"))
-            flat /= self.dp
+        for dtype, tensors in sorted(grads.items(), key=lambda kv: str(kv[0])):
+            flat = torch.cat([g.reshape(-1) for g in tensors])
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(flat, group=group)
+            flat /= self.data
             offset = 0
-            for g in group:
+            for g in tensors:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
 

@@ -1,0 +1,186 @@
+"""Expert parallelism for transformers' MoE models in the runtime for your own module
+(runtime.module_experts), against transformers in one process; and their plans against the zoo's.
+
+Tiny Mixtral and Qwen2-MoE (shared experts) configs, built locally and saved with save_pretrained into
+a temporary directory. Each case trains 3 AdamW steps from the same weights as the one-process
+reference, whose loss is transformers' own (`model(input_ids, labels=input_ids).loss`; no router aux
+loss: output_router_logits is off by default), and compares the losses (relative 1e-5), the first
+step's gradients and the final parameters (1e-5), all gathered back under the model's own names.
+Each ep rank holds E / ep experts (and, loading a meta model from the checkpoint, reads only them).
+
+Planning (no processes): the transformers Mixtral 8x7B, captured at its real size, is planned as MoE:
+ep divides the expert weights per rank, and it prices within 1% of the zoo's Mixtral of the same
+shapes at ep 2 and 8 and at the best plan of the search.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from _dist import spawn
+
+transformers = pytest.importorskip("transformers")
+
+B, T, STEPS, LR, SEED = 4, 16, 3, 1e-3, 0
+EPS = 1e-6  # as tests/test_runtime_modules.py: above the noise of gradients zero in exact arithmetic
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    model: str  # "mixtral" | "qwen2_moe"
+    ep: int = 2
+    dp: int = 1
+    weights: str = "module"  # "module": built with weights; "meta": loaded from the checkpoint
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.ep
+
+
+CASES = [
+    Case("mixtral-ep2", "mixtral", weights="meta"),
+    Case("qwen2_moe-ep2", "qwen2_moe"),
+    Case("mixtral-ep2-dp2", "mixtral", dp=2),
+]
+
+
+def _configs() -> dict:
+    common = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=128, max_position_embeddings=64, tie_word_embeddings=False, num_experts_per_tok=2)
+    return {"mixtral": transformers.MixtralConfig(**common, intermediate_size=48, num_local_experts=4),
+            "qwen2_moe": transformers.Qwen2MoeConfig(**common, intermediate_size=64, moe_intermediate_size=24,
+                                                     shared_expert_intermediate_size=40, num_experts=4,
+                                                     decoder_sparse_step=1)}
+
+
+def _reference(model, tokens: torch.Tensor) -> dict:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses, grads = [], None
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = model(input_ids=tokens[step], labels=tokens[step]).loss
+        loss.backward()
+        grads = grads or {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _plan(case: Case, graph, summary):
+    from autoplan.api import plan_from_assignment
+    from autoplan.capture.hf_rules import hf_registry
+    from autoplan.cluster import parse_cluster
+    from autoplan.mesh import MeshShape
+
+    mesh = MeshShape(dp=case.dp, ep=case.ep)
+    return plan_from_assignment(graph, summary, parse_cluster(f"1x{case.world}xcpu"), mesh, {},
+                                B // case.world, 1, 0, "none", registry=hf_registry(), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict:
+    from autoplan.capture.hf import capture_hf_for_planner
+
+    root = tmp_path_factory.mktemp("moe")
+    tokens = torch.randint(0, 128, (STEPS, B, T), generator=torch.Generator().manual_seed(SEED))
+    dirs, refs, graphs = {}, {}, {}
+    warnings.simplefilter("ignore")
+    for name, config in _configs().items():
+        torch.manual_seed(SEED)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        dirs[name] = root / name
+        model.save_pretrained(dirs[name])
+        refs[name] = _reference(model, tokens)
+        summary, graph, _ = capture_hf_for_planner(config, T, "float32")
+        graphs[name] = (graph, summary)
+    plans = {c.name: _plan(c, *graphs[c.model]) for c in CASES}
+    return {"dirs": dirs, "tokens": tokens, "refs": refs, "plans": plans}
+
+
+# ------------------------------------------------------------------------------- in the ranks
+
+
+def _run_case(case: Case, plan, setup_: dict) -> dict:
+    import autoplan
+    from autoplan.runtime import weights
+
+    reads: list[int] = []
+    original = weights.CheckpointFiles.read
+
+    def counting(self, name, index=()):
+        found = original(self, name, index)
+        reads.append(found.numel())
+        return found
+    weights.CheckpointFiles.read = counting
+    directory = setup_["dirs"][case.model]
+    if case.weights == "meta":
+        config = transformers.AutoConfig.from_pretrained(directory)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        checkpoint = directory
+    else:
+        model, checkpoint = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa"), None
+    program = autoplan.parallelize(model, f"1x{case.world}xcpu", plan, checkpoint=checkpoint)
+    weights.CheckpointFiles.read = original
+    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in program.model.parameters())
+    experts = {n: tuple(p.to_local().shape) for n, p in program.model.named_parameters() if n.endswith("down_proj")}
+    optimizer = program.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    losses, grads = [], None
+    for step in range(STEPS):
+        targets = setup_["tokens"][step].roll(-1, dims=1)
+        targets[:, -1] = -100
+        losses.append(program.train_step(setup_["tokens"][step], targets, optimizer))
+        grads = grads or program.full_gradients()
+    return {"losses": losses, "grads": grads, "params": program.full_state_dict(), "reads": sum(reads),
+            "held": held, "experts": experts, "grad_norm": program.grad_norm}
+
+
+def _ranks(rank: int, world: int, names: list[str], setup_: dict) -> dict:
+    warnings.simplefilter("ignore")
+    cases = {c.name: c for c in CASES}
+    return {name: _run_case(cases[name], setup_["plans"][name], setup_) for name in names}
+
+
+@pytest.fixture(scope="module")
+def runs(setup) -> dict:
+    found = {}
+    shared = {k: setup[k] for k in ("dirs", "tokens", "plans")}
+    for world in sorted({c.world for c in CASES}):
+        found[world] = spawn(_ranks, world, [c.name for c in CASES if c.world == world], shared)
+    return found
+
+
+# ------------------------------------------------------------------------------- checks
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_expert_parallel_matches_transformers(setup, runs, case):
+    ref = setup["refs"][case.model]
+    ranks = [r[case.name] for r in runs[case.world]]
+    norm = torch.stack([g.double().square().sum() for g in ref["grads"].values()]).sum().sqrt().item()
+    for got in ranks:
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+        assert got["grad_norm"] == pytest.approx(norm, rel=1e-5)  # expert shards counted once each
+    first = ranks[0]
+    assert set(first["params"]) == set(ref["params"])
+    for name in ref["params"]:
+        torch.testing.assert_close(first["grads"][name], ref["grads"][name], **TOL, msg=lambda m: f"grad {name}: {m}")
+        torch.testing.assert_close(first["params"][name], ref["params"][name], **TOL, msg=lambda m: f"param {name}: {m}")
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_each_ep_rank_holds_its_share_of_the_experts(setup, runs, case):
+    ref = setup["refs"][case.model]["params"]
+    for got in runs[case.world]:
+        experts = got[case.name]["experts"]
+        assert experts and all(shape[0] == ref[n].shape[0] // case.ep for n, shape in experts.items())
+        if case.weights == "meta":
+            assert got[case.name]["reads"] == got[case.name]["held"] < sum(p.numel() for p in ref.values())
