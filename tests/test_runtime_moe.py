@@ -136,9 +136,10 @@ def _run_case(case: Case, plan, setup_: dict) -> dict:
         targets = setup_["tokens"][step].roll(-1, dims=1)
         targets[:, -1] = -100
         losses.append(program.train_step(setup_["tokens"][step], targets, optimizer))
-        grads = grads or program.full_gradients()
+        if step == 0:
+            grads, norm = program.full_gradients(), program.grad_norm
     return {"losses": losses, "grads": grads, "params": program.full_state_dict(), "reads": sum(reads),
-            "held": held, "experts": experts, "grad_norm": program.grad_norm}
+            "held": held, "experts": experts, "grad_norm": norm}
 
 
 def _ranks(rank: int, world: int, names: list[str], setup_: dict) -> dict:
