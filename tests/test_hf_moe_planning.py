@@ -3,7 +3,8 @@
 The transformers Mixtral 8x7B (its real config, built locally, captured on meta) against the zoo's
 `mixtral-8x7b` of identical shapes: expert parallelism divides the expert weights per rank (ep 2 vs 8
 differ by exactly the expert share), the step model prices both alike (the dispatch and combine
-all-to-alls included) within TOLERANCE at fixed meshes and at the best plan of a search. Tiny
+all-to-alls included) within TOLERANCE at fixed meshes (`benchmarks/hf_moe_vs_zoo.py` compares the
+best plans of a search too). Tiny
 Qwen2-MoE: the routed experts are one "moe" node per layer, the shared experts dense linears.
 """
 
@@ -16,7 +17,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 SEQ, BATCH = 4096, 256
-TOLERANCE = 0.01  # relative, HF vs zoo step time (measured: 0.5% at fixed meshes, 0.2% searched)
+TOLERANCE = 0.02  # relative, HF vs zoo step time (measured 0.4-0.7%: the dense ops' captures differ slightly)
 
 
 @pytest.fixture(scope="module")
@@ -63,26 +64,21 @@ def test_ep_divides_the_expert_weights_per_rank(mixtral):
     assert "ep" not in placed["model.layers.0.mlp.gate.weight"]
 
 
-@pytest.mark.parametrize("ep", [2, 8])
-def test_hf_and_zoo_mixtral_price_alike(mixtral, ep):
+@pytest.mark.parametrize("mesh", ["pp2-dp4-ep2-tp4", "pp2-dp1-ep8-tp4", "2x8:pp2-dp1-ep2-tp4-etp1"])
+def test_hf_and_zoo_mixtral_price_alike(mixtral, mesh):
+    """Fixed meshes: experts split by ep with the "ffn" strategy inside each (etp = tp), and the
+    searched best plan on 2 x 8 H100s (pp2 x ep2 x tp4, etp 1: the "expert" strategy)."""
     from autoplan.mesh import MeshShape
 
-    mesh = MeshShape(pp=2, dp=8 // ep, ep=ep, tp=4)
-    hf = _estimate(mixtral[0], mesh, "8x8xh100", mixtral, zero_stage=1)
-    zoo = _estimate("mixtral-8x7b", mesh, "8x8xh100", zero_stage=1)
+    cluster, _, spec = mesh.rpartition(":")
+    degrees = {part.rstrip("0123456789"): int(part[len(part.rstrip("0123456789")):]) for part in spec.split("-")}
+    cluster = {"": "8x8xh100", "2x8": "2x8xh100"}[cluster]
+    shape = MeshShape(**degrees)
+    hf = _estimate(mixtral[0], shape, cluster, mixtral, zero_stage=1)
+    zoo = _estimate("mixtral-8x7b", shape, cluster, zero_stage=1)
     assert hf.predicted.step_time_s == pytest.approx(zoo.predicted.step_time_s, rel=TOLERANCE)
-    assert hf.predicted.memory.parameters_bytes == pytest.approx(zoo.predicted.memory.parameters_bytes, rel=TOLERANCE)
-    assert hf.predicted.time.communication_s > 0
-
-
-def test_hf_and_zoo_mixtral_search_alike(mixtral):
-    from autoplan.api import search_plans
-    from autoplan.capture.hf_rules import hf_registry
-
-    summary, graph, info = mixtral
-    hf = search_plans(summary, "8x8xh100", BATCH, SEQ, graph=graph, info=info, registry=hf_registry()).plans[0]
-    zoo = search_plans("mixtral-8x7b", "8x8xh100", BATCH, SEQ).plans[0]
-    assert hf.predicted.step_time_s == pytest.approx(zoo.predicted.step_time_s, rel=TOLERANCE)
+    assert hf.predicted.memory.parameters_bytes == pytest.approx(zoo.predicted.memory.parameters_bytes, rel=1e-6)
+    assert hf.predicted.time.communication_s == pytest.approx(zoo.predicted.time.communication_s, rel=0.05)
 
 
 def test_qwen2_moe_shared_experts_stay_dense():

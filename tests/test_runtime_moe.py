@@ -36,17 +36,19 @@ class Case:
     model: str  # "mixtral" | "qwen2_moe"
     ep: int = 2
     dp: int = 1
+    tp: int = 1  # Megatron's assignment, the MoE replicated on tp (ep splits its experts)
     weights: str = "module"  # "module": built with weights; "meta": loaded from the checkpoint
 
     @property
     def world(self) -> int:
-        return self.dp * self.ep
+        return self.dp * self.ep * self.tp
 
 
 CASES = [
     Case("mixtral-ep2", "mixtral", weights="meta"),
     Case("qwen2_moe-ep2", "qwen2_moe"),
     Case("mixtral-ep2-dp2", "mixtral", dp=2),
+    Case("mixtral-ep2-tp2", "mixtral", tp=2, weights="meta"),
 ]
 
 
@@ -77,10 +79,17 @@ def _plan(case: Case, graph, summary):
     from autoplan.capture.hf_rules import hf_registry
     from autoplan.cluster import parse_cluster
     from autoplan.mesh import MeshShape
+    from autoplan.solver.intra_op import megatron_assignment
+    from autoplan.strategies import strategy_info
 
-    mesh = MeshShape(dp=case.dp, ep=case.ep)
-    return plan_from_assignment(graph, summary, parse_cluster(f"1x{case.world}xcpu"), mesh, {},
-                                B // case.world, 1, 0, "none", registry=hf_registry(), dtype="float32")
+    assignment = {}
+    if case.tp > 1:
+        info = strategy_info(summary.rule_info(), case.tp, case.tp)
+        assignment = megatron_assignment(graph, hf_registry(), case.tp, info, False)
+        assignment |= {n.name: "replicate" for n in graph.nodes if n.op_kind == "moe"}
+    mesh = MeshShape(dp=case.dp, ep=case.ep, tp=case.tp)
+    return plan_from_assignment(graph, summary, parse_cluster(f"1x{case.world}xcpu"), mesh, assignment,
+                                B // (case.dp * case.ep), 1, 0, "none", registry=hf_registry(), dtype="float32")
 
 
 @pytest.fixture(scope="module")
