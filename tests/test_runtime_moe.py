@@ -6,7 +6,9 @@ a temporary directory. Each case trains 3 AdamW steps from the same weights as t
 reference, whose loss is transformers' own (`model(input_ids, labels=input_ids).loss`; no router aux
 loss: output_router_logits is off by default), and compares the losses (relative 1e-5), the first
 step's gradients and the final parameters (1e-5), all gathered back under the model's own names.
-Each ep rank holds E / ep experts (and, loading a meta model from the checkpoint, reads only them).
+Each ep rank holds E / ep experts (and, loading a meta model from the checkpoint, reads only them);
+the exported checkpoint (`save_hf`) holds every expert again under the model's own names and loads
+back into transformers.
 
 Planning (no processes): the transformers Mixtral 8x7B, captured at its real size, is planned as MoE:
 ep divides the expert weights per rank, and it prices within 1% of the zoo's Mixtral of the same
@@ -50,6 +52,8 @@ CASES = [
     Case("mixtral-ep2-dp2", "mixtral", dp=2),
     Case("mixtral-ep2-tp2", "mixtral", tp=2, weights="meta"),
 ]
+
+EXPORTED = ("qwen2_moe-ep2", "mixtral-ep2-tp2")
 
 
 def _configs() -> dict:
@@ -109,7 +113,7 @@ def setup(tmp_path_factory) -> dict:
         summary, graph, _ = capture_hf_for_planner(config, T, "float32")
         graphs[name] = (graph, summary)
     plans = {c.name: _plan(c, *graphs[c.model]) for c in CASES}
-    return {"dirs": dirs, "tokens": tokens, "refs": refs, "plans": plans}
+    return {"root": root, "dirs": dirs, "tokens": tokens, "refs": refs, "plans": plans}
 
 
 # ------------------------------------------------------------------------------- in the ranks
@@ -117,6 +121,7 @@ def setup(tmp_path_factory) -> dict:
 
 def _run_case(case: Case, plan, setup_: dict) -> dict:
     import autoplan
+    from autoplan.runtime.hf_export import save_hf
     from autoplan.runtime import weights
 
     reads: list[int] = []
@@ -147,6 +152,8 @@ def _run_case(case: Case, plan, setup_: dict) -> dict:
         losses.append(program.train_step(setup_["tokens"][step], targets, optimizer))
         if step == 0:
             grads, norm = program.full_gradients(), program.grad_norm
+    if case.name in EXPORTED:
+        save_hf(program, setup_["root"] / f"export-{case.name}")
     return {"losses": losses, "grads": grads, "params": program.full_state_dict(), "reads": sum(reads),
             "held": held, "experts": experts, "grad_norm": norm}
 
@@ -160,7 +167,7 @@ def _ranks(rank: int, world: int, names: list[str], setup_: dict) -> dict:
 @pytest.fixture(scope="module")
 def runs(setup) -> dict:
     found = {}
-    shared = {k: setup[k] for k in ("dirs", "tokens", "plans")}
+    shared = {k: setup[k] for k in ("root", "dirs", "tokens", "plans")}
     for world in sorted({c.world for c in CASES}):
         found[world] = spawn(_ranks, world, [c.name for c in CASES if c.world == world], shared)
     return found
@@ -194,3 +201,14 @@ def test_each_ep_rank_holds_its_share_of_the_experts(setup, runs, case):
         assert experts and all(shape[0] == ref[n].shape[0] // case.ep for n, shape in experts.items())
         if case.weights == "meta":
             assert got[case.name]["reads"] == got[case.name]["held"] < sum(p.numel() for p in ref.values())
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("name", EXPORTED)
+def test_export_gathers_the_experts_back_into_transformers(setup, runs, name):
+    case = next(c for c in CASES if c.name == name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(setup["root"] / f"export-{name}")
+    got = runs[case.world][0][name]["params"]
+    assert {n for n, _ in model.named_parameters()} == set(got)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), got[n], rtol=0, atol=0)
