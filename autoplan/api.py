@@ -315,9 +315,11 @@ def _parallelize_zoo(model, cluster: ClusterSpec, plan: "Plan | None", config: "
 
 def module_search_options(max_microbatch_size: int = 16) -> SearchOptions:
     """The part of the space the runtime for your own module runs (`autoplan.runtime.module_launch`):
-    dp and tp (with sequence parallelism), ZeRO 0-3, microbatching; no pp, cp, ep or recompute yet."""
+    dp and tp (with sequence parallelism), ZeRO 0-3, microbatching, ep (transformers' MoE experts; plans
+    with ep it does not run, such as ep with ZeRO over dp, are refused by `check_module_plan`); no pp, cp
+    or recompute yet."""
     return SearchOptions(max_microbatch_size=max_microbatch_size, pipeline=False, context_parallel=False,
-                         expert_parallel=False, recompute=("none",))
+                         expert_parallel=True, recompute=("none",))
 
 
 def search_module_plans(model, cluster: ClusterSpec | str, global_batch: int, seq_len: int, *, top: int = 1,
@@ -352,7 +354,7 @@ def search_module_plans(model, cluster: ClusterSpec | str, global_batch: int, se
 
 
 MODULE_SPACE_NOTE = ("searched the space the runtime for your own module runs: dp and tp (sequence parallel "
-                     "variants), ZeRO 0-3, microbatching; pp, cp, ep and recompute are not searched (not run yet)")
+                     "variants), ZeRO 0-3, microbatching, ep; pp, cp and recompute are not searched (not run yet)")
 
 
 def _noted(plan: Plan, note: str) -> Plan:

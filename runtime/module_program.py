@@ -1,7 +1,7 @@
 """ModuleProgram: the user's own module (a transformers causal LM, or any nn.Module whose
 `forward(input_ids)` returns logits) run under a Plan with the PyTorch-native stack.
 
-    mesh      a DeviceMesh ("dp", "tp") over the plan's ranks, laid out as the plan's MeshShape
+    mesh      a DeviceMesh ("dp", "ep", "tp") over the plan's ranks, laid out as the plan's MeshShape
     tp        `parallelize_module` with the styles of `runtime.module_plan` (`runtime.module_styles`)
     weights   the module's own tensors (rank 0's: a model with weights is first broadcast, then
               each rank keeps its shards), or, for a model on meta, this rank's slices of a
@@ -16,10 +16,13 @@
 One step on a global batch of G sequences of T tokens (`train_step`, the contract of the zoo's
 RankProgram):
 
-    the rank at dp coordinate d takes rows [d G/dp, (d+1) G/dp); its tp ranks take the same rows
+    the D = dp x ep data-parallel ranks (ep ranks are data-parallel to the dense layers): the rank at
+    data coordinate d = dp coordinate x ep + ep coordinate takes rows [d G/D, (d+1) G/D); its tp
+    ranks take the same rows
     N = the targets != -100 (ignore_index) over the global batch
-    per microbatch m of its rows:  loss_m = sum of token cross-entropies over its targets * dp / N;
-      loss_m.backward()  (averaging gradients over dp then gives the gradient of sum / N)
+    per microbatch m of its rows:  loss_m = sum of token cross-entropies over its targets * D / N;
+      loss_m.backward()  (summing gradients over the ranks holding the same parameter, dp x ep for
+      dense ones and dp for experts (`runtime.module_experts`), / D then gives the gradient of sum / N)
     the global loss, all-reduce(sum of token losses) / N, and the gradient norm
       ||g||^2 = sum over ranks of sum over their gradient shards of ||g_shard||^2 / copies
       (copies = world / the number of distinct shards of that gradient: the ranks that hold the

@@ -113,7 +113,7 @@ def setup(tmp_path_factory) -> dict:
         summary, graph, _ = capture_hf_for_planner(config, T, "float32")
         graphs[name] = (graph, summary)
     plans = {c.name: _plan(c, *graphs[c.model]) for c in CASES}
-    return {"root": root, "dirs": dirs, "tokens": tokens, "refs": refs, "plans": plans}
+    return {"root": root, "dirs": dirs, "tokens": tokens, "refs": refs, "plans": plans, "graphs": graphs}
 
 
 # ------------------------------------------------------------------------------- in the ranks
@@ -212,3 +212,47 @@ def test_export_gathers_the_experts_back_into_transformers(setup, runs, name):
     assert {n for n, _ in model.named_parameters()} == set(got)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), got[n], rtol=0, atol=0)
+
+
+def _meta_model(setup, name: str):
+    config = transformers.AutoConfig.from_pretrained(setup["dirs"][name])
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_module_plan_replicates_the_moe_block_on_tp(setup):
+    from autoplan.runtime.module_launch import check_module_plan
+
+    mplan = check_module_plan(setup["plans"]["mixtral-ep2-tp2"], _meta_model(setup, "mixtral"))
+    assert mplan.style("model.layers.0.mlp.gate").kind == "replicated_region"
+    assert mplan.style("model.layers.0.mlp.experts").kind == "replicated_region"
+    assert mplan.style("model.layers.0.self_attn.q_proj").kind == "colwise"
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(zero_stage=1), "ZeRO 1"),
+    (dict(moe="ffn"), "replicated on tp"),
+    (dict(experts=3), "does not divide"),
+], ids=["zero-over-dp", "moe-split-on-tp", "experts-not-divisible"])
+def test_plans_the_expert_runtime_refuses(setup, change, words):
+    """What it does not run is refused before any process group, with what to change."""
+    from autoplan.errors import PlanError
+    from autoplan.runtime.module_launch import check_module_plan
+
+    graph, summary = setup["graphs"]["mixtral"]
+    case = Case("x", "mixtral", dp=2, tp=2 if "moe" in change else 1)
+    plan = _plan(case, graph, summary)
+    if "zero_stage" in change:
+        plan = dataclasses.replace(plan, zero_stage=change["zero_stage"])
+    if "moe" in change:
+        ops = tuple(dataclasses.replace(o, strategy=change["moe"]) if o.node.startswith("model_layers_0_mlp")
+                    and o.resolved.params else o for o in plan.ops)
+        plan = dataclasses.replace(plan, ops=ops)
+    model = _meta_model(setup, "mixtral")
+    if "experts" in change:
+        for layer in model.model.layers:
+            experts = layer.mlp.experts
+            experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj[:3])
+            experts.down_proj = torch.nn.Parameter(experts.down_proj[:3])
+    with pytest.raises(PlanError, match=words):
+        check_module_plan(plan, model)
