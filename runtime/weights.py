@@ -14,7 +14,8 @@ mesh (or a plain tensor), still on meta. For each, this rank's slice is
                        i = this rank's tp coordinate (torch.chunk's split, as DTensor's)
 
 read with safetensors' `get_slice` (only those bytes), cast to the parameter's dtype, and wrapped
-as a DTensor of the same placements. Persistent buffers are read whole. Non-persistent buffers
+as a DTensor of the same placements. transformers' fused MoE experts, which checkpoints store per
+expert, are read from those tensors, only this rank's experts (`runtime.expert_checkpoint`). Persistent buffers are read whole. Non-persistent buffers
 (rotary tables) are not in checkpoints: a transformers model recomputes them with its own
 `_init_weights`; any other module on meta with such a buffer is refused.
 """
