@@ -47,7 +47,8 @@ DTensor may choose another conversion than the plan priced for them).
 MoE blocks (transformers' Mixtral, Qwen2-MoE): the block's routed part is one "moe" op using the
 router's and the experts' parameters; with its strategy "replicate" the router and the experts modules
 are each a replicated region (ep splits the experts over other ranks: `runtime.module_experts`); the
-plan's other MoE strategies (ffn, sequence, expert) are refused.
+plan's other MoE strategies (ffn, sequence, expert) are refused. Linears the block holds itself
+(Qwen2-MoE's shared-expert gate) are replicated one by one; its shared experts are a region as any MLP.
 
 The loss: the strategy of the plan's cross-entropy op (vocab: `loss_parallel` on logits split on
 the vocabulary; sequence: each rank's tokens, then the mean over tp; replicate: whole logits).
@@ -145,6 +146,9 @@ def module_plan(plan: Plan, model: nn.Module) -> ModulePlan:
         if parent:
             regions[parent].append(path)
     for parent, members in regions.items():
+        if any(m.startswith(parent + ".") for m in moe):  # a MoE block's own linears (Qwen2-MoE's shared gate)
+            styles.update(_moe_block_linears(parent, sorted(members), owners, modules))
+            continue
         styles.update(_region_styles(parent, sorted(members), owners, by_module, modules))
     for path, ops in owners.items():  # outside regions every output stays a DTensor (the head's logits)
         if path not in styles and not _inside_replicated(path, styles):
@@ -173,6 +177,18 @@ def _moe_styles(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, ModuleSt
             if path in modules:
                 found[path] = ModuleStyle("replicated_region", R, R, False, "replicate", (op.node,))
     return found
+
+
+def _moe_block_linears(parent: str, members: list[str], owners, modules) -> dict[str, ModuleStyle]:
+    """The linears held directly by a MoE block (Qwen2-MoE's shared_expert_gate), which holds
+    styled modules of its own (router, experts, shared experts): each replicated on its own (DTensor
+    R in and out), the block's other ops running on the DTensors around them. PlanError otherwise."""
+    split = [m for m in members if owners[m][0].strategy != "replicate"]
+    if split:
+        raise PlanError(f"module {split[0]!r} ({owners[split[0]][0].strategy}) sits in MoE block {parent!r} "
+                        f"beside its router and experts; the module runtime runs such a linear replicated: "
+                        f"plan 'replicate' for it")
+    return {m: dataclasses.replace(_leaf_style(m, modules[m], owners[m]), local_output=False) for m in members}
 
 
 def _ops_by_module(plan: Plan) -> dict[str, list[OpPlacement]]:

@@ -8,7 +8,8 @@ loss: output_router_logits is off by default), and compares the losses (relative
 step's gradients and the final parameters (1e-5), all gathered back under the model's own names.
 Each ep rank holds E / ep experts (and, loading a meta model from the checkpoint, reads only them);
 the exported checkpoint (`save_hf`) holds every expert again under the model's own names and loads
-back into transformers.
+back into transformers. Under tp (Qwen2-MoE ep2 x tp2: attention and shared experts Megatron-split,
+the router and routed experts replicated regions, the shared-expert gate replicated) as the plan says.
 
 Planning (no processes): the transformers Mixtral 8x7B, captured at its real size, is planned as MoE:
 ep divides the expert weights per rank, and it prices within 1% of the zoo's Mixtral of the same
@@ -50,10 +51,10 @@ CASES = [
     Case("mixtral-ep2", "mixtral", weights="meta"),
     Case("qwen2_moe-ep2", "qwen2_moe"),
     Case("mixtral-ep2-dp2", "mixtral", dp=2),
-    Case("mixtral-ep2-tp2", "mixtral", tp=2, weights="meta"),
+    Case("qwen2_moe-ep2-tp2", "qwen2_moe", tp=2, weights="meta"),
 ]
 
-EXPORTED = ("qwen2_moe-ep2", "mixtral-ep2-tp2")
+EXPORTED = ("mixtral-ep2-dp2", "qwen2_moe-ep2-tp2")
 
 
 def _configs() -> dict:
@@ -223,7 +224,8 @@ def _meta_model(setup, name: str):
 def test_module_plan_replicates_the_moe_block_on_tp(setup):
     from autoplan.runtime.module_launch import check_module_plan
 
-    mplan = check_module_plan(setup["plans"]["mixtral-ep2-tp2"], _meta_model(setup, "mixtral"))
+    graph, summary = setup["graphs"]["mixtral"]
+    mplan = check_module_plan(_plan(Case("x", "mixtral", tp=2), graph, summary), _meta_model(setup, "mixtral"))
     assert mplan.style("model.layers.0.mlp.gate").kind == "replicated_region"
     assert mplan.style("model.layers.0.mlp.experts").kind == "replicated_region"
     assert mplan.style("model.layers.0.self_attn.q_proj").kind == "colwise"
