@@ -34,7 +34,12 @@ R = Replicate()
 SEQ = Shard(1)
 FEAT = Shard(2)
 
-EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # a MoE layer's expert weights: dim 0 is the expert
+# A MoE op's expert weights, by the last part of their name: dim 0 is the expert, and the value is the
+# dim holding the expert's FFN width (what the "ffn" strategy splits). The zoo's MoEFeedForward:
+# w_gate, w_up (E, h, f), w_down (E, f, h); transformers' fused experts (Mixtral, Qwen2-MoE in
+# transformers 5): gate_up_proj (E, 2f, h) with gate rows then up rows, down_proj (E, h, f).
+EXPERT_FFN_DIMS = {"w_gate": 2, "w_up": 2, "w_down": 1, "gate_up_proj": 1, "down_proj": 2}
+EXPERT_WEIGHTS = tuple(EXPERT_FFN_DIMS)
 
 # Collective kinds a strategy may issue, as named in cost_model.comm and runtime.collectives.
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -143,6 +148,23 @@ def default_registry() -> StrategyRegistry:
 def divides(tp: int, size: int) -> bool:
     """Whether `tp` ranks split a dim of `size` evenly (the strategy rules' shard test)."""
     return size % tp == 0
+
+
+def is_expert_weight(name: str) -> bool:
+    """Whether parameter `name` (of a "moe" op) is an expert weight (`EXPERT_FFN_DIMS`)."""
+    return name.rsplit(".", 1)[-1] in EXPERT_FFN_DIMS
+
+
+def expert_dims(node: "NodeInfo") -> tuple[int, int, int] | None:
+    """(experts E, width h, FFN width f) of a "moe" op from its expert weights' shapes, in either
+    layout of `EXPERT_FFN_DIMS`; None when it has no 3-D expert weight."""
+    shapes = {name.rsplit(".", 1)[-1]: meta.shape for name, meta in node.params}
+    if len(shapes.get("w_gate", ())) == 3:
+        return tuple(shapes["w_gate"])
+    if len(shapes.get("down_proj", ())) == 3:
+        experts, width, ffn = shapes["down_proj"]
+        return experts, width, ffn
+    return None
 
 
 def _params(node: "NodeInfo") -> list[str]:
@@ -287,8 +309,8 @@ def moe_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy]:
     names = _params(node)
     ffn_hidden = info.get("ffn_hidden")
     if ffn_hidden and divides(tp, ffn_hidden):
-        shard = {"w_gate": Shard(2), "w_up": Shard(2), "w_down": Shard(1)}
-        params = tuple(ParamSpec(p, shard.get(p, R)) for p in names)
+        params = tuple(ParamSpec(p, Shard(EXPERT_FFN_DIMS[p.rsplit(".", 1)[-1]]) if is_expert_weight(p) else R)
+                       for p in names)
         found.append(Strategy("ffn", (InputSpec(R),), R, params, 1 / tp,
                               fwd_comm=(Comm("all_reduce", "output"),), bwd_comm=(Comm("all_reduce", "input:0"),)))
     if divides(tp, node.input_metas[0].shape[1]):
@@ -303,8 +325,8 @@ def _expert_folded(node: "NodeInfo", tp: int, etp: int = 1) -> Strategy:
     if not divides(tp, tokens):
         raise ConfigError(f"node {node.name!r}: etp={etp} splits the MoE's {tokens} tokens per sequence over tp={tp}, "
                           f"which does not divide them; use a sequence divisible by tp x cp, or etp={tp}")
-    experts = {"w_gate": Shard(0), "w_up": Shard(0), "w_down": Shard(0)}
-    params = tuple(ParamSpec(p, experts.get(p, R), grad_partial=p not in experts) for p in _params(node))
+    params = tuple(ParamSpec(p, Shard(0) if is_expert_weight(p) else R, grad_partial=not is_expert_weight(p))
+                   for p in _params(node))
     return Strategy("expert", (InputSpec(SEQ),), SEQ, params, 1 / tp,
                     bwd_comm=tuple(Comm("all_reduce", f"param:{p.name}") for p in params if p.grad_partial),
                     expert_ffn_split=etp)

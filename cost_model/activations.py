@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from autoplan.placement import Placement, Replicate, Shard
-from autoplan.strategies import Strategy
+from autoplan.strategies import Strategy, expert_dims
 from autoplan.cost_model.storages import Activations, Storage
 
 if TYPE_CHECKING:
@@ -390,7 +390,7 @@ class _Walk:
         """Sizes of one MoE layer on this rank (`_moe`)."""
         strategy, x = self.strategies[node.name], node.input_metas[0]
         h = x.shape[-1]
-        experts, _, ffn = dict((n.rsplit(".", 1)[-1], m.shape) for n, m in node.params)["w_gate"]
+        experts, _, ffn = expert_dims(node)
         tokens_all = x.numel // h
         k = max(1, round((node.fwd_flops - 2 * tokens_all * h * experts) / (6 * tokens_all * h * ffn)))
         tokens = self.rows(x, strategy.inputs[0].placement)

@@ -54,7 +54,7 @@ from autoplan.errors import AutoplanError
 from autoplan.mesh import MeshShape
 from autoplan.placement import Partial, Placement, Replicate, Shard
 from autoplan.recompute_policy import captured_op_family
-from autoplan.strategies import InputSpec, Strategy
+from autoplan.strategies import InputSpec, Strategy, expert_dims
 
 if TYPE_CHECKING:
     from autoplan.capture import CapturedGraph, NodeInfo, TensorMeta
@@ -132,14 +132,13 @@ def _linear_shape(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tup
 def _moe_shape(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tuple[float, float, float]:
     """A representative expert GEMM (tokens per expert, ffn per rank, expert width) for the MoE's
     efficiency; tokens per expert from the FLOPs (6 width ffn per routed token and expert)."""
-    shapes = {name.rsplit(".", 1)[-1]: meta.shape for name, meta in node.params}
-    x = node.input_metas[0]
-    if len(shapes.get("w_gate", ())) != 3:
+    x, dims = node.input_metas[0], expert_dims(node)
+    if dims is None:
         return x.numel / x.shape[-1] * ctx.batch_scale, float(x.shape[-1]), float(x.shape[-1])
-    experts, width, ffn = shapes["w_gate"]
+    experts, width, ffn = dims
     per_expert = max(1.0, node.fwd_flops * ctx.batch_scale / (6.0 * width * ffn * experts))
     # experts split over ranks on dim 0 (etp < tp): each expert's FFN split etp ways, whole for etp = 1
-    folded = strategy.param_placement("w_gate") == Shard(0)
+    folded = strategy.name == "expert"
     share = 1.0 / strategy.expert_ffn_split if folded else strategy.compute_fraction
     return per_expert, max(1.0, ffn * share), float(width)
 

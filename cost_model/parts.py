@@ -37,7 +37,7 @@ from autoplan.cost_model.memory import (comm_buffer_lines, is_batched, largest_c
                                         param_placements)
 from autoplan.placement import Shard
 from autoplan.recompute_policy import KINDS, recompute_policy
-from autoplan.strategies import EXPERT_WEIGHTS, Strategy
+from autoplan.strategies import Strategy, is_expert_weight
 
 if TYPE_CHECKING:
     from autoplan.capture import CapturedGraph, NodeInfo
@@ -160,7 +160,7 @@ def _tallies(graph: "CapturedGraph", sol: "TpSolution", part_of: Mapping[str, ob
             for name, meta, placement in param_placements(node, strategy):
                 if name not in seen:
                     count = local_nbytes(meta.numel, placement, sol.tp)
-                    is_expert = node.op_kind == "moe" and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS
+                    is_expert = node.op_kind == "moe" and is_expert_weight(name)
                     dense, expert = dense + (not is_expert) * count, expert + is_expert * count
             if fresh:
                 counted[key] = (dense, expert)

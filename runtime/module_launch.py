@@ -1,14 +1,15 @@
 """Checks and assembly of a `ModuleProgram` (`runtime.module_program`): the user's own module under
 a Plan. The order matters:
 
-    1. checks without communication: the mesh axes this runtime runs (dp, tp), the recompute
+    1. checks without communication: the mesh axes this runtime runs (dp, tp, ep), the recompute
        policy against the model's blocks (`runtime.module_recompute`), the plan against the model
        (fingerprint of a transformers config, parameter names), dropout under tp, tied weights
-       under tp (held alike by every holder), where the weights come from
-    2. the process group and the ("dp", "tp") DeviceMesh
+       under tp (held alike by every holder), experts under ep, where the weights come from
+    2. the process group and the ("dp", "ep", "tp") DeviceMesh
     3. weights: a model with weights is broadcast from rank 0 (so every rank distributes the
        same tensors); a model on meta is loaded after step 4
-    4. tp styles (`runtime.module_styles`), parameters becoming DTensors on the tp mesh
+    4. tp styles (`runtime.module_styles`), parameters becoming DTensors on the tp mesh; expert
+       weights this rank's experts, DTensors on the ("ep", "tp") mesh (`runtime.module_experts`)
     5. a meta model's parameters read from the checkpoint, each rank its slices (`runtime.weights`)
     6. recompute: each block the policy names runs as one checkpointed region (`runtime.module_recompute`)
     7. ZeRO: FSDP2 over dp (`runtime.module_program`), outside the recomputed regions
@@ -29,13 +30,14 @@ from autoplan.plan import Plan
 from autoplan.recompute_policy import recompute_policy
 from autoplan.runtime.launch import (_check_backend, check_cluster, _device, _device_for, _init_process_group, _timeout,
                                      _launched_world_size, check_memory_fits)
+from autoplan.runtime.module_experts import distribute_experts, expert_weight_names, experts_modules
 from autoplan.runtime.module_plan import ModulePlan, module_plan
 from autoplan.runtime.module_program import ModuleProgram, block_lists, plan_mesh
 from autoplan.runtime.module_recompute import apply_module_recompute, check_recompute_blocks
 from autoplan.runtime.module_styles import apply_module_plan, tied_groups, weight_layout
 from autoplan.runtime.weights import load_checkpoint
 
-RUNS_AXES = ("dp", "tp")
+RUNS_AXES = ("dp", "tp", "ep")
 
 
 def check_module_plan(plan: Plan, model: nn.Module, cluster: ClusterSpec | str | None = None) -> ModulePlan:
@@ -43,10 +45,10 @@ def check_module_plan(plan: Plan, model: nn.Module, cluster: ClusterSpec | str |
     check_cluster(plan, cluster)
     other = {a: d for a, d in plan.mesh.degrees().items() if a not in RUNS_AXES and d > 1}
     if other:
-        raise PlanError(f"the plan uses {other}; the runtime for your own module runs dp and tp "
-                        f"(with ZeRO and sequence parallelism) so far: plan with pipeline, context "
-                        f"and expert parallelism off (SearchOptions(pipeline=False, "
-                        f"context_parallel=False, expert_parallel=False))")
+        raise PlanError(f"the plan uses {other}; the runtime for your own module runs dp, tp and ep "
+                        f"(with ZeRO and sequence parallelism) so far: plan with pipeline and context "
+                        f"parallelism off (SearchOptions(pipeline=False, context_parallel=False))")
+    _check_experts(plan, model)
     check_recompute_blocks(plan.recompute, model, plan.model.num_layers)
     _check_model(plan, model)
     mplan = module_plan(plan, model)
@@ -54,6 +56,24 @@ def check_module_plan(plan: Plan, model: nn.Module, cluster: ClusterSpec | str |
         _check_dropout(model)
         _check_tied(model, mplan)
     return mplan
+
+
+def _check_experts(plan: Plan, model: nn.Module) -> None:
+    """ep: on data-parallel ranks (ep_as "dp"), ZeRO 0, over experts modules (`runtime.module_experts`)."""
+    if plan.mesh.ep == 1:
+        return
+    if plan.mesh.ep_as != "dp":
+        raise PlanError(f"ep={plan.mesh.ep} over context-parallel ranks (ep_as={plan.mesh.ep_as!r}): the runtime "
+                        f"for your own module runs ep on data-parallel ranks; plan ep_as='dp'")
+    if plan.zero_stage > 0 and plan.mesh.dp > 1:
+        raise PlanError(f"ep={plan.mesh.ep} with ZeRO {plan.zero_stage} over dp={plan.mesh.dp}: the runtime for "
+                        f"your own module shards no expert weight with FSDP2 yet; plan zero_stage=0 with ep")
+    if plan.mesh.tp > 1 and plan.mesh.etp not in (None, plan.mesh.tp):
+        raise PlanError(f"etp={plan.mesh.etp} < tp={plan.mesh.tp}: the runtime for your own module does not fold "
+                        f"tp ranks into expert parallelism; plan etp = tp")
+    if not expert_weight_names(plan):
+        raise PlanError(f"the plan has ep={plan.mesh.ep} but splits no expert weight over ep: re-plan this model")
+    experts_modules(plan, model)
 
 
 def _check_model(plan: Plan, model: nn.Module) -> None:
@@ -171,6 +191,7 @@ def parallelize_module_program(model: nn.Module, plan: Plan, *, cluster: Cluster
         _broadcast_weights(model, device)
     model.train()
     apply_module_plan(model, mplan, mesh["tp"])
+    distribute_experts(plan, model, mesh)
     if source == "meta":
         load_checkpoint(model, checkpoint, device)
     program = ModuleProgram(model, plan, mesh, mplan, device, check_finite)

@@ -48,6 +48,12 @@ module and op. Ops outside regions and styled modules (residual adds, position a
 run on whatever arrives: DTensor ops on DTensors, plain ops on plain tensors (the same numbers;
 DTensor may choose another conversion than the plan priced for them).
 
+MoE blocks (transformers' Mixtral, Qwen2-MoE): the block's routed part is one "moe" op using the
+router's and the experts' parameters; with its strategy "replicate" the router and the experts modules
+are each a replicated region (ep splits the experts over other ranks: `runtime.module_experts`); the
+plan's other MoE strategies (ffn, sequence, expert) are refused. Linears the block holds itself
+(Qwen2-MoE's shared-expert gate) are replicated one by one; its shared experts are a region as any MLP.
+
 The loss: the strategy of the plan's cross-entropy op (vocab: `loss_parallel` on logits split on
 the vocabulary; sequence: each rank's tokens, then the mean over tp; replicate: whole logits).
 """
@@ -63,6 +69,7 @@ from torch import nn
 from autoplan.errors import PlanError
 from autoplan.placement import Placement, Replicate, Shard
 from autoplan.plan import OpPlacement, Plan
+from autoplan.strategies import is_expert_weight
 
 R = Replicate()
 SEQ = Shard(1)
@@ -136,22 +143,60 @@ def module_plan(plan: Plan, model: nn.Module) -> ModulePlan:
         return ModulePlan(1, ())
     modules = dict(model.named_modules())
     by_module = _ops_by_module(plan)
+    moe = _moe_styles(plan, modules)
     owners = {path: _speaking_ops(path, m, by_module) for path, m in modules.items()
-              if any(True for _ in m.parameters(recurse=False))}
+              if path not in moe and any(True for _ in m.parameters(recurse=False))}
     linears = {p for p in owners if _kind(modules[p]) in ("linear", "conv1d")}
-    styles: dict[str, ModuleStyle] = {}
+    styles: dict[str, ModuleStyle] = dict(moe)
     regions = defaultdict(list)
     for path in linears:
         parent = path.rpartition(".")[0]
         if parent:
             regions[parent].append(path)
     for parent, members in regions.items():
+        if any(m.startswith(parent + ".") for m in moe):  # a MoE block's own linears (Qwen2-MoE's shared gate)
+            styles.update(_moe_block_linears(parent, sorted(members), owners, modules))
+            continue
         styles.update(_region_styles(parent, sorted(members), owners, by_module, modules))
     for path, ops in owners.items():  # outside regions every output stays a DTensor (the head's logits)
         if path not in styles and not _inside_replicated(path, styles):
             styles[path] = dataclasses.replace(_leaf_style(path, modules[path], ops), local_output=False)
     order = {p: i for i, p in enumerate(modules)}
     return ModulePlan(tp, tuple(sorted(styles.items(), key=lambda kv: order[kv[0]])), _loss(plan))
+
+
+def _moe_styles(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, ModuleStyle]:
+    """The MoE ops' modules (a transformers MoE block's router and experts, whose parameters the one
+    "moe" op of the block uses: `autoplan.capture.hf_moe`), each a replicated region: every tp rank
+    routes and runs the experts on all tokens (expert parallelism splits them: runtime.module_experts).
+    PlanError for another strategy of a MoE op."""
+    found: dict[str, ModuleStyle] = {}
+    for op in plan.ops:
+        names = [p.name for p in op.resolved.params] if op.resolved is not None else []
+        if not any(is_expert_weight(n) for n in names):
+            continue
+        if op.strategy != "replicate":
+            raise PlanError(f"MoE op {op.node!r} (module {op.module!r}) runs {op.strategy!r} on tp; the runtime "
+                            f"for your own module runs a MoE block's router and experts replicated on tp (ep "
+                            f"splits the experts): plan 'replicate' for it, or tp=1")
+        prefix = f"{op.module}." if op.module else ""
+        for name in names:
+            path = prefix + name.rpartition(".")[0]
+            if path in modules:
+                found[path] = ModuleStyle("replicated_region", R, R, False, "replicate", (op.node,))
+    return found
+
+
+def _moe_block_linears(parent: str, members: list[str], owners, modules) -> dict[str, ModuleStyle]:
+    """The linears held directly by a MoE block (Qwen2-MoE's shared_expert_gate), which holds
+    styled modules of its own (router, experts, shared experts): each replicated on its own (DTensor
+    R in and out), the block's other ops running on the DTensors around them. PlanError otherwise."""
+    split = [m for m in members if owners[m][0].strategy != "replicate"]
+    if split:
+        raise PlanError(f"module {split[0]!r} ({owners[split[0]][0].strategy}) sits in MoE block {parent!r} "
+                        f"beside its router and experts; the module runtime runs such a linear replicated: "
+                        f"plan 'replicate' for it")
+    return {m: dataclasses.replace(_leaf_style(m, modules[m], owners[m]), local_output=False) for m in members}
 
 
 def _ops_by_module(plan: Plan) -> dict[str, list[OpPlacement]]:

@@ -1,7 +1,7 @@
 """ModuleProgram: the user's own module (a transformers causal LM, or any nn.Module whose
 `forward(input_ids)` returns logits) run under a Plan with the PyTorch-native stack.
 
-    mesh      a DeviceMesh ("dp", "tp") over the plan's ranks, laid out as the plan's MeshShape
+    mesh      a DeviceMesh ("dp", "ep", "tp") over the plan's ranks, laid out as the plan's MeshShape
     tp        `parallelize_module` with the styles of `runtime.module_plan` (`runtime.module_styles`)
     weights   the module's own tensors (rank 0's: a model with weights is first broadcast, then
               each rank keeps its shards), or, for a model on meta, this rank's slices of a
@@ -16,10 +16,13 @@
 One step on a global batch of G sequences of T tokens (`train_step`, the contract of the zoo's
 RankProgram):
 
-    the rank at dp coordinate d takes rows [d G/dp, (d+1) G/dp); its tp ranks take the same rows
+    the D = dp x ep data-parallel ranks (ep ranks are data-parallel to the dense layers): the rank at
+    data coordinate d = dp coordinate x ep + ep coordinate takes rows [d G/D, (d+1) G/D); its tp
+    ranks take the same rows
     N = the targets != -100 (ignore_index) over the global batch
-    per microbatch m of its rows:  loss_m = sum of token cross-entropies over its targets * dp / N;
-      loss_m.backward()  (averaging gradients over dp then gives the gradient of sum / N)
+    per microbatch m of its rows:  loss_m = sum of token cross-entropies over its targets * D / N;
+      loss_m.backward()  (summing gradients over the ranks holding the same parameter, dp x ep for
+      dense ones and dp for experts (`runtime.module_experts`), / D then gives the gradient of sum / N)
     the global loss, all-reduce(sum of token losses) / N, and the gradient norm
       ||g||^2 = sum over ranks of sum over their gradient shards of ||g_shard||^2 / copies
       (copies = world / the number of distinct shards of that gradient: the ranks that hold the
@@ -49,18 +52,20 @@ from torch.distributed.tensor.parallel import loss_parallel
 from autoplan.errors import ConfigError, TrainingDivergedError
 from autoplan.plan import Plan
 from autoplan.runtime.health import check_token_range
+from autoplan.runtime.module_experts import expert_weight_names
 from autoplan.runtime.module_plan import ModulePlan
 
 IGNORE_INDEX = -100
 
 
 def plan_mesh(plan: Plan, device_type: str, global_rank_of=lambda r: r) -> DeviceMesh:
-    """The ("dp", "tp") DeviceMesh of `plan`: entry [d][t] is the rank at mesh coordinates
-    dp = d, tp = t (the MeshShape's order of axes over ranks)."""
+    """The ("dp", "ep", "tp") DeviceMesh of `plan`: entry [d][e][t] is the rank at mesh coordinates
+    dp = d, ep = e, tp = t (the MeshShape's order of axes over ranks)."""
     shape = plan.mesh
-    ranks = [[global_rank_of(shape.rank_of({**{a: 0 for a in shape.degrees()}, "dp": d, "tp": t}))
-              for t in range(shape.tp)] for d in range(shape.dp)]
-    return DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=("dp", "tp"))
+    zero = {a: 0 for a in shape.degrees()}
+    ranks = [[[global_rank_of(shape.rank_of({**zero, "dp": d, "ep": e, "tp": t})) for t in range(shape.tp)]
+              for e in range(shape.ep)] for d in range(shape.dp)]
+    return DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=("dp", "ep", "tp"))
 
 
 def block_lists(model: nn.Module) -> list[nn.Module]:
@@ -86,6 +91,10 @@ class ModuleProgram(nn.Module):
         super().__init__()
         self.model, self.plan, self.mesh, self.module_plan, self.device = model, plan, mesh, mplan, device
         self.dp, self.tp = plan.mesh.dp, plan.mesh.tp
+        # the dense layers are data-parallel over dp x ep, the experts over dp (runtime.module_experts)
+        self.data = plan.mesh.dp * plan.mesh.ep
+        self.data_mesh = mesh["dp", "ep"]._flatten("data") if plan.mesh.ep > 1 else mesh["dp"]
+        self.experts = frozenset(expert_weight_names(plan))
         self.fsdp = plan.zero_stage >= 1 and self.dp > 1
         self.hf = hasattr(getattr(model, "config", None), "use_cache")
         self.vocab = getattr(getattr(model, "config", None), "vocab_size", None)  # None: not checked
@@ -120,8 +129,8 @@ class ModuleProgram(nn.Module):
 
     # ------------------------------------------------------------ running
     def _rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        d = self.mesh.get_local_rank("dp")
-        rows = tokens.shape[0] // self.dp
+        d = self.data_mesh.get_local_rank()
+        rows = tokens.shape[0] // self.data
         return tokens[d * rows:(d + 1) * rows]
 
     def _logits(self, tokens: torch.Tensor):
@@ -153,10 +162,10 @@ class ModuleProgram(nn.Module):
         if not gather:
             return logits.to_local() if isinstance(logits, DTensor) else logits
         whole = logits.full_tensor() if isinstance(logits, DTensor) else logits
-        if self.dp == 1:
+        if self.data == 1:
             return whole
-        parts = [torch.empty_like(whole) for _ in range(self.dp)]
-        dist.all_gather(parts, whole.contiguous(), group=self.mesh.get_group("dp"))
+        parts = [torch.empty_like(whole) for _ in range(self.data)]
+        dist.all_gather(parts, whole.contiguous(), group=self.data_mesh.get_group())
         return torch.cat(parts)
 
     def _token_loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -214,7 +223,7 @@ class ModuleProgram(nn.Module):
                                          wanted.chunk(plan.num_microbatches)):
             with self._loss_context():
                 loss = self._token_loss_sum(mb_tokens, mb_targets)
-                (loss * (self.dp / count)).backward()
+                (loss * (self.data / count)).backward()
             total += loss.detach().float()
         self._sync_gradients()
         loss = self._global_loss(total, count)
@@ -239,9 +248,9 @@ class ModuleProgram(nn.Module):
         return self._global_loss(total, count)
 
     def _global_loss(self, total: torch.Tensor, count: int) -> float:
-        """all-reduce over dp of this rank's sum of token losses, / N (equal over tp already)."""
-        if self.dp > 1:
-            dist.all_reduce(total, group=self.mesh.get_group("dp"))
+        """all-reduce over dp x ep of this rank's sum of token losses, / N (equal over tp already)."""
+        if self.data > 1:
+            dist.all_reduce(total, group=self.data_mesh.get_group())
         return total.item() / count
 
     def _check_finite(self, loss: float) -> None:
@@ -269,26 +278,34 @@ class ModuleProgram(nn.Module):
     @torch.no_grad()
     def _sync_gradients(self) -> None:
         """Under tp, partial gradients (of weights used on sequence shards) summed to their
-        parameter's placement; under ZeRO 0, gradients averaged over dp in one all-reduce per
-        dtype (FSDP2 reduce-scatters them itself)."""
+        parameter's placement; under ZeRO 0, gradients averaged over the data-parallel ranks in one
+        all-reduce per dtype (FSDP2 reduce-scatters them itself): dense ones over dp x ep, expert
+        ones over dp (`runtime.module_experts`)."""
         if self.fsdp:
             return
         grads: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in self.model.parameters():
+        experts: dict[torch.dtype, list[torch.Tensor]] = {}
+        for name, p in self.model.named_parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(placements=p.placements)
             local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            grads.setdefault(local.dtype, []).append(local)
-        if self.dp == 1:
+            (experts if name in self.experts else grads).setdefault(local.dtype, []).append(local)
+        self._average(grads, self.data_mesh.get_group())
+        self._average(experts, self.mesh.get_group("dp"))
+
+    def _average(self, grads: dict[torch.dtype, list[torch.Tensor]], group) -> None:
+        """Each gradient summed over `group` and divided by the data-parallel ranks dp x ep."""
+        if self.data == 1:
             return
-        for dtype, group in sorted(grads.items(), key=lambda kv: str(kv[0])):
-            flat = torch.cat([g.reshape(-1) for g in group])
-            dist.all_reduce(flat, group=self.mesh.get_group("dp"))
-            flat /= self.dp
+        for dtype, tensors in sorted(grads.items(), key=lambda kv: str(kv[0])):
+            flat = torch.cat([g.reshape(-1) for g in tensors])
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(flat, group=group)
+            flat /= self.data
             offset = 0
-            for g in group:
+            for g in tensors:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
 

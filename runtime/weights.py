@@ -14,7 +14,8 @@ mesh (or a plain tensor), still on meta. For each, this rank's slice is
                        i = this rank's tp coordinate (torch.chunk's split, as DTensor's)
 
 read with safetensors' `get_slice` (only those bytes), cast to the parameter's dtype, and wrapped
-as a DTensor of the same placements. Persistent buffers are read whole. Non-persistent buffers
+as a DTensor of the same placements. transformers' fused MoE experts, which checkpoints store per
+expert, are read from those tensors, only this rank's experts (`runtime.expert_checkpoint`). Persistent buffers are read whole. Non-persistent buffers
 (rotary tables) are not in checkpoints: a transformers model recomputes them with its own
 `_init_weights`; any other module on meta with such a buffer is refused.
 """
@@ -31,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from autoplan.errors import ConfigError
+from autoplan.runtime.expert_checkpoint import read_per_expert, stored_names
 
 INDEX = "model.safetensors.index.json"
 
@@ -102,8 +104,9 @@ def local_index(shape: tuple[int, ...], placements, coords: list[int], sizes: li
 
 
 def _checkpoint_name(names: list[str], files: CheckpointFiles) -> str:
-    """The name a tensor is stored under: the first of its names (tied aliases) in the checkpoint."""
-    for name in names:
+    """The name a tensor is stored under: the first of its names (tied aliases, and the names of
+    `expert_checkpoint.stored_names`) in the checkpoint."""
+    for name in (stored for name in names for stored in stored_names(name)):
         if name in files.where:
             return name
     sample = ", ".join(sorted(files.where)[:4])
@@ -113,7 +116,12 @@ def _checkpoint_name(names: list[str], files: CheckpointFiles) -> str:
 
 
 def _load_tensor(names: list[str], current: torch.Tensor, files: CheckpointFiles, device) -> torch.Tensor:
-    """This rank's part of the tensor `names[0]` (a DTensor when `current` is one), read from `files`."""
+    """This rank's part of the tensor `names[0]` (a DTensor when `current` is one), read from `files`;
+    fused expert weights stored per expert read from those (`runtime.expert_checkpoint`)."""
+    if not any(s in files.where for n in names for s in stored_names(n)):
+        found = _load_per_expert(names[0], current, files, device)
+        if found is not None:
+            return found
     key = _checkpoint_name(names, files)
     stored = files.shape(key)
     if stored != tuple(current.shape):
@@ -128,6 +136,26 @@ def _load_tensor(names: list[str], current: torch.Tensor, files: CheckpointFiles
     local = files.read(key, index).to(device=device, dtype=current.dtype).contiguous()
     return DTensor.from_local(local, mesh, current.placements, run_check=False,
                               shape=current.shape, stride=current.stride())
+
+
+def _load_per_expert(name: str, current: torch.Tensor, files: CheckpointFiles, device) -> torch.Tensor | None:
+    """This rank's part of fused expert weight `name` from its per-expert tensors, or None."""
+    mesh = current.device_mesh if isinstance(current, DTensor) else None
+    index = local_index(tuple(current.shape), current.placements, mesh.get_coordinate(), list(mesh.shape)) \
+        if mesh is not None else ()
+    local = read_per_expert(name, tuple(current.shape), index, files)
+    if local is None:
+        return None
+    wanted = tuple(current.to_local().shape) if mesh is not None else tuple(current.shape)
+    if tuple(local.shape) != wanted:
+        raise ConfigError(f"checkpoint {str(files.directory)!r} does not match the model: {name!r} has shape "
+                          f"{tuple(current.shape)} in the model, but its experts' tensors give {tuple(local.shape)} "
+                          f"for this rank's part {wanted}")
+    local = local.to(device=device, dtype=current.dtype).contiguous()
+    if mesh is None:
+        return local
+    return DTensor.from_local(local, mesh, current.placements, run_check=False, shape=current.shape,
+                              stride=current.stride())
 
 
 @torch.no_grad()

@@ -34,7 +34,7 @@ from autoplan.solver.intra_op import megatron_assignment, solve_assignment
 from autoplan.cost_model.step_config import Config
 from autoplan.solver.space import FlopsPerSequence
 from autoplan.solver.stages import partition_stages
-from autoplan.strategies import EXPERT_WEIGHTS, Strategy, StrategyRegistry, default_registry, strategy_info
+from autoplan.strategies import Strategy, StrategyRegistry, default_registry, is_expert_weight, strategy_info
 
 GraphSource = CapturedGraph | Callable[[], CapturedGraph]  # a graph, or what captures it on first need
 
@@ -256,7 +256,7 @@ def _placements(graph: CapturedGraph, strategies: Mapping[str, Strategy], cfg: C
         strategy = strategies[node.name]
         for name, _, placement in param_placements(node, strategy):
             where = (("tp", placement), ("dp", dp_param))
-            if cfg.ep > 1 and node.op_kind == "moe" and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS:
+            if cfg.ep > 1 and node.op_kind == "moe" and is_expert_weight(name):
                 where += (("ep", Shard(0)),)
             params.setdefault(name, ParamPlacement(name, where))
         output = ()

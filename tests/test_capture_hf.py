@@ -17,7 +17,7 @@ from autoplan.errors import ConfigError  # noqa: E402
 from autoplan.capture.hf_rules import hf_registry, reshape_source_dim  # noqa: E402
 from autoplan.mesh import MeshShape  # noqa: E402
 from autoplan.api import capture_model, estimate  # noqa: E402
-from autoplan.strategies import default_registry  # noqa: E402
+from autoplan.strategies import default_registry, expert_dims  # noqa: E402
 
 B, T = 2, 16
 
@@ -51,8 +51,9 @@ def captured() -> dict[str, tuple[object, CapturedGraph, list[str]]]:
     return found
 
 
-# per layer: linears, then the head; attention per layer; embeddings
-EXPECTED = {"gpt2": (4, 2), "llama": (7, 1), "mixtral": (7, 1), "qwen2_moe": (11, 1)}
+# per layer: linears (a MoE block's router and experts are one "moe" node: capture.hf_moe), then the
+# head; attention per layer; embeddings
+EXPECTED = {"gpt2": (4, 2), "llama": (7, 1), "mixtral": (4, 1), "qwen2_moe": (8, 1)}
 
 
 def _kinds(graph: CapturedGraph, kind: str) -> list:
@@ -66,10 +67,11 @@ def test_kinds_counts_and_layers(captured, name):
     assert len(_kinds(graph, "linear")) == per_layer * 2 + 1
     assert len(_kinds(graph, "attention")) == 2 and [n.layer for n in _kinds(graph, "attention")] == [0, 1]
     assert len(_kinds(graph, "embedding")) == embeddings
+    assert len(_kinds(graph, "moe")) == (2 if name in ("mixtral", "qwen2_moe") else 0)
     assert len(_kinds(graph, "norm")) == 5 and len(_kinds(graph, "cross_entropy")) == 1
     assert graph.layers() == [0, 1] and graph.nodes[-1].op_kind == "output"
     assert {n.op_kind for n in graph.nodes} <= {"placeholder", "output", "embedding", "linear", "norm", "attention",
-                                                "cross_entropy", "elementwise", "view", "other"}
+                                                "moe", "cross_entropy", "elementwise", "view", "other"}
     names = [n.name for n in graph.nodes]
     assert len(set(names)) == len(names)
     known = set(names)
@@ -83,10 +85,11 @@ def test_linear_flops_are_exact(captured, name):
         (x,), out = n.input_metas, n.output
         rows = x.numel // x.shape[-1]
         assert n.fwd_flops == 2 * rows * x.shape[-1] * out.shape[-1] and n.bwd_flops == 2 * n.fwd_flops
-    grouped = [n for n in _kinds(graph, "linear") if n.target.startswith("grouped")]
-    if name in ("mixtral", "qwen2_moe"):  # every routed (token, expert) pair: B*T*top_k rows
-        assert len(grouped) == 4 and all(n.input_metas[0].numel // n.input_metas[0].shape[-1]
-                                         == B * T * config.num_experts_per_tok for n in grouped)
+    assert not [n for n in _kinds(graph, "linear") if n.target.startswith("grouped")]  # inside the MoE nodes
+    for n in _kinds(graph, "moe"):  # router + top_k SwiGLU experts per token (the zoo's formula)
+        (x,), (experts, h, f) = n.input_metas, expert_dims(n)
+        assert x.shape == n.output.shape == (B, T, h) and n.bwd_flops == 2 * n.fwd_flops
+        assert n.fwd_flops == 2 * B * T * h * experts + config.num_experts_per_tok * 3 * 2 * B * T * h * f
 
 
 def _analytic_fwd_flops(name: str, c) -> float:
@@ -111,7 +114,7 @@ def _analytic_fwd_flops(name: str, c) -> float:
 def test_total_forward_flops_near_analytic(captured, name):
     config, graph, _ = captured[name]
     analytic = _analytic_fwd_flops(name, config)
-    matmuls = sum(n.fwd_flops for n in graph.nodes if n.op_kind in ("linear", "attention"))
+    matmuls = sum(n.fwd_flops for n in graph.nodes if n.op_kind in ("linear", "attention", "moe"))
     assert matmuls == pytest.approx(analytic, rel=1e-9)
     assert graph.total_fwd_flops() == pytest.approx(analytic, rel=0.05)  # + norms, pointwise, loss
 
@@ -130,9 +133,9 @@ def test_module_paths_parameters_and_tied_weights(captured):
     assert gpt2.node("transformer_wte").params[0][0] == "transformer.wte.weight"  # tied to lm_head.weight
     assert gpt2.node("lm_head").params[0][0] == "lm_head.weight"
     _, mixtral, _ = captured["mixtral"]
-    experts = [n for n in mixtral.nodes_of_layer(1) if n.target == "grouped_linear"]
-    assert [n.params[0][0] for n in experts] == ["model.layers.1.mlp.experts.gate_up_proj",
-                                                 "model.layers.1.mlp.experts.down_proj"]
+    (moe,) = [n for n in mixtral.nodes_of_layer(1) if n.op_kind == "moe"]
+    assert moe.module_path == "model.layers.1.mlp" and [name for name, _ in moe.params] == [
+        "model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"]
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
@@ -148,9 +151,9 @@ def test_attention_is_flash_style(captured, name):
 
 def test_warning_names_ops_without_rule(captured):
     _, graph, messages = captured["mixtral"]
-    assert len(messages) == 1 and "run replicated" in messages[0]
-    for target in ("topk[0]", "topk[1]", "softmax"):  # the router; dispatch ops vary by version
-        assert target in messages[0] and target in unsupported_nodes(graph)
+    assert len(messages) == 1 and "run replicated" in messages[0] and "arange" in messages[0]
+    for target in ("topk[0]", "topk[1]", "softmax"):  # the router's: inside the MoE node (capture.hf_moe)
+        assert target not in messages[0] and target not in unsupported_nodes(graph)
     assert all(graph.node(name).op_kind == "other" for names in unsupported_nodes(graph).values() for name in names)
 
 
@@ -186,11 +189,12 @@ def test_hf_rules_keep_heads_and_vocab_sharded(captured):
 
 
 def test_broadcast_input_gradient_is_partial(captured):
-    config, graph, _ = captured["mixtral"]
+    config, graph, _ = captured["qwen2_moe"]  # sigmoid(shared_expert_gate(x)) (B, T, 1) * shared_expert(x)
     weighted = next(n for n in graph.nodes_of_layer(0) if n.target == "mul" and len(n.input_metas) == 2
-                    and n.input_metas[1].shape[-1] == 1 and n.input_metas[0].shape[-1] == 64)
+                    and sorted(m.shape[-1] for m in n.input_metas) == [1, 64])
     features = {s.name: s for s in hf_registry().strategies(weighted, 2, hf_model_info(config))}["features"]
-    assert features.inputs[0].placement.dim == 2 and features.inputs[1].grad_partial  # routing weights
+    gate = [m.shape[-1] for m in weighted.input_metas].index(1)
+    assert features.inputs[1 - gate].placement.dim == 2 and features.inputs[gate].grad_partial
 
 
 def test_reshape_source_dim():
@@ -245,8 +249,8 @@ def test_layer_copies_equal_full_export():
         mixed = capture_hf(config, 1, T)
     assert key(copied) == key(full) and copied.layers() == [0, 1, 2, 3]
     assert len(copied.graph_module.graph.nodes) < len(full.graph_module.graph.nodes)
-    assert not any(n.target.startswith("grouped") for n in mixed.nodes_of_layer(1))
-    assert any(n.target.startswith("grouped") for n in mixed.nodes_of_layer(2))
+    assert not any(n.op_kind == "moe" for n in mixed.nodes_of_layer(1))
+    assert any(n.op_kind == "moe" for n in mixed.nodes_of_layer(2))
 
 
 def test_load_hf_config_file_and_directory(tmp_path):

@@ -16,6 +16,7 @@ ones (`autoplan.models`) and the default strategy rules apply:
                repeat_kv, SDPA). Its inputs are q, k, v; the rotary tables and the mask are constants
                of the core (their producers stay as nodes, free: see "dead" below).
     norm       every op inside a module whose class ends in RMSNorm / LayerNorm, as one node.
+    moe        a MoE block's router and fused experts, as one node (`autoplan.capture.hf_moe`).
     activation every op inside a parameter-free activation module (NewGELUActivation, ...) as one
                elementwise node named after it ("gelu").
     tuples     an op returning several tensors (split, chunk, topk, sort) is represented by its

@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch import nn
 
 from autoplan.capture import NodeInfo, TensorMeta
+from autoplan.capture.hf_moe import MoeBlock, moe_blocks, moe_forward_flops, moe_region
 from autoplan.capture.hf_ops import (ACTIVATION_CLASS, ATTENTION_TARGETS, COPIES, EXTRA_ELEMENTWISE, FLOAT_DTYPES, HfLayout, LOSS_TARGETS, MATMUL_TARGETS, NLL_TARGETS, NORM_CLASS, NORM_TARGETS, PERMUTES, RESHAPES, SKIPPED, SOFTMAX, SPLITS, VIEW_OTHERS, _canonical_perm, _costs, _elementwise_name, _first_getitem, _is_pointwise, _is_tuple, _meta, _module_path, _ordered_unique, _permutation, _readable_names, _swaps_last_two, _target_name, _zero_dead, layer_of)
 
 
@@ -94,6 +95,8 @@ class GraphConverter:
     # ------------------------------------------------------------------ groups
 
     def _find_groups(self) -> None:
+        for block in moe_blocks(self.model):
+            self._add(self._moe_group(block))
         for n in self.graph.nodes:
             if n.op == "call_function" and _target_name(n) in ATTENTION_TARGETS:
                 self._add(self._attention_group(n))
@@ -162,6 +165,18 @@ class GraphConverter:
             return None
         return _Group(self._free_name(f"{path}.core"), "attention", "scaled_dot_product_attention", path,
                       members, out, sources)
+
+    def _moe_group(self, block: MoeBlock) -> _Group | None:
+        """The routed part of a MoE block as one "moe" node (`autoplan.capture.hf_moe`)."""
+        found = moe_region(block, self.graph, self.paths, self._is_op)
+        if found is None:
+            return None
+        members, out = found
+        inputs = _ordered_unique(a for m in members for a in self.by_name[m].all_input_nodes
+                                 if a.name not in members and self._is_tensor_input(a))
+        if len(inputs) != 1 or not self._is_activation(inputs[0]) or not self._is_activation(out):
+            return None
+        return _Group(self._free_name(block.path), "moe", "moe", block.path, members, out, inputs)
 
     def _loss_group(self, nll: fx.Node) -> _Group | None:
         """log_softmax -> (views) -> nll_loss as one cross-entropy node reading the logits and targets."""
@@ -262,9 +277,11 @@ class GraphConverter:
         output = _meta(g.output.meta["val"], self.layout)
         fwd = {"attention": lambda: 4 * input_metas[0].shape[0] * input_metas[0].shape[1] ** 2
                * input_metas[0].shape[-1], "norm": lambda: 5 * output.numel,
+               "moe": lambda: moe_forward_flops(input_metas[0].shape, {n.rsplit(".", 1)[-1]: m.shape for n, m in params},
+                                                self.layout.top_k),
                "elementwise": lambda: output.numel, "cross_entropy": lambda: 5 * input_metas[0].numel}[g.kind]()
         nbytes = sum(m.nbytes for m in input_metas) + sum(m.nbytes for _, m in params) + output.nbytes
-        scale = 2.0 if g.kind == "attention" else 1.0
+        scale = 2.0 if g.kind in ("attention", "moe") else 1.0
         return NodeInfo(g.name, g.kind, g.target, g.path, layer_of(g.path), inputs, input_metas, output,
                         params, float(fwd), scale * fwd, float(nbytes), scale * nbytes)
 
