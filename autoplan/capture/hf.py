@@ -151,8 +151,9 @@ def _experts(config) -> tuple[int, int]:
 def hf_model_config(config, name: str | None = None) -> ModelConfig:
     """The `ModelConfig` summary of an HF config: family (gpt: learned positions and LayerNorm, as
     GPT-2; moe: routed experts; llama otherwise), layers, hidden, heads, kv heads, ffn (the routed
-    experts' for MoE), vocab, max positions, experts, top_k. Shared experts (Qwen2-MoE) and tied
-    embeddings are not in the summary's `num_parameters`; the captured graph has the exact count. Configs
+    experts' for MoE), vocab, max positions, experts, top_k. Shared experts (Qwen2-MoE), tied embeddings
+    and other families' layers are not in the family formula of `num_parameters`; `capture_hf_for_planner`
+    sets `parameters` to transformers' own count. Configs
     autoplan cannot model faithfully are refused (`hf_config.unsupported_reason`)."""
     check_supported(config, _model_name(config))
     hidden, heads = hf_count(config, HIDDEN), hf_count(config, HEADS)
@@ -187,18 +188,30 @@ def _fingerprint(config) -> str:
 
 def build_hf_model(config, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """`AutoModelForCausalLM.from_config` on the meta device, in `dtype`, with SDPA attention and
-    grouped-matmul experts (the implementations that export without data-dependent control flow)."""
-    from transformers import AutoModelForCausalLM
-
+    grouped-matmul experts (the implementations that export without data-dependent control flow); eager
+    attention for an architecture that has no SDPA path (BLOOM: its matmuls and softmax are then
+    captured one by one, and the plan's notes list what stays replicated)."""
     kwargs = {"attn_implementation": "sdpa"}
     if _experts(config)[0]:
         kwargs["experts_implementation"] = "grouped_mm"
+    try:
+        model = _from_config(config, kwargs)
+    except ValueError as e:
+        if "attention implementation" not in str(e):
+            raise
+        model = _from_config(config, kwargs | {"attn_implementation": "eager"})
+    return model.to(dtype)
+
+
+def _from_config(config, kwargs: dict) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         try:
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
-        except (TypeError, ValueError):  # transformers < 5 has no experts_implementation
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
-    return model.to(dtype)
+            return AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
+        except TypeError:  # transformers < 5 has no experts_implementation
+            kwargs = {k: v for k, v in kwargs.items() if k != "experts_implementation"}
+            return AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
 
 
 # ---------------------------------------------------------------------------------- capture
@@ -253,8 +266,13 @@ def capture_hf_for_planner(path_or_config, seq_len: int, dtype: str = "bfloat16"
     """What `autoplan search --hf-config FILE_OR_DIR` needs: the ModelConfig summary, the graph
     captured at batch 1 (as `autoplan.api.capture_model` does) and the strategy-rule info."""
     config = load_hf_config(path_or_config) if isinstance(path_or_config, (str, Path)) else path_or_config
-    summary = hf_model_config(config)
+    summary = dataclasses.replace(hf_model_config(config), parameters=hf_parameter_count(config))
     return summary, capture_hf(config, 1, seq_len, getattr(torch, dtype)), hf_model_info(config)
+
+
+def hf_parameter_count(config) -> int:
+    """transformers' own count of the model's parameters (`num_parameters()`: tied weights once), on meta."""
+    return build_hf_model(config).num_parameters()
 
 
 def _check_model(model: nn.Module, config, seq_len: int, dtype: torch.dtype) -> None:
