@@ -167,8 +167,14 @@ def test_x_at_weight_t_is_a_linear():
 
 
 def test_architecture_without_sdpa_is_captured_with_eager_attention():
-    """BLOOM has no SDPA path: captured with eager attention and planned, its count exact."""
+    """BLOOM has no SDPA path: captured with eager attention and planned, its count exact; the eager
+    attention's matmuls stay replicated under tp and the plan's notes say so, with their FLOP shares."""
     config = _config("bloom", hidden_size=64, n_layer=2, n_head=4, **TOKENS)
     summary, graph, info = _capture(config)
     assert summary.num_parameters() == _transformers_count(config)
-    assert _tp2_plan(summary, graph, info).predicted.step_time_s > 0
+    plan = _tp2_plan(summary, graph, info)
+    note = next(n for n in plan.provenance.notes if n.startswith("left replicated at tp=2"))
+    for target in ("baddbmm", "bmm", "softmax"):
+        count = sum(1 for n in graph.nodes if n.target == target and n.op_kind == "other")
+        share = sum(n.fwd_flops for n in graph.nodes if n.target == target) / graph.total_fwd_flops()
+        assert f"{count} x other {target} ({share:.1%} of forward FLOPs)" in note
