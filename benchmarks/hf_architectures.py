@@ -18,7 +18,7 @@ and planned with `autoplan.api.search_plans` on a cluster it fits. Per architect
 Capture runs at batch 1 and `--seq` tokens (default 8192, where Mistral's window of 4096 bites; shorter for a
 model whose max_position_embeddings is), the search
 is cut at `--time-limit` seconds per architecture. The README's architecture table is this script's
-`--markdown` output.
+output (`--from-json FILE` re-prints a saved run).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import json
 import sys
 import time
 import warnings
+from pathlib import Path
 
 SEQ = 8192
 
@@ -215,11 +216,12 @@ def measure(name: str, seq: int, time_limit: float) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     """The README table: architecture, planned, parameter count error, attention sharded, window, runs."""
-    runs = {"Llama 3 8B": "yes", "Qwen2.5 7B": "yes"}  # tests/test_runtime_hf*.py: transformers Llama, Qwen2
+    runs = {"Llama 3 8B": "yes", "Qwen2.5 7B": "yes"}  # tests/test_runtime_modules.py: transformers Llama, Qwen2
     lines = ["| architecture | planned | param count error | attention sharded (tp) | window priced | "
              "replicated FLOPs | runs |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        planned = "yes" if r.get("planned") else f"no: {r.get('error', '')[:90]}"
+        reason = r.get("error", "").split(": ", 2)[-1].split(";")[0]  # past "ConfigError: hf-NAME: "
+        planned = "yes" if r.get("planned") else f"refused: {reason}"
         err = f"{r['param_error']:+.2%}" if "param_error" in r else "-"
         attn = (f"{'yes' if r['attention_sharded'] else 'no'} ({r['attention_cores']}/{r['layers']} cores, "
                 f"tp={r['tp']})") if "attention_sharded" in r else "-"
@@ -237,16 +239,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=5.0, help="search seconds per architecture")
     parser.add_argument("--only", default="", help="comma-separated substrings of architecture names")
     parser.add_argument("--json", default="", help="write the rows to this file")
-    parser.add_argument("--markdown", action="store_true", help="print the README table")
+    parser.add_argument("--from-json", default="", help="print the table of rows saved by --json, measuring nothing")
     args = parser.parse_args(argv)
+    if args.from_json:
+        print(markdown(json.loads(Path(args.from_json).read_text())))
+        return 0
     names = [n for n in ARCHITECTURES if not args.only or any(s.lower() in n.lower() for s in args.only.split(","))]
     rows = []
     for name in names:
         rows.append(measure(name, args.seq, args.time_limit))
         print(json.dumps(rows[-1], default=str), file=sys.stderr, flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
     print(markdown(rows))
     return 0
 
