@@ -14,7 +14,9 @@ ones (`autoplan.models`) and the default strategy rules apply:
     attention  the core of each attention module fused into one node: from the q/k/v projections'
                outputs (B, T, H*d) to the (B, T, Hq*d) input of the output projection (views, RoPE,
                repeat_kv, SDPA). Its inputs are q, k, v; the rotary tables and the mask are constants
-               of the core (their producers stay as nodes, free: see "dead" below).
+               of the core (their producers stay as nodes, free: see "dead" below). Fused QKV
+               projections, per-head q/k norms, partial rotary and sliding windows:
+               `autoplan.capture.hf_attention`.
     norm       every op inside a module whose class ends in RMSNorm / LayerNorm, as one node.
     activation every op inside a parameter-free activation module (NewGELUActivation, ...) as one
                elementwise node named after it ("gelu").
@@ -24,6 +26,7 @@ ones (`autoplan.models`) and the default strategy rules apply:
     params (buffers: constants) of their consumers. `_assert_*` nodes are dropped.
 
 Op kinds from ATen targets: linear / addmm / mm / matmul / bmm / grouped_mm with a parameter operand
+(or a transpose of one: `x @ W.T`, Falcon)
 -> "linear" (target "linear" when the weight is stored (out, in) as in nn.Linear, "linear_in_out" for
 (in, out) as in GPT-2's Conv1D, "grouped_linear"[_in_out] for the 3-D (experts, ., .) weights of MoE
 experts); embedding -> "embedding"; layer_norm / rms_norm / the fused modules above -> "norm";
@@ -43,7 +46,8 @@ the formulas of `autoplan.capture` where they overlap:
 
     linear / matmul   fwd 2*M*K*N = 2*numel(out)*K        bwd 2 x fwd (both operand gradients)
     grouped (MoE)     fwd 2*S*in*out, S = B*T*top_k rows: every routed (token, expert) pair
-    attention         fwd 4*B*T*T*Hq*d (full non-causal count)   bwd 2 x fwd; bytes q+k+v+out:
+    attention         fwd 4*B*T*K*Hq*d (full non-causal count; K = T, or min(T, window) for a sliding
+                      window)   bwd 2 x fwd; bytes q+k+v+out:
                       flash-style, no T x T tensor is read, written or kept
     norm              fwd 5 * numel(out)                  elementwise  fwd numel(out)
     cross_entropy     fwd 5 * numel(logits)               softmax (routing)  fwd 5 * numel

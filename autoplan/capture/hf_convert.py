@@ -286,6 +286,12 @@ class GraphConverter:
         prefix = path + "." if path else ""
         return next((a for a in self.aliases.get(fqn, [fqn]) if a.startswith(prefix)), fqn)
 
+    def _module(self, path: str) -> nn.Module | None:
+        try:
+            return self.model.get_submodule(path)
+        except AttributeError:  # a path export spells otherwise than named_modules
+            return None
+
     def _fused_pieces(self, g: _Group) -> list[NodeInfo]:
         """The q, k, v pieces of a fused QKV input as `split[2]` views (`autoplan.capture.hf_attention`)."""
         if g.pieces is None:
@@ -303,7 +309,7 @@ class GraphConverter:
             inputs, input_metas = tuple(p.name for p in pieces), tuple(p.output for p in pieces)
         params = self._param_metas((a for m in members for a in m.all_input_nodes), g.path)
         output = _meta(g.output.meta["val"], self.layout)
-        fwd = {"attention": lambda: attention_flops(*input_metas[0].shape, key_window(self.model.get_submodule(g.path))),
+        fwd = {"attention": lambda: attention_flops(*input_metas[0].shape, key_window(self._module(g.path))),
                "norm": lambda: 5 * output.numel,
                "elementwise": lambda: output.numel, "cross_entropy": lambda: 5 * input_metas[0].numel}[g.kind]()
         nbytes = sum(m.nbytes for m in input_metas) + sum(m.nbytes for _, m in params) + output.nbytes
