@@ -167,14 +167,26 @@ def test_x_at_weight_t_is_a_linear():
 
 
 def test_architecture_without_sdpa_is_captured_with_eager_attention():
-    """BLOOM has no SDPA path: captured with eager attention and planned, its count exact; the eager
-    attention's matmuls stay replicated under tp and the plan's notes say so, with their FLOP shares."""
+    """BLOOM has no SDPA path: captured with eager attention (ALiBi's baddbmm, softmax, dropout, bmm) as one
+    core per layer, split on heads; its count exact; every op left replicated named in the plan's notes."""
     config = _config("bloom", hidden_size=64, n_layer=2, n_head=4, **TOKENS)
     summary, graph, info = _capture(config)
     assert summary.num_parameters() == _transformers_count(config)
+    assert len(_cores(graph)) == 2 and not [n for n in graph.nodes if n.target in ("baddbmm", "bmm", "softmax")]
+    assert "heads" in [s.name for s in hf_registry().strategies(_cores(graph)[0], 2, info)]
     plan = _tp2_plan(summary, graph, info)
     note = next(n for n in plan.provenance.notes if n.startswith("left replicated at tp=2"))
-    for target in ("baddbmm", "bmm", "softmax"):
-        count = sum(1 for n in graph.nodes if n.target == target and n.op_kind == "other")
-        share = sum(n.fwd_flops for n in graph.nodes if n.target == target) / graph.total_fwd_flops()
-        assert f"{count} x other {target} ({share:.1%} of forward FLOPs)" in note
+    chosen = {op.node: op.strategy for op in plan.ops}
+    for node in graph.nodes:
+        if (node.fwd_flops or node.fwd_bytes) and all(s.name == "replicate" for s in
+                                                      hf_registry().strategies(node, 2, info)):
+            assert chosen[node.name] == "replicate" and f"x {node.op_kind} {node.target} (" in note
+
+
+def test_eager_attention_with_window_per_layer_type():
+    """Gemma 2 (soft-capping off) runs eager attention: one core per layer, its sliding layers priced
+    with the window, its full ones with T."""
+    config = _config("gemma2", **(SMALL | dict(num_key_value_heads=2, head_dim=16, sliding_window=8,
+                                               attn_logit_softcapping=None, final_logit_softcapping=None)))
+    _, graph, _ = _capture(config)
+    assert [attention_keys(c) for c in _cores(graph)] == [8, T]

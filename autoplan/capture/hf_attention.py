@@ -15,6 +15,9 @@ and v, but builds q, k and v differently. What the converter's attention group a
                        or k (Qwen3, Gemma 3, OLMo 2's q_norm / k_norm): part of the core. Its weight is
                        shared by all heads, so under head-parallel tp each rank holds it whole and its
                        gradient is a partial sum (`autoplan.capture.hf_rules.hf_attention_strategies`).
+    eager attention    where an architecture has no SDPA path (Gemma 2, BLOOM): q @ k^T, the mask's add (BLOOM's
+                       ALiBi baddbmm), scaling, soft-capping, softmax, dropout, probs @ v: the same core,
+                       priced as flash attention (the cost model's attention kind says how it runs).
     partial rotary     RoPE on the first part of each head, the rest passed through and concatenated
                        (Phi-2, StableLM, GPT-NeoX, GPT-J): inside the core.
     sliding windows    a layer whose module says so (`key_window`) attends to at most `window` keys
@@ -28,15 +31,15 @@ from __future__ import annotations
 
 import re
 
-NORM_SUBMODULE = re.compile(r"(RMSNorm|LayerNorm)$", re.IGNORECASE)
+CORE_SUBMODULE = re.compile(r"(RMSNorm|LayerNorm|Dropout)$", re.IGNORECASE)  # per-head norms, attention dropout
 
 
 def in_attention(path: str, cls: str, attention_path: str) -> bool:
     """Whether an op of module `path` (class `cls`) belongs to the core of the attention module at
-    `attention_path`: the module's own ops, and those of its per-head norm submodules."""
+    `attention_path`: the module's own ops, and those of its per-head norm and dropout submodules."""
     if path == attention_path:
         return True
-    return path.startswith(attention_path + ".") and bool(NORM_SUBMODULE.search(cls))
+    return path.startswith(attention_path + ".") and bool(CORE_SUBMODULE.search(cls))
 
 
 def fused_widths(fused: int, q_width: int) -> tuple[int, int, int] | None:

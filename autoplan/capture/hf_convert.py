@@ -99,6 +99,8 @@ class GraphConverter:
         for n in self.graph.nodes:
             if n.op == "call_function" and _target_name(n) in ATTENTION_TARGETS:
                 self._add(self._attention_group(n))
+            elif n.op == "call_function" and _target_name(n) in ("matmul", "bmm") and self._eager_qkv(n):
+                self._add(self._attention_group(n, self._eager_qkv(n)))
             elif n.op == "call_function" and _target_name(n) in NLL_TARGETS:
                 self._add(self._loss_group(n))
         by_module: dict[tuple[str, str], list[fx.Node]] = defaultdict(list)
@@ -136,10 +138,11 @@ class GraphConverter:
             return None
         return _Group(self._free_name(path), kind, target, path, names, outputs[0], inputs)
 
-    def _attention_group(self, sdpa: fx.Node) -> _Group | None:
+    def _attention_group(self, sdpa: fx.Node, qkv: tuple | None = None) -> _Group | None:
         """The core of the attention module running `sdpa` (module docstring; the building blocks it
         takes in: `autoplan.capture.hf_attention`), or None when it does not have the (B, T, H*d) ->
-        (B, T, Hq*d) shape the planner's attention rule expects."""
+        (B, T, Hq*d) shape the planner's attention rule expects. `qkv`: the q, k, v operands of an eager
+        core ending at `sdpa` = probs @ v (`_eager_qkv`); None: SDPA's first three arguments."""
         path = self.paths[sdpa.name][0]
         members = {sdpa.name}
         todo = [a for a in sdpa.all_input_nodes]
@@ -157,7 +160,7 @@ class GraphConverter:
                 return None
             out = users[0]
             members.add(out.name)
-        sources = [self._source(a, members) for a in sdpa.args[:3]]
+        sources = [self._source(a, members) for a in (qkv or sdpa.args[:3])]
         for m in members - {out.name}:
             if any(u.name not in members and _target_name(u) not in SKIPPED for u in self.by_name[m].users):
                 return None  # an inner tensor is used outside the core
@@ -175,6 +178,25 @@ class GraphConverter:
             return None
         return _Group(self._free_name(f"{path}.core"), "attention", "scaled_dot_product_attention", path,
                       members, out, sources, pieces)
+
+    def _eager_qkv(self, n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+        """(q, k, v) when matmul `n` is eager attention's probs @ v: its first operand a softmax (through casts,
+        dropout, views) of q @ k^T (through the mask's add and soft-capping; BLOOM's ALiBi baddbmm), all in
+        one module and without parameters (`autoplan.capture.hf_attention`); else None."""
+        path, seen_softmax = self.paths[n.name][0], False
+        if not path or any(a.name in self.params for a in n.all_input_nodes) or len(n.args) < 2:
+            return None
+        a = n.args[0]
+        while isinstance(a, fx.Node) and a.op == "call_function" and in_attention(*self.paths[a.name], path):
+            target = _target_name(a)
+            if target in ("matmul", "bmm", "baddbmm") and seen_softmax:
+                q, k = a.args[-2:] if target == "baddbmm" else a.args[:2]
+                return (q, k, n.args[1]) if not any(x.name in self.params for x in a.all_input_nodes) else None
+            if target not in EAGER_SCORES and target not in SOFTMAX:
+                return None
+            seen_softmax = seen_softmax or target in SOFTMAX
+            a = next((x for x in a.all_input_nodes if x.name not in self.params and x.name not in self.constants), None)
+        return None
 
     def _fused_slices(self, sources: list[fx.Node], members: set[str]
                       ) -> tuple[list[fx.Node], tuple[int, int, int]] | None:
@@ -405,4 +427,7 @@ class GraphConverter:
 
 
 _NO_LAYOUT = HfLayout(batch=0, seq=0, top_k=0)
+# what eager attention does between q @ k^T and probs @ v besides the softmax: mask, scale, soft-cap, casts
+EAGER_SCORES = RESHAPES | COPIES | frozenset({"add", "sub", "mul", "div", "tanh", "dropout", "native_dropout", "to",
+                                             "_to_copy", "type_as", "masked_fill", "where"})
 
