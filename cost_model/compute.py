@@ -289,29 +289,31 @@ def attention_kernels(kernel: AttentionKernel, itemsize: float) -> tuple[list[tu
 
 
 def attention_time_s(batch_heads: float, seq: int, head_dim: int, itemsize: float, device: DeviceSpec, dtype: str,
-                     efficiency: Efficiency) -> tuple[float, float]:
+                     efficiency: Efficiency, keys: int | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of the attention core over `batch_heads` (sequence, head) pairs.
 
     FLOPs are counted in full (4 T^2 d forward, 8 T^2 d backward per head), as Narayanan et al. 2021
     count them. Flash: one kernel each way whose HBM traffic is q, k, v, o (and dO, dq, dk, dv); a causal
     flash kernel skips the masked half of those FLOPs but runs at well below the GEMM rate (FlashAttention-2
     reaches 50-73% of A100 peak forward and less backward, Dao 2023), so the full count at the GEMM rate
-    stands for both. Materialized: `attention_kernels`, each at its own roofline."""
+    stands for both. Materialized: `attention_kernels`, each at its own roofline. `keys`: the keys each query
+    attends to (a sliding window's min(T, window); None: all T), the T x keys that stands for T x T above."""
+    keys = seq if keys is None else keys
     vectors = batch_heads * seq * head_dim * itemsize  # one of q, k, v, o
     peak = device.peak_flops_for(dtype)
     if efficiency.attention.kind == "flash":
-        rate = peak * efficiency.gemm_efficiency(batch_heads * seq, seq, head_dim, device, dtype)
-        per_head = 2.0 * seq * seq * head_dim  # one T x T x d GEMM
+        rate = peak * efficiency.gemm_efficiency(batch_heads * seq, keys, head_dim, device, dtype)
+        per_head = 2.0 * seq * keys * head_dim  # one T x keys x d GEMM
         fwd = max(2 * batch_heads * per_head / rate, memory_time_s(4 * vectors, device, efficiency))
         bwd = max(4 * batch_heads * per_head / rate, memory_time_s(8 * vectors, device, efficiency))
         return efficiency.kernels_s(fwd, 1), efficiency.kernels_s(bwd, 2)
-    scores = batch_heads * seq * seq  # elements of the T x T tensor
+    scores = batch_heads * seq * keys  # elements of the T x keys tensor
 
     def run(kernels: list[tuple[int, float]]) -> float:
         total = 0.0
         for gemms, per_score in kernels:
             if gemms:  # a batched T x T x d GEMM: its own operands plus the T x T one
-                total += gemm_time_s(seq, seq, head_dim, itemsize, device, dtype, efficiency, batch_heads)
+                total += gemm_time_s(seq, keys, head_dim, itemsize, device, dtype, efficiency, batch_heads)
             else:
                 total += efficiency.kernels_s(memory_time_s(scores * per_score, device, efficiency))
         return total

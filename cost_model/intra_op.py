@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
+from autoplan.capture.graph import attention_keys
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.comm import AxisGroup
 from autoplan.cost_model.compute import (MOE_KERNELS, OP_KERNELS, Efficiency, attention_time_s,
@@ -161,7 +162,8 @@ def node_compute_s(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tu
     if node.op_kind == "attention":
         q = node.input_metas[0]
         batch_heads = q.shape[0] * ctx.batch_scale * q.shape[-1] / ctx.head_dim * strategy.compute_fraction
-        return attention_time_s(batch_heads, q.shape[1], ctx.head_dim, q.nbytes / q.numel, device, dtype, eff)
+        return attention_time_s(batch_heads, q.shape[1], ctx.head_dim, q.nbytes / q.numel, device, dtype, eff,
+                                attention_keys(node))
     if node.op_kind == "moe":
         e = eff.gemm_efficiency(*_moe_shape(node, strategy, ctx), device, dtype)
         rate = device.peak_flops_for(dtype) * e

@@ -220,7 +220,8 @@ class SearchContext:
 
     def _replicated_note(self, tp: int, etp: int) -> tuple[str, ...]:
         """The ops that do work (FLOPs or bytes) and that no strategy rule can shard at this tp, so they run
-        whole on every tp rank, by kind and target: count and share of the forward FLOPs; the five largest."""
+        whole on every tp rank, by kind and target: count and share of the forward FLOPs, every kind listed
+        (largest share first), so a plan says all it could not shard."""
         if tp == 1:
             return ()
         options = graph_strategies(self.graph, self.registry, strategy_info(self.info, tp, etp), tp)
@@ -232,10 +233,9 @@ class SearchContext:
         if not shares:
             return ()
         total = self.graph.total_fwd_flops()
-        largest = sorted(shares.items(), key=lambda kv: (-kv[1][1], -kv[1][0], kv[0]))[:5]
+        largest = sorted(shares.items(), key=lambda kv: (-kv[1][1], -kv[1][0], kv[0]))
         listed = ", ".join(f"{count} x {op} ({flops / total:.1%} of forward FLOPs)" for op, (count, flops) in largest)
-        more = f" and {len(shares) - 5} more kinds" if len(shares) > 5 else ""
-        return (f"left replicated at tp={tp} (no sharding rule applies to them): {listed}{more}",)
+        return (f"left replicated at tp={tp} (no sharding rule applies to them): {listed}",)
 
     def predicted(self, priced: Priced) -> Predicted:
         step = priced.step_time_s

@@ -200,6 +200,15 @@ def block_of(module_path: str) -> str | None:
     return found.group(0) if found else None
 
 
+def attention_keys(node: NodeInfo) -> int:
+    """Keys each query of attention core `node` attends to: its forward FLOPs over 4 B T (Hq d), the
+    capture's count being 4 B T K (Hq d) with K = T (full attention) or min(T, window) for a sliding
+    window (`autoplan.capture.hf_attention`); T when the node carries no FLOPs."""
+    q = node.input_metas[0]  # (B, T, Hq d)
+    per_key = 4.0 * q.shape[0] * q.shape[1] * q.shape[-1]
+    return max(1, round(node.fwd_flops / per_key)) if node.fwd_flops and per_key else q.shape[1]
+
+
 def node_label(node: NodeInfo) -> tuple:
     """What the cost model and the strategy rules read of a node; no module path, no layer index."""
     params: tuple = ()

@@ -14,7 +14,9 @@ ones (`autoplan.models`) and the default strategy rules apply:
     attention  the core of each attention module fused into one node: from the q/k/v projections'
                outputs (B, T, H*d) to the (B, T, Hq*d) input of the output projection (views, RoPE,
                repeat_kv, SDPA). Its inputs are q, k, v; the rotary tables and the mask are constants
-               of the core (their producers stay as nodes, free: see "dead" below).
+               of the core (their producers stay as nodes, free: see "dead" below). Fused QKV
+               projections, per-head q/k norms, partial rotary and sliding windows:
+               `autoplan.capture.hf_attention`.
     norm       every op inside a module whose class ends in RMSNorm / LayerNorm, as one node.
     moe        a MoE block's router and fused experts, as one node (`autoplan.capture.hf_moe`).
     activation every op inside a parameter-free activation module (NewGELUActivation, ...) as one
@@ -25,6 +27,7 @@ ones (`autoplan.models`) and the default strategy rules apply:
     params (buffers: constants) of their consumers. `_assert_*` nodes are dropped.
 
 Op kinds from ATen targets: linear / addmm / mm / matmul / bmm / grouped_mm with a parameter operand
+(or a transpose of one: `x @ W.T`, Falcon)
 -> "linear" (target "linear" when the weight is stored (out, in) as in nn.Linear, "linear_in_out" for
 (in, out) as in GPT-2's Conv1D, "grouped_linear"[_in_out] for the 3-D (experts, ., .) weights of MoE
 experts); embedding -> "embedding"; layer_norm / rms_norm / the fused modules above -> "norm";
@@ -44,7 +47,8 @@ the formulas of `autoplan.capture` where they overlap:
 
     linear / matmul   fwd 2*M*K*N = 2*numel(out)*K        bwd 2 x fwd (both operand gradients)
     grouped (MoE)     fwd 2*S*in*out, S = B*T*top_k rows: every routed (token, expert) pair
-    attention         fwd 4*B*T*T*Hq*d (full non-causal count)   bwd 2 x fwd; bytes q+k+v+out:
+    attention         fwd 4*B*T*K*Hq*d (full non-causal count; K = T, or min(T, window) for a sliding
+                      window)   bwd 2 x fwd; bytes q+k+v+out:
                       flash-style, no T x T tensor is read, written or kept
     norm              fwd 5 * numel(out)                  elementwise  fwd numel(out)
     cross_entropy     fwd 5 * numel(logits)               softmax (routing)  fwd 5 * numel
@@ -152,8 +156,9 @@ def _experts(config) -> tuple[int, int]:
 def hf_model_config(config, name: str | None = None) -> ModelConfig:
     """The `ModelConfig` summary of an HF config: family (gpt: learned positions and LayerNorm, as
     GPT-2; moe: routed experts; llama otherwise), layers, hidden, heads, kv heads, ffn (the routed
-    experts' for MoE), vocab, max positions, experts, top_k. Shared experts (Qwen2-MoE) and tied
-    embeddings are not in the summary's `num_parameters`; the captured graph has the exact count. Configs
+    experts' for MoE), vocab, max positions, experts, top_k. Shared experts (Qwen2-MoE), tied embeddings
+    and other families' layers are not in the family formula of `num_parameters`; `capture_hf_for_planner`
+    sets `parameters` to transformers' own count. Configs
     autoplan cannot model faithfully are refused (`hf_config.unsupported_reason`)."""
     check_supported(config, _model_name(config))
     hidden, heads = hf_count(config, HIDDEN), hf_count(config, HEADS)
@@ -188,18 +193,30 @@ def _fingerprint(config) -> str:
 
 def build_hf_model(config, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """`AutoModelForCausalLM.from_config` on the meta device, in `dtype`, with SDPA attention and
-    grouped-matmul experts (the implementations that export without data-dependent control flow)."""
-    from transformers import AutoModelForCausalLM
-
+    grouped-matmul experts (the implementations that export without data-dependent control flow); eager
+    attention for an architecture that has no SDPA path (BLOOM: its matmuls and softmax are then
+    captured one by one, and the plan's notes list what stays replicated)."""
     kwargs = {"attn_implementation": "sdpa"}
     if _experts(config)[0]:
         kwargs["experts_implementation"] = "grouped_mm"
+    try:
+        model = _from_config(config, kwargs)
+    except ValueError as e:
+        if "attention implementation" not in str(e):
+            raise
+        model = _from_config(config, kwargs | {"attn_implementation": "eager"})
+    return model.to(dtype)
+
+
+def _from_config(config, kwargs: dict) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         try:
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
-        except (TypeError, ValueError):  # transformers < 5 has no experts_implementation
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
-    return model.to(dtype)
+            return AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
+        except TypeError:  # transformers < 5 has no experts_implementation
+            kwargs = {k: v for k, v in kwargs.items() if k != "experts_implementation"}
+            return AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
 
 
 # ---------------------------------------------------------------------------------- capture
@@ -254,8 +271,13 @@ def capture_hf_for_planner(path_or_config, seq_len: int, dtype: str = "bfloat16"
     """What `autoplan search --hf-config FILE_OR_DIR` needs: the ModelConfig summary, the graph
     captured at batch 1 (as `autoplan.api.capture_model` does) and the strategy-rule info."""
     config = load_hf_config(path_or_config) if isinstance(path_or_config, (str, Path)) else path_or_config
-    summary = hf_model_config(config)
+    summary = dataclasses.replace(hf_model_config(config), parameters=hf_parameter_count(config))
     return summary, capture_hf(config, 1, seq_len, getattr(torch, dtype)), hf_model_info(config)
+
+
+def hf_parameter_count(config) -> int:
+    """transformers' own count of the model's parameters (`num_parameters()`: tied weights once), on meta."""
+    return build_hf_model(config).num_parameters()
 
 
 def _check_model(model: nn.Module, config, seq_len: int, dtype: torch.dtype) -> None:

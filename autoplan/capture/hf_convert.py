@@ -20,6 +20,7 @@ from torch import nn
 
 from autoplan.capture import NodeInfo, TensorMeta
 from autoplan.capture.hf_moe import MoeBlock, moe_blocks, moe_forward_flops, moe_region
+from autoplan.capture.hf_attention import attention_flops, fused_widths, in_attention, key_window
 from autoplan.capture.hf_ops import (ACTIVATION_CLASS, ATTENTION_TARGETS, COPIES, EXTRA_ELEMENTWISE, FLOAT_DTYPES, HfLayout, LOSS_TARGETS, MATMUL_TARGETS, NLL_TARGETS, NORM_CLASS, NORM_TARGETS, PERMUTES, RESHAPES, SKIPPED, SOFTMAX, SPLITS, VIEW_OTHERS, _canonical_perm, _costs, _elementwise_name, _first_getitem, _is_pointwise, _is_tuple, _meta, _module_path, _ordered_unique, _permutation, _readable_names, _swaps_last_two, _target_name, _zero_dead, layer_of)
 
 
@@ -34,6 +35,7 @@ class _Group:
     members: set[str]
     output: fx.Node
     inputs: list[fx.Node]  # fx nodes outside the group, argument order
+    pieces: tuple[int, int, int] | None = None  # attention on one fused QKV input: its q, k, v widths
 
 
 @dataclass
@@ -100,6 +102,8 @@ class GraphConverter:
         for n in self.graph.nodes:
             if n.op == "call_function" and _target_name(n) in ATTENTION_TARGETS:
                 self._add(self._attention_group(n))
+            elif n.op == "call_function" and _target_name(n) in ("matmul", "bmm") and self._eager_qkv(n):
+                self._add(self._attention_group(n, self._eager_qkv(n)))
             elif n.op == "call_function" and _target_name(n) in NLL_TARGETS:
                 self._add(self._loss_group(n))
         by_module: dict[tuple[str, str], list[fx.Node]] = defaultdict(list)
@@ -137,15 +141,17 @@ class GraphConverter:
             return None
         return _Group(self._free_name(path), kind, target, path, names, outputs[0], inputs)
 
-    def _attention_group(self, sdpa: fx.Node) -> _Group | None:
-        """The core of the attention module running `sdpa` (module docstring), or None when it does
-        not have the (B, T, H*d) -> (B, T, Hq*d) shape the planner's attention rule expects."""
+    def _attention_group(self, sdpa: fx.Node, qkv: tuple | None = None) -> _Group | None:
+        """The core of the attention module running `sdpa` (module docstring; the building blocks it
+        takes in: `autoplan.capture.hf_attention`), or None when it does not have the (B, T, H*d) ->
+        (B, T, Hq*d) shape the planner's attention rule expects. `qkv`: the q, k, v operands of an eager
+        core ending at `sdpa` = probs @ v (`_eager_qkv`); None: SDPA's first three arguments."""
         path = self.paths[sdpa.name][0]
         members = {sdpa.name}
         todo = [a for a in sdpa.all_input_nodes]
-        while todo:  # backwards, inside the module's own ops, to the 3-D activations that enter it
+        while todo:  # backwards, inside the module's own ops and per-head norms, to the 3-D activations
             a = todo.pop()
-            if (a.name in members or a.op != "call_function" or self.paths[a.name][0] != path
+            if (a.name in members or a.op != "call_function" or not in_attention(*self.paths[a.name], path)
                     or not self._is_op(a) or self._is_activation(a)):
                 continue
             members.add(a.name)
@@ -157,14 +163,61 @@ class GraphConverter:
                 return None
             out = users[0]
             members.add(out.name)
-        sources = [self._source(a, members) for a in sdpa.args[:3]]
+        sources = [self._source(a, members) for a in (qkv or sdpa.args[:3])]
         for m in members - {out.name}:
             if any(u.name not in members and _target_name(u) not in SKIPPED for u in self.by_name[m].users):
                 return None  # an inner tensor is used outside the core
-        if None in sources or len({s.name for s in sources}) != 3:
+        if None in sources:
+            return None
+        pieces = None
+        sliced = self._fused_slices(sources, members)
+        if sliced is not None:  # q, k, v sliced from one fused QKV projection (Phi-3)
+            members.update(s.name for s in sources)
+            sources, pieces = sliced
+        elif len({s.name for s in sources}) == 1:  # one fused QKV projection, sliced inside the core
+            pieces = fused_widths(sources[0].meta["val"].shape[-1], out.meta["val"].shape[-1])
+            sources = sources[:1]
+        if len({s.name for s in sources}) != len(sources) or (len(sources) == 1 and pieces is None):
             return None
         return _Group(self._free_name(f"{path}.core"), "attention", "scaled_dot_product_attention", path,
-                      members, out, sources)
+                      members, out, sources, pieces)
+
+    def _eager_qkv(self, n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+        """(q, k, v) when matmul `n` is eager attention's probs @ v: its first operand a softmax (through casts,
+        dropout, views) of q @ k^T (through the mask's add and soft-capping; BLOOM's ALiBi baddbmm), all in
+        one module and without parameters (`autoplan.capture.hf_attention`); else None."""
+        path, seen_softmax = self.paths[n.name][0], False
+        if not path or any(a.name in self.params for a in n.all_input_nodes) or len(n.args) < 2:
+            return None
+        a = n.args[0]
+        while isinstance(a, fx.Node) and a.op == "call_function" and in_attention(*self.paths[a.name], path):
+            target = _target_name(a)
+            if target in ("matmul", "bmm", "baddbmm") and seen_softmax:
+                q, k = a.args[-2:] if target == "baddbmm" else a.args[:2]
+                return (q, k, n.args[1]) if not any(x.name in self.params for x in a.all_input_nodes) else None
+            if target not in EAGER_SCORES and target not in SOFTMAX:
+                return None
+            seen_softmax = seen_softmax or target in SOFTMAX
+            a = next((x for x in a.all_input_nodes if x.name not in self.params and x.name not in self.constants), None)
+        return None
+
+    def _fused_slices(self, sources: list[fx.Node], members: set[str]
+                      ) -> tuple[list[fx.Node], tuple[int, int, int]] | None:
+        """([the fused tensor], (q, k, v widths)) when q, k and v are last-dim slices of one activation
+        that only the core reads, else None."""
+        if len(sources) != 3 or any(_target_name(s) not in ("slice", "narrow") or not s.args for s in sources):
+            return None
+        parent = sources[0].args[0]
+        rank = parent.meta["val"].dim() if isinstance(parent, fx.Node) else 0
+        for s in sources:
+            dim = s.args[1] if len(s.args) > 1 else s.kwargs.get("dim", 0)
+            if (s.args[0] is not parent or dim % max(rank, 1) != rank - 1
+                    or any(u.name not in members and _target_name(u) not in SKIPPED for u in s.users)):
+                return None
+        widths = tuple(int(s.meta["val"].shape[-1]) for s in sources)
+        if sum(widths) != parent.meta["val"].shape[-1] or widths[1] != widths[2]:
+            return None
+        return [parent], widths
 
     def _moe_group(self, block: MoeBlock) -> _Group | None:
         """The routed part of a MoE block as one "moe" node (`autoplan.capture.hf_moe`)."""
@@ -193,8 +246,8 @@ class GraphConverter:
 
     def _source(self, a: object, members: set[str]) -> fx.Node | None:
         """The activation outside the core that q (k, v) comes from, following first tensor args."""
-        while isinstance(a, fx.Node) and a.name in members:
-            a = next((x for x in a.args if isinstance(x, fx.Node)), None)
+        while isinstance(a, fx.Node) and a.name in members:  # the first activation, lists too (partial rotary's cat)
+            a = next((x for x in a.all_input_nodes if x.name not in self.params and x.name not in self.constants), None)
         return a if isinstance(a, fx.Node) and self._is_activation(a) else None
 
     def _is_activation(self, n: fx.Node) -> bool:
@@ -226,7 +279,7 @@ class GraphConverter:
             if n.name in self.groups:
                 group = self.groups[n.name]
                 if n is group.output and group.name not in emitted:
-                    drafts.append(self._group_info(group))
+                    drafts.extend(self._fused_pieces(group) + [self._group_info(group)])
                     emitted.add(group.name)
                 continue
             if n.op == "placeholder" and (n.name in self.params or n.name in self.constants
@@ -270,13 +323,31 @@ class GraphConverter:
         prefix = path + "." if path else ""
         return next((a for a in self.aliases.get(fqn, [fqn]) if a.startswith(prefix)), fqn)
 
+    def _module(self, path: str) -> nn.Module | None:
+        try:
+            return self.model.get_submodule(path)
+        except AttributeError:  # a path export spells otherwise than named_modules
+            return None
+
+    def _fused_pieces(self, g: _Group) -> list[NodeInfo]:
+        """The q, k, v pieces of a fused QKV input as `split[2]` views (`autoplan.capture.hf_attention`)."""
+        if g.pieces is None:
+            return []
+        (source,), (meta,) = self._inputs(g.inputs)
+        return [NodeInfo(f"{g.name}_{piece}", "view", "split[2]", g.path, layer_of(g.path), (source,), (meta,),
+                         TensorMeta(meta.shape[:-1] + (width,), meta.dtype), (), 0.0, 0.0, 0.0, 0.0)
+                for piece, width in zip("qkv", g.pieces)]
+
     def _group_info(self, g: _Group) -> NodeInfo:
         members = [self.by_name[m] for m in sorted(g.members, key=self.order.__getitem__)]
         inputs, input_metas = self._inputs(g.inputs)
+        if g.pieces is not None:
+            pieces = self._fused_pieces(g)
+            inputs, input_metas = tuple(p.name for p in pieces), tuple(p.output for p in pieces)
         params = self._param_metas((a for m in members for a in m.all_input_nodes), g.path)
         output = _meta(g.output.meta["val"], self.layout)
-        fwd = {"attention": lambda: 4 * input_metas[0].shape[0] * input_metas[0].shape[1] ** 2
-               * input_metas[0].shape[-1], "norm": lambda: 5 * output.numel,
+        fwd = {"attention": lambda: attention_flops(*input_metas[0].shape, key_window(self._module(g.path))),
+               "norm": lambda: 5 * output.numel,
                "moe": lambda: moe_forward_flops(input_metas[0].shape, {n.rsplit(".", 1)[-1]: m.shape for n, m in params},
                                                 self.layout.top_k),
                "elementwise": lambda: output.numel, "cross_entropy": lambda: 5 * input_metas[0].numel}[g.kind]()
@@ -373,4 +444,7 @@ class GraphConverter:
 
 
 _NO_LAYOUT = HfLayout(batch=0, seq=0, top_k=0)
+# what eager attention does between q @ k^T and probs @ v besides the softmax: mask, scale, soft-cap, casts
+EAGER_SCORES = RESHAPES | COPIES | frozenset({"add", "sub", "mul", "div", "tanh", "dropout", "native_dropout", "to",
+                                             "_to_copy", "type_as", "masked_fill", "where"})
 

@@ -30,7 +30,7 @@ EXTRA_ELEMENTWISE = frozenset({"to", "_to_copy", "type_as", "dropout", "native_d
 RESHAPES = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze",
                       "unsqueeze", "view_as", "reshape_as"})
 COPIES = frozenset({"contiguous", "clone", "alias", "lift_fresh_copy", "detach"})
-PERMUTES = frozenset({"transpose", "t", "permute", "swapaxes", "movedim"})
+PERMUTES = frozenset({"transpose", "t", "numpy_T", "permute", "swapaxes", "movedim"})  # numpy_T: `W.T` (Falcon)
 SPLITS = frozenset({"split", "split_with_sizes", "chunk", "unbind", "tensor_split"})
 VIEW_OTHERS = frozenset({"expand", "expand_as", "slice", "narrow", "select", "cat", "concat"})
 REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "prod", "cumsum", "var",
@@ -151,7 +151,7 @@ def _swaps_last_two(n: fx.Node) -> bool:
 def _permutation(n: fx.Node, rank: int) -> list[int] | None:
     target = _target_name(n)
     perm = list(range(rank))
-    if target == "t":
+    if target in ("t", "numpy_T"):
         return perm[::-1]
     if target in ("transpose", "swapaxes"):
         a, b = (d % rank for d in n.args[1:3])

@@ -11,6 +11,9 @@ linears whose weights are not nn.Linear's.
                  with it; an input broadcast along it is read whole and its gradient is a partial
                  sum (`InputSpec.grad_partial`); parameters likewise (`ParamSpec.grad_partial`).
                  On (B, T, F) inputs of the output's shape this is the default rule.
+    attention    the default rule (split on heads); a core holding per-head q / k norm weights (Qwen3,
+                 Gemma 3: `autoplan.capture.hf_attention`) keeps them whole on every tp rank, their
+                 gradients partial sums all-reduced over tp in backward.
     linear       nn.Linear (weight (out, in)) as the default rule; GPT-2's Conv1D (weight (in, out),
                  target "linear_in_out") and MoE expert weights (experts, out, in) ("grouped_linear",
                  or (experts, in, out) "grouped_linear_in_out") split on their own out / in dims.
@@ -31,13 +34,14 @@ is the batch (the dp axis), never split on tp. Nothing registers at import time.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import TYPE_CHECKING, Callable
 
 from autoplan.placement import Placement, Replicate, Shard
-from autoplan.strategies import (Comm, InputSpec, ParamSpec, Strategy, StrategyRegistry, default_registry, divides,
-                                 elementwise_strategies, linear_strategies, replicate_only)
+from autoplan.strategies import (Comm, InputSpec, ParamSpec, Strategy, StrategyRegistry, attention_strategies,
+                                 default_registry, divides, elementwise_strategies, linear_strategies, replicate_only)
 
 if TYPE_CHECKING:
     from autoplan.capture import NodeInfo, TensorMeta
@@ -53,6 +57,7 @@ def hf_registry() -> StrategyRegistry:
     registry.register("view", view_strategies)
     registry.register("elementwise", broadcast_elementwise_strategies)
     registry.register("linear", hf_linear_strategies)
+    registry.register("attention", hf_attention_strategies)
     return registry
 
 
@@ -94,6 +99,21 @@ def _broadcast_spec(meta: "TensorMeta", out: "TensorMeta", d: int, tp: int) -> P
     if meta.shape[a] == out.shape[d] and divides(tp, meta.shape[a]):
         return Shard(a)
     return None
+
+
+# ---------------------------------------------------------------------------------- attention
+
+
+def hf_attention_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy]:
+    """The default attention rule; per-head norm weights of the core whole on every rank under a split,
+    their gradients partial sums over the heads each rank holds (module docstring)."""
+    found = attention_strategies(node, tp, info)
+    if not node.params:
+        return found
+    params = tuple(ParamSpec(_relative(node, name), R, grad_partial=True) for name, _ in node.params)
+    return [s if s.name == "replicate" else
+            dataclasses.replace(s, params=params, bwd_comm=s.bwd_comm + (Comm("all_reduce", "params"),))
+            for s in found]
 
 
 # ---------------------------------------------------------------------------------- elementwise

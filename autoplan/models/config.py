@@ -65,13 +65,14 @@ class ModelConfig:
     dense_layers: int = 0  # moe only: the first dense_layers layers have a dense SwiGLU MLP instead
     dense_ffn_hidden: int = 0  # moe only: that MLP's width (> 0 exactly when dense_layers > 0)
     expert_hidden: int = 0  # moe only: BigMac's low width r < hidden the experts run at (0: hidden)
+    parameters: int = 0  # the exact count where the model itself gives it (a captured Hugging Face model); 0: the formula
 
     def __post_init__(self) -> None:
         check_str("model name", self.name)
         check_choice(f"model {self.name!r}: family", self.family, FAMILIES)
         for key in ("num_layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "max_seq"):
             check_int(f"model {self.name!r}: {key}", getattr(self, key))
-        for key in ("experts", "top_k") + _MOE_LAYOUT_FIELDS:
+        for key in ("experts", "top_k", "parameters") + _MOE_LAYOUT_FIELDS:
             check_int(f"model {self.name!r}: {key}", getattr(self, key), minimum=0)
         for key in ("norm_eps", "rope_theta"):
             check_number(f"model {self.name!r}: {key}", getattr(self, key))
@@ -165,7 +166,10 @@ class ModelConfig:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def num_parameters(self) -> int:
-        """Exact parameter count of `build_model(self)` (formulas in the module docstring)."""
+        """Exact parameter count of `build_model(self)` (formulas in the module docstring), or `parameters`
+        where set: a Hugging Face model's own count (tied weights once), which no family formula gives."""
+        if self.parameters:
+            return self.parameters
         h, f, v, d = self.hidden, self.ffn_hidden, self.vocab, self.head_dim
         q, kv = self.heads * d, self.kv_heads * d
         attn = h * q + 2 * h * kv + q * h
