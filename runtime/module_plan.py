@@ -265,7 +265,7 @@ def _region_ops(parent: str, members: list[str], by_module, modules) -> list[OpP
 def _region_styles(parent: str, members: list[str], owners, by_module, modules) -> dict[str, ModuleStyle]:
     """The styles of the linears of one parent module (module docstring, "Regions")."""
     for m in members:
-        if _kind(modules[m]) == "conv1d" and owners[m][0].strategy == "column":
+        if owners[m][0].strategy == "column":
             _check_unfused(m, members, owners, modules)
     strategies = {owners[m][0].strategy for m in members}
     others = _region_ops(parent, members, by_module, modules)
@@ -287,19 +287,27 @@ def _region_styles(parent: str, members: list[str], owners, by_module, modules) 
                     f"all replicate: plan one of those for {parent!r}")
 
 
+def _widths(module: nn.Module) -> tuple[int, int]:
+    """(inputs, outputs) of a linear (weight (out, in)) or a Conv1D (weight (in, out))."""
+    rows, cols = module.weight.shape
+    return (cols, rows) if _kind(module) == "linear" else (rows, cols)
+
+
 def _check_unfused(path: str, members: list[str], owners, modules) -> None:
-    """A column Conv1D must give the row projections of its region their input width: GPT-2's
-    c_attn gives q|k|v (3 times c_proj's input) one after another, so a contiguous column shard
-    would hold whole q heads and no v, not each rank's heads of all three."""
-    rows = [m for m in members if _kind(modules[m]) == "conv1d" and owners[m][0].strategy in ("row", "row_sp")]
-    width = modules[path].nf
-    fused = [r for r in rows if modules[r].weight.shape[0] != width]
-    if fused:
-        raise PlanError(f"module {path!r} (Conv1D, {width} outputs) is planned 'column' but {fused[0]!r} "
-                        f"takes {modules[fused[0]].weight.shape[0]} inputs: its output is fused (GPT-2's "
-                        f"c_attn holds q|k|v one after another), which a column split would cut across "
-                        f"q, k and v instead of giving each rank its heads of all three; the module "
-                        f"runtime runs it replicated: plan {path.rpartition('.')[0]!r} 'replicate'")
+    """A column projection must not give more outputs than the widest row projection of its region
+    takes: such an output is fused (GPT-2's c_attn and Phi-3's qkv_proj hold q|k|v one after another,
+    Phi-3's gate_up_proj gate|up), and a contiguous column shard would hold whole q heads and no v (all
+    gate, no up) instead of each rank's share of every piece. Grouped k and v are narrower, never wider."""
+    rows = [m for m in members if owners[m][0].strategy in ("row", "row_sp")]
+    width = _widths(modules[path])[1]
+    widest = max((_widths(modules[r])[0] for r in rows), default=width)
+    if width > widest:
+        raise PlanError(f"module {path!r} ({type(modules[path]).__name__}, {width} outputs) is planned 'column' "
+                        f"but the row projections of its region take at most {widest} inputs: its output "
+                        f"is fused (q|k|v or gate|up one after another, as GPT-2's c_attn or Phi-3's "
+                        f"qkv_proj), which a column split would cut across the pieces instead of giving "
+                        f"each rank its share of every one; the module runtime runs it replicated: plan "
+                        f"{path.rpartition('.')[0]!r} 'replicate'")
 
 
 def _check_split(parent, members, owners, others, modules) -> None:

@@ -147,8 +147,24 @@ def test_gpt2_conv1d_styles_and_the_fused_qkv_refused():
     assert styles.style("transformer.h.0.attn").kind == "replicated_region"  # its Conv1D form a region
     split = {f"transformer_h_{i}_attn_{name}": s for i in (0, 1) for name, s in (("c_attn", "column"), ("c_proj", "row"))}
     with pytest.raises(PlanError, match=r"'transformer.h.\d.attn.c_attn' \(Conv1D, 192 outputs\) is planned "
-                                        r"'column' but .*c_proj' takes 64 inputs: its output is fused"):
+                                        r"'column' but the row projections of its region take at most 64 inputs: "
+                                        r"its output is fused"):
         module_plan(_plan(gpt2, assignment=split), model)
+
+
+def test_fused_qkv_and_gate_up_linears_refused_column():
+    """Phi-3's qkv_proj (q|k|v) and gate_up_proj (gate|up): a contiguous column shard would cut across the pieces."""
+    config = transformers.Phi3Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=128, vocab_size=256, max_position_embeddings=64,
+                                     pad_token_id=0, tie_word_embeddings=False)
+    phi3, model = _captured(config), _meta_model(config)
+    regions = (("self_attn_qkv_proj", 128, "self_attn_o_proj"), ("mlp_gate_up_proj", 256, "mlp_down_proj"))
+    for proj, out, rows in regions:
+        split = {f"model_layers_{i}_{name}": "replicate" for i in (0, 1) for r in regions for name in r[::2]}
+        split |= {f"model_layers_{i}_{proj}": "column" for i in (0, 1)} | {f"model_layers_{i}_{rows}": "row" for i in (0, 1)}
+        with pytest.raises(PlanError, match=rf"{out} outputs\) is planned 'column' but the row projections .* "
+                                            r"its output is fused"):
+            module_plan(_plan(phi3, assignment=split), model)
 
 
 def test_weights_come_from_the_module_or_a_checkpoint(tmp_path):
