@@ -1,12 +1,14 @@
 """Checks and assembly of a `ModuleProgram` (`runtime.module_program`): the user's own module under
 a Plan. The order matters:
 
-    1. checks without communication: the mesh axes this runtime runs (dp, tp), the recompute
+    1. checks without communication: the mesh axes this runtime runs (pp, dp, tp), the recompute
        policy, the plan against the model (fingerprint of a transformers config, parameter
-       names), dropout under tp, tied weights under tp, where the weights come from
-    2. the process group and the ("dp", "tp") DeviceMesh
+       names), a forward that pipeline stages can cut (`runtime.module_stages`), dropout under
+       tp, tied weights under tp, where the weights come from
+    2. the process group and the ("dp", "tp") DeviceMesh (("pp", "dp", "tp") with a pipeline)
     3. weights: a model with weights is broadcast from rank 0 (so every rank distributes the
-       same tensors); a model on meta is loaded after step 4
+       same tensors); a model on meta is loaded after step 4. With a pipeline, the model then
+       keeps only this rank's stages' modules (`runtime.module_pipeline`)
     4. tp styles (`runtime.module_styles`), parameters becoming DTensors on the tp mesh
     5. a meta model's parameters read from the checkpoint, each rank its slices (`runtime.weights`)
     6. ZeRO: FSDP2 over dp (`runtime.module_program`)
@@ -26,12 +28,15 @@ from autoplan.errors import AutoplanError, ConfigError, PlanError
 from autoplan.plan import Plan
 from autoplan.runtime.launch import (_check_backend, check_cluster, _device, _device_for, _init_process_group, _timeout,
                                      _launched_world_size, check_memory_fits)
+from autoplan.runtime.module_pipeline import PipelinedModuleProgram, held_module_plan, pipeline_mesh
 from autoplan.runtime.module_plan import ModulePlan, module_plan
 from autoplan.runtime.module_program import ModuleProgram, block_lists, plan_mesh
+from autoplan.runtime.module_stages import cut_stages
 from autoplan.runtime.module_styles import apply_module_plan
+from autoplan.runtime.pipeline import rank_stages
 from autoplan.runtime.weights import load_checkpoint
 
-RUNS_AXES = ("dp", "tp")
+RUNS_AXES = ("pp", "dp", "tp")
 
 
 def check_module_plan(plan: Plan, model: nn.Module, cluster: ClusterSpec | str | None = None) -> ModulePlan:
@@ -39,15 +44,16 @@ def check_module_plan(plan: Plan, model: nn.Module, cluster: ClusterSpec | str |
     check_cluster(plan, cluster)
     other = {a: d for a, d in plan.mesh.degrees().items() if a not in RUNS_AXES and d > 1}
     if other:
-        raise PlanError(f"the plan uses {other}; the runtime for your own module runs dp and tp "
-                        f"(with ZeRO and sequence parallelism) so far: plan with pipeline, context "
-                        f"and expert parallelism off (SearchOptions(pipeline=False, "
-                        f"context_parallel=False, expert_parallel=False))")
+        raise PlanError(f"the plan uses {other}; the runtime for your own module runs pp, dp and tp "
+                        f"(with ZeRO and sequence parallelism) so far: plan with context and expert "
+                        f"parallelism off (SearchOptions(context_parallel=False, expert_parallel=False))")
     if plan.recompute != "none":
         raise PlanError(f"recompute {plan.recompute!r}: the runtime for your own module does not "
                         f"recompute activations yet; plan recompute 'none' "
                         f"(SearchOptions(recompute=('none',)))")
     _check_model(plan, model)
+    if plan.mesh.pp > 1:
+        cut_stages(model, plan)  # PlanError where the model's forward cannot be cut into the stages
     if plan.mesh.tp > 1:
         _check_dropout(model)
         _check_tied(model)
@@ -158,24 +164,32 @@ def parallelize_module_program(model: nn.Module, plan: Plan, *, cluster: Cluster
         check_memory_fits(plan, _device_for(backend))
     _init_process_group(backend, _timeout(timeout_s))  # None: launch.DEFAULT_TIMEOUT_S
     device = _device()
-    mesh = plan_mesh(plan, device.type)
+    pipelined = plan.mesh.pp > 1
+    mesh = pipeline_mesh(plan, device.type) if pipelined else plan_mesh(plan, device.type)
     if source == "module":
         _broadcast_weights(model, device)
+    if pipelined:  # this rank keeps only its stages' modules (runtime.module_pipeline)
+        cut = cut_stages(model, plan)
+        cut.prune(rank_stages(plan, mesh.get_local_rank("pp")))
     model.train()
-    apply_module_plan(model, mplan, mesh["tp"])
+    apply_module_plan(model, held_module_plan(mplan, model) if pipelined else mplan, mesh["tp"])
     if source == "meta":
         load_checkpoint(model, checkpoint, device)
-    program = ModuleProgram(model, plan, mesh, mplan, device, check_finite)
+    program = (PipelinedModuleProgram(model, plan, mesh, mplan, device, check_finite, cut) if pipelined
+               else ModuleProgram(model, plan, mesh, mplan, device, check_finite))
     if program.fsdp:
-        _shard_over_dp(model, mesh["dp"], plan.zero_stage)
+        roots = program.stage_modules if pipelined else [model]
+        _shard_over_dp(model, roots, program.mesh["dp"], plan.zero_stage)
     return program
 
 
-def _shard_over_dp(model: nn.Module, dp_mesh, zero_stage: int) -> None:
-    """FSDP2 on every block and the root (ZeRO 1 and 2 as 2; module_program docstring)."""
+def _shard_over_dp(model: nn.Module, roots: list[nn.Module], dp_mesh, zero_stage: int) -> None:
+    """FSDP2 on every block and the roots: the model, or its pipeline stages (ZeRO 1 and 2 as 2;
+    module_program docstring)."""
     from torch.distributed.fsdp import fully_shard
 
     reshard = zero_stage == 3
     for block in block_lists(model):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+    for root in roots:
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from _dist import spawn
 from _handmade import HandLM
+from autoplan.errors import PlanError
 
 transformers = pytest.importorskip("transformers")
 
@@ -59,10 +60,17 @@ class Case:
     weights: str = "module"  # "module": built with weights; "meta": loaded from the checkpoint
     assignment: str = "megatron"  # "megatron" (with sp: "megatron-sp"), "replicate", or "sequence-loss":
     # Megatron with sp, the head and the loss on sequence shards
+    pp: int = 1
+    schedule: str = "1f1b"
+    stage_layers: tuple[int, ...] | None = None  # None: as the planner cuts them
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp
+        return self.pp * self.dp * self.tp
+
+    @property
+    def virtual(self) -> int:
+        return len(self.stage_layers) // self.pp if self.stage_layers else 1
 
 
 CASES = [
@@ -82,8 +90,17 @@ CASES = [
     Case("hand-dp2tp2-zero1", "hand", dp=2, tp=2, zero=1),
     # row-parallel slices read from the checkpoint are strided: FSDP2 must get them contiguous
     Case("llama-dp2tp2-zero1-meta", "llama", dp=2, tp=2, zero=1, weights="meta"),
+    # pipelines: stages cut at block boundaries (runtime.module_pipeline)
+    Case("llama-pp2", "llama", pp=2, microbatches=2, weights="meta"),
+    Case("llama-pp2dp2-zero1", "llama", pp=2, dp=2, zero=1, microbatches=2),
+    Case("llama-pp2tp2-sp", "llama", pp=2, tp=2, sp=True, microbatches=2, schedule="gpipe"),
+    Case("qwen2-pp2-interleaved", "qwen2", pp=2, microbatches=2, schedule="interleaved-1f1b",
+         stage_layers=(0, 1, 1, 0)),
+    Case("hand-pp2", "hand", pp=2, microbatches=4),
+    Case("hand-pp2dp2", "hand", pp=2, dp=2, microbatches=2),
+    Case("hand-pp2tp2", "hand", pp=2, tp=2, microbatches=2),
 ]
-EXPORTED = ("llama-dp2tp2-sp", "qwen2-dp2tp2-zero3")
+EXPORTED = ("llama-dp2tp2-sp", "qwen2-dp2tp2-zero3", "llama-pp2dp2-zero1")
 
 
 def _hf_configs() -> dict:
@@ -136,10 +153,11 @@ def _plan(case: Case, graph, summary):
         assignment = megatron_assignment(graph, registry, case.tp, info, case.sp)
     if case.assignment == "sequence-loss":
         assignment |= _sequence_head(graph, registry, case.tp, info)
-    cluster, mesh = parse_cluster(f"1x{case.world}xcpu"), MeshShape(dp=case.dp, tp=case.tp)
+    cluster, mesh = parse_cluster(f"1x{case.world}xcpu"), MeshShape(pp=case.pp, dp=case.dp, tp=case.tp)
     batch = (B // case.dp // case.microbatches, case.microbatches, case.zero, "none")
     return plan_from_assignment(graph, summary, cluster, mesh, assignment, *batch, registry=registry,
-                                dtype="float32")
+                                dtype="float32", schedule=case.schedule, virtual_stages=case.virtual,
+                                stage_layers=case.stage_layers)
 
 
 def _sequence_head(graph, registry, tp: int, info: dict) -> dict[str, str]:
@@ -224,12 +242,21 @@ def _train(program, tokens: torch.Tensor, keep: bool) -> dict:
 
 
 def _evaluate(program, tokens: torch.Tensor) -> dict:
-    """This rank's logits, all logits, and the loss of the gathered logits on new tokens."""
+    """This rank's logits, all logits, and the loss of the gathered logits on new tokens; with a
+    pipeline, forward's refusal and eval_loss alone."""
+    targets = tokens.roll(-1, dims=1)
+    targets[:, -1] = -100
+    if program.plan.mesh.pp > 1:
+        try:
+            program.forward(tokens)
+            refused = ""
+        except PlanError as exc:
+            refused = str(exc)
+        loss = program.eval_loss(tokens, targets)
+        return {"refused": refused, "after": loss, "eval": loss}
     local = program.forward(tokens)
     logits = program.forward(tokens, gather=True)
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).item()
-    targets = tokens.roll(-1, dims=1)
-    targets[:, -1] = -100
     return {"local_shape": tuple(local.shape), "gathered_shape": tuple(logits.shape), "after": loss,
             "eval": program.eval_loss(tokens, targets)}
 
@@ -346,7 +373,7 @@ def test_meta_model_reads_only_its_slices(runs, case):
     for got in runs[case.world]:
         held = got[case.name]["held"] * (case.dp if case.zero else 1)  # before ZeRO sharded it over dp
         assert got[case.name]["reads"] == held
-        if case.tp > 1:
+        if case.tp > 1 or case.pp > 1:
             assert held < sum(p.numel() for p in runs[case.world][0][case.name]["params"].values())
 
 
