@@ -82,7 +82,11 @@ class StageModule(nn.Module):
 
     def __init__(self, model: nn.Module, cut: StageCut, stage: int, boundary, tp_mesh: DeviceMesh) -> None:
         super().__init__()
-        self.model, self.cut, self.stage = model, cut, stage
+        # the stage's own modules as children (its parameters: what ZeRO shards with this stage as
+        # root, disjoint from the other stages of this rank); the model as a plain attribute
+        self.parts = nn.ModuleList(p.module for p in cut.held(stage))
+        object.__setattr__(self, "model", model)
+        self.cut, self.stage = cut, stage
         self.boundary, self.tp_mesh = boundary, tp_mesh
         self.last = stage == cut.count - 1
 

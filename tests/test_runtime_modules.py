@@ -96,6 +96,8 @@ CASES = [
     Case("llama-pp2tp2-sp", "llama", pp=2, tp=2, sp=True, microbatches=2, schedule="gpipe"),
     Case("qwen2-pp2-interleaved", "qwen2", pp=2, microbatches=2, schedule="interleaved-1f1b",
          stage_layers=(0, 1, 1, 0)),
+    Case("qwen2-pp2dp2-interleaved-zero1", "qwen2", pp=2, dp=2, zero=1, microbatches=2,
+         schedule="interleaved-1f1b", stage_layers=(0, 1, 1, 0)),
     Case("hand-pp2", "hand", pp=2, microbatches=4),
     Case("hand-pp2dp2", "hand", pp=2, dp=2, microbatches=2),
     Case("hand-pp2tp2", "hand", pp=2, tp=2, microbatches=2),
