@@ -315,8 +315,9 @@ def _parallelize_zoo(model, cluster: ClusterSpec, plan: "Plan | None", config: "
 
 def module_search_options(max_microbatch_size: int = 16) -> SearchOptions:
     """The part of the space the runtime for your own module runs (`autoplan.runtime.module_launch`):
-    dp and tp (with sequence parallelism), ZeRO 0-3, microbatching; no pp, cp, ep or recompute yet."""
-    return SearchOptions(max_microbatch_size=max_microbatch_size, pipeline=False, context_parallel=False,
+    pp (its schedules), dp and tp (with sequence parallelism), ZeRO 0-3, microbatching; no cp, ep or
+    recompute yet."""
+    return SearchOptions(max_microbatch_size=max_microbatch_size, context_parallel=False,
                          expert_parallel=False, recompute=("none",))
 
 
@@ -351,8 +352,8 @@ def search_module_plans(model, cluster: ClusterSpec | str, global_batch: int, se
     return dataclasses.replace(found, plans=tuple(_noted(plan, MODULE_SPACE_NOTE) for plan in runnable[:top]))
 
 
-MODULE_SPACE_NOTE = ("searched the space the runtime for your own module runs: dp and tp (sequence parallel "
-                     "variants), ZeRO 0-3, microbatching; pp, cp, ep and recompute are not searched (not run yet)")
+MODULE_SPACE_NOTE = ("searched the space the runtime for your own module runs: pp, dp and tp (sequence parallel "
+                     "variants), ZeRO 0-3, microbatching; cp, ep and recompute are not searched (not run yet)")
 
 
 def _noted(plan: Plan, note: str) -> Plan:

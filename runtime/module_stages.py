@@ -304,6 +304,6 @@ def _check_tied(cut: StageCut) -> None:
                 seen = owner.setdefault(id(p), (stage, f"{position.path}.{name}"))
                 if seen[0] != stage:
                     raise PlanError(f"parameters {seen[1]!r} (stage {seen[0]}) and "
-                                    f"{position.path}.{name!r} (stage {stage}) are tied (one tensor); "
+                                    f"'{position.path}.{name}' (stage {stage}) are tied (one tensor); "
                                     f"pipeline stages hold their own: untie them (transformers: "
                                     f"tie_word_embeddings=False) or plan pp=1")

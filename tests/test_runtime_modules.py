@@ -20,6 +20,9 @@ size (2 and 4 ranks) runs all its configurations. Besides:
     no plan   autoplan.parallelize of a transformers model without a plan plans on rank 0 and runs
     losses    the plan's cross-entropy strategy: vocab-parallel (Megatron), on sequence shards (the head
               "sequence"), whole (a replicated plan: attention and MLP blocks replicated regions)
+    pipelines pp alone (1F1B; interleaved 1F1B with an embedding-only first and a head-only last
+              chunk), with dp (ZeRO 0 and 1) and with tp (+ sp, GPipe), for each model; with a
+              pipeline, program.forward says what to use instead and eval_loss gives the loss
 Every case runs through autoplan.parallelize (one passes the checkpoint directory as the model).
 Pure checks (no processes): the module plan of a plan, what it refuses, checkpoints that do not match.
 """
@@ -398,6 +401,14 @@ def test_forward_gives_local_or_gathered_logits(runs):
     assert got["local_shape"] == (B // 2, T, vocab // 2) and got["gathered_shape"] == (B, T, vocab)
     got = runs[2][0]["llama-dp2"]
     assert got["local_shape"] == (B // 2, T, vocab) and got["gathered_shape"] == (B, T, vocab)
+
+
+def test_forward_with_a_pipeline_says_what_to_use(runs):
+    for world, name in ((2, "llama-pp2"), (4, "hand-pp2tp2")):
+        for ranks in runs[world]:
+            refused = ranks[name]["refused"]
+            assert "pipelines the model over pp=2 stages" in refused
+            assert "program.eval_loss(tokens, targets)" in refused and "full_state_dict()" in refused
 
 
 def test_export_refuses_a_users_directory(setup, runs):
