@@ -40,7 +40,7 @@ from autoplan.errors import PlanError
 from autoplan.plan import Plan
 from autoplan.runtime.module_plan import ModulePlan
 from autoplan.runtime.module_program import ModuleProgram
-from autoplan.runtime.module_stages import Elsewhere, StageCut, _StageOutput, run_model
+from autoplan.runtime.module_stages import Elsewhere, StageCut, StageOutput, run_model
 from autoplan.runtime.module_styles import torch_placement
 from autoplan.runtime.pipeline import SCHEDULES, rank_stages
 from autoplan.validity import SCHEDULE_INTERLEAVED
@@ -95,7 +95,7 @@ class StageModule(nn.Module):
         with self.cut.view(self.stage, x):
             try:
                 logits = run_model(self.model, input_ids)
-            except _StageOutput as end:
+            except StageOutput as end:
                 return self._leaving(end.value)
         if not self.last:
             raise PlanError(f"pipeline stage {self.stage} of {self.cut.count} ran the model's forward "

@@ -24,10 +24,10 @@ needs there:
                          zeros (B, T, dim), any other module passes its input through
     blocks < a           pass their input through (the received activation replaces it at a)
     blocks [a, b)        its own; block a's first argument is replaced by the received activation
-    block b (b < L)      raises `_StageOutput` with its input: the stage's output
+    block b (b < L)      raises `StageOutput` with its input: the stage's output
     suffix pieces        its own on the last stage (the first one takes the received activation
                          when the stage holds no block); elsewhere the first one called raises
-                         `_StageOutput` with its input (a stage ending at the last block)
+                         `StageOutput` with its input (a stage ending at the last block)
 
 so the code around the blocks (position ids, causal masks, rotary embeddings) is the model's own
 and runs on every stage; only the pieces of other stages are missing. Under tp the activation
@@ -38,7 +38,8 @@ plan gives the blocks' input), and is wrapped back as a DTensor on arrival.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -48,7 +49,7 @@ from autoplan.errors import PlanError
 from autoplan.plan import Plan
 
 
-class _StageOutput(Exception):
+class StageOutput(Exception):
     """Raised inside the model's forward where this stage ends, carrying the activation."""
 
     def __init__(self, value: torch.Tensor) -> None:
@@ -59,11 +60,23 @@ class _StageOutput(Exception):
 class Elsewhere(nn.Module):
     """Stand-in for a module that runs on another stage (module docstring): `role` is one of
     "zeros" (an embedding before this stage: zeros of its output), "pass" (its first input),
-    "end" (raise `_StageOutput` with its first input), "absent" (must not run here)."""
+    "end" (raise `StageOutput` with its first input), "absent" (must not run here)."""
 
     def __init__(self, path: str, role: str, dim: int = 0, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.path, self.role, self.dim, self.dtype = path, role, dim, dtype
+
+    @classmethod
+    def of(cls, module: nn.Module, path: str, role: str) -> "Elsewhere":
+        """A stand-in for `module` (itself a stand-in or not); "zeros" keeps an embedding's width and
+        dtype, and becomes "pass" for any other module."""
+        if isinstance(module, nn.Embedding):
+            dim, dtype = module.embedding_dim, module.weight.dtype
+        elif isinstance(module, Elsewhere):
+            dim, dtype = module.dim, module.dtype
+        else:
+            dim, dtype = 0, None
+        return cls(path, "pass" if role == "zeros" and not dim else role, dim, dtype)
 
     def forward(self, *args, **kwargs):
         first = args[0] if args else next(iter(kwargs.values()))
@@ -72,7 +85,7 @@ class Elsewhere(nn.Module):
         if self.role == "pass":
             return first
         if self.role == "end":
-            raise _StageOutput(first)
+            raise StageOutput(first)
         raise RuntimeError(f"module {self.path!r} runs on another pipeline stage of this plan, not "
                            f"on this rank")
 
@@ -105,6 +118,7 @@ class StageCut:
     stages: list[tuple[int, int]]  # global stage index -> [first layer, last layer)
     param_names: list[str]  # the whole model's, in its order (before `prune`)
     state_names: list[str]  # its state_dict's keys
+    _layouts: dict = field(default_factory=dict, repr=False)  # stage -> `_layout(stage)`
 
     @property
     def count(self) -> int:
@@ -121,25 +135,31 @@ class StageCut:
         `Elsewhere` stand-in, so their parameters are freed and the model's own names remain for
         the rest."""
         keep = {id(p.module) for s in stages for p in self.held(s)}
-        for position in self.blocks + self.prefix + self.suffix:
-            if id(position.module) not in keep:
-                position.put(Elsewhere(position.path, "absent"))
 
-    def _stand_in(self, position: Position, role: str) -> Elsewhere:
-        module = position.module
-        if role == "zeros" and isinstance(module, nn.Embedding):
-            return Elsewhere(position.path, role, module.embedding_dim, module.weight.dtype)
-        return Elsewhere(position.path, "pass" if role == "zeros" else role)
+        def kept(position: Position) -> Position:
+            if id(position.module) in keep:
+                return position
+            position.put(Elsewhere.of(position.module, position.path, "absent"))
+            return dataclasses.replace(position, module=position.parent._modules[position.name])
+        self.blocks, self.prefix, self.suffix = ([kept(p) for p in group]
+                                                 for group in (self.blocks, self.prefix, self.suffix))
+        self._layouts.clear()
 
     def _layout(self, stage: int) -> list[tuple[Position, nn.Module]]:
-        """What each position runs during stage `stage`'s forward (module docstring)."""
+        """What each position runs during stage `stage`'s forward (module docstring); made once."""
+        if stage not in self._layouts:
+            self._layouts[stage] = self._make_layout(stage)
+        return self._layouts[stage]
+
+    def _make_layout(self, stage: int) -> list[tuple[Position, nn.Module]]:
+        stand_in = lambda p, role: Elsewhere.of(p.module, p.path, role)  # noqa: E731
         a, b = self.stages[stage]
         first, last = stage == 0, stage == self.count - 1
-        found = [(p, p.module if first else self._stand_in(p, "zeros")) for p in self.prefix]
+        found = [(p, p.module if first else stand_in(p, "zeros")) for p in self.prefix]
         for i, p in enumerate(self.blocks):
             role = "pass" if i < a else "end" if i == b else "absent"
-            found.append((p, p.module if a <= i < b else self._stand_in(p, role)))
-        found += [(p, p.module if last else self._stand_in(p, "end" if i == 0 else "absent"))
+            found.append((p, p.module if a <= i < b else stand_in(p, role)))
+        found += [(p, p.module if last else stand_in(p, "end" if i == 0 else "absent"))
                   for i, p in enumerate(self.suffix)]
         return found
 

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from autoplan.errors import ConfigError, PlanError  # noqa: E402
 from autoplan.mesh import MeshShape  # noqa: E402
 from autoplan.runtime.module_launch import check_module_plan  # noqa: E402
-from autoplan.runtime.module_stages import _StageOutput, cut_stages, run_model  # noqa: E402
+from autoplan.runtime.module_stages import StageOutput, cut_stages, run_model  # noqa: E402
 
 T, LAYERS = 16, 3
 
@@ -71,7 +71,7 @@ def _chained(model, plan, tokens: torch.Tensor) -> torch.Tensor:
         with cut.view(stage, x):
             try:
                 x = run_model(model, tokens)
-            except _StageOutput as end:
+            except StageOutput as end:
                 x = end.value
     return x
 
@@ -105,6 +105,8 @@ def test_prune_keeps_a_ranks_modules_under_their_own_names():
     kept = [n for n, _ in model.named_parameters()]
     assert kept == [n for n in names if n.startswith(("stack.1.", "stack.2.", "norm.", "lm_head."))]
     assert cut.param_names == names
+    held = sum(p.numel() for p in model.parameters())  # the cut keeps no other stage's module alive
+    assert sum(p.numel() for pos in cut.blocks + cut.prefix + cut.suffix for p in pos.module.parameters()) == held
 
 
 class _SkipBlock(Block):
