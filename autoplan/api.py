@@ -315,11 +315,10 @@ def _parallelize_zoo(model, cluster: ClusterSpec, plan: "Plan | None", config: "
 
 def module_search_options(max_microbatch_size: int = 16) -> SearchOptions:
     """The part of the space the runtime for your own module runs (`autoplan.runtime.module_launch`):
-    dp and tp (with sequence parallelism), ZeRO 0-3, microbatching, every recompute policy, ep
-    (transformers' MoE experts; plans with ep it does not run, such as ep with ZeRO over dp, are refused
-    by `check_module_plan`); no pp or cp yet."""
-    return SearchOptions(max_microbatch_size=max_microbatch_size, pipeline=False, context_parallel=False,
-                         expert_parallel=True)
+    pp (its schedules), dp and tp (with sequence parallelism), ZeRO 0-3, microbatching, every recompute
+    policy, ep (transformers' MoE experts); plans it does not run (ep with ZeRO over dp, pp with ep or
+    recompute, ...) are refused by `check_module_plan` and skipped; no cp yet."""
+    return SearchOptions(max_microbatch_size=max_microbatch_size, context_parallel=False, expert_parallel=True)
 
 
 def search_module_plans(model, cluster: ClusterSpec | str, global_batch: int, seq_len: int, *, top: int = 1,
@@ -353,8 +352,8 @@ def search_module_plans(model, cluster: ClusterSpec | str, global_batch: int, se
     return dataclasses.replace(found, plans=tuple(_noted(plan, MODULE_SPACE_NOTE) for plan in runnable[:top]))
 
 
-MODULE_SPACE_NOTE = ("searched the space the runtime for your own module runs: dp and tp (sequence parallel "
-                     "variants), ZeRO 0-3, microbatching, recompute, ep; pp and cp are not searched (not run yet)")
+MODULE_SPACE_NOTE = ("searched the space the runtime for your own module runs: pp, dp and tp (sequence parallel "
+                     "variants), ZeRO 0-3, microbatching, recompute, ep; cp is not searched (not run yet)")
 
 
 def _noted(plan: Plan, note: str) -> Plan:

@@ -1,13 +1,15 @@
 """Checks and assembly of a `ModuleProgram` (`runtime.module_program`): the user's own module under
 a Plan. The order matters:
 
-    1. checks without communication: the mesh axes this runtime runs (dp, tp, ep), the recompute
+    1. checks without communication: the mesh axes this runtime runs (pp, dp, tp, ep), the recompute
        policy against the model's blocks (`runtime.module_recompute`), the plan against the model
-       (fingerprint of a transformers config, parameter names), dropout under tp, tied weights
-       under tp (held alike by every holder), experts under ep, where the weights come from
-    2. the process group and the ("dp", "ep", "tp") DeviceMesh
+       (fingerprint of a transformers config, parameter names), a forward that pipeline stages can
+       cut (`runtime.module_stages`), dropout under tp, tied weights under tp (held alike by every
+       holder), experts under ep, where the weights come from
+    2. the process group and the ("dp", "ep", "tp") DeviceMesh (("pp", "dp", "tp") with a pipeline)
     3. weights: a model with weights is broadcast from rank 0 (so every rank distributes the
-       same tensors); a model on meta is loaded after step 4
+       same tensors); a model on meta is loaded after step 4. With a pipeline, the model then
+       keeps only this rank's stages' modules (`runtime.module_pipeline`)
     4. tp styles (`runtime.module_styles`), parameters becoming DTensors on the tp mesh; expert
        weights this rank's experts, DTensors on the ("ep", "tp") mesh (`runtime.module_experts`)
     5. a meta model's parameters read from the checkpoint, each rank its slices (`runtime.weights`)
@@ -31,13 +33,16 @@ from autoplan.recompute_policy import recompute_policy
 from autoplan.runtime.launch import (_check_backend, check_cluster, _device, _device_for, _init_process_group, _timeout,
                                      _launched_world_size, check_memory_fits)
 from autoplan.runtime.module_experts import distribute_experts, expert_weight_names, experts_modules
+from autoplan.runtime.module_pipeline import PipelinedModuleProgram, held_module_plan, pipeline_mesh
 from autoplan.runtime.module_plan import ModulePlan, module_plan
 from autoplan.runtime.module_program import ModuleProgram, block_lists, plan_mesh
 from autoplan.runtime.module_recompute import apply_module_recompute, check_recompute_blocks
+from autoplan.runtime.module_stages import cut_stages
 from autoplan.runtime.module_styles import apply_module_plan, tied_groups, weight_layout
+from autoplan.runtime.pipeline import rank_stages
 from autoplan.runtime.weights import load_checkpoint
 
-RUNS_AXES = ("dp", "tp", "ep")
+RUNS_AXES = ("pp", "dp", "tp", "ep")
 
 
 def check_module_plan(plan: Plan, model: nn.Module, cluster: ClusterSpec | str | None = None) -> ModulePlan:
@@ -45,17 +50,29 @@ def check_module_plan(plan: Plan, model: nn.Module, cluster: ClusterSpec | str |
     check_cluster(plan, cluster)
     other = {a: d for a, d in plan.mesh.degrees().items() if a not in RUNS_AXES and d > 1}
     if other:
-        raise PlanError(f"the plan uses {other}; the runtime for your own module runs dp, tp and ep "
-                        f"(with ZeRO and sequence parallelism) so far: plan with pipeline and context "
-                        f"parallelism off (SearchOptions(pipeline=False, context_parallel=False))")
+        raise PlanError(f"the plan uses {other}; the runtime for your own module runs pp, dp, tp and ep "
+                        f"(with ZeRO and sequence parallelism) so far: plan with context parallelism "
+                        f"off (SearchOptions(context_parallel=False))")
     _check_experts(plan, model)
     check_recompute_blocks(plan.recompute, model, plan.model.num_layers)
     _check_model(plan, model)
     mplan = module_plan(plan, model)
+    if plan.mesh.pp > 1:
+        _check_pipeline(plan)
+        cut_stages(model, plan)  # PlanError where the model's forward cannot be cut into the stages
     if plan.mesh.tp > 1:
         _check_dropout(model)
         _check_tied(model, mplan)
     return mplan
+
+
+def _check_pipeline(plan: Plan) -> None:
+    """pp runs alone or with dp and tp: its stages are cut from the whole model before experts are
+    distributed or blocks wrapped for recompute, which this runtime does not do on a cut model yet."""
+    if plan.mesh.ep > 1 or plan.recompute != "none":
+        raise PlanError(f"pp={plan.mesh.pp} with ep={plan.mesh.ep} and recompute {plan.recompute!r}: the "
+                        f"runtime for your own module runs a pipeline with dp, tp and ZeRO, without ep or "
+                        f"recompute so far; plan pp=1, or ep=1 and recompute 'none' with the pipeline")
 
 
 def _check_experts(plan: Plan, model: nn.Module) -> None:
@@ -186,26 +203,34 @@ def parallelize_module_program(model: nn.Module, plan: Plan, *, cluster: Cluster
         check_memory_fits(plan, _device_for(backend))
     _init_process_group(backend, _timeout(timeout_s))  # None: launch.DEFAULT_TIMEOUT_S
     device = _device()
-    mesh = plan_mesh(plan, device.type)
+    pipelined = plan.mesh.pp > 1
+    mesh = pipeline_mesh(plan, device.type) if pipelined else plan_mesh(plan, device.type)
     if source == "module":
         _broadcast_weights(model, device)
+    if pipelined:  # this rank keeps only its stages' modules (runtime.module_pipeline)
+        cut = cut_stages(model, plan)
+        cut.prune(rank_stages(plan, mesh.get_local_rank("pp")))
     model.train()
-    apply_module_plan(model, mplan, mesh["tp"])
+    apply_module_plan(model, held_module_plan(mplan, model) if pipelined else mplan, mesh["tp"])
     distribute_experts(plan, model, mesh)
     if source == "meta":
         load_checkpoint(model, checkpoint, device)
-    program = ModuleProgram(model, plan, mesh, mplan, device, check_finite)
+    program = (PipelinedModuleProgram(model, plan, mesh, mplan, device, check_finite, cut) if pipelined
+               else ModuleProgram(model, plan, mesh, mplan, device, check_finite))
     program.recomputed_layers = apply_module_recompute(model, recompute_policy(plan.recompute))  # checked in step 1
     if program.fsdp:
-        _shard_over_dp(model, mesh["dp"], plan.zero_stage)
+        roots = program.stage_modules if pipelined else [model]
+        _shard_over_dp(model, roots, program.mesh["dp"], plan.zero_stage)
     return program
 
 
-def _shard_over_dp(model: nn.Module, dp_mesh, zero_stage: int) -> None:
-    """FSDP2 on every block and the root (ZeRO 1 and 2 as 2; module_program docstring)."""
+def _shard_over_dp(model: nn.Module, roots: list[nn.Module], dp_mesh, zero_stage: int) -> None:
+    """FSDP2 on every block and the roots: the model, or its pipeline stages (ZeRO 1 and 2 as 2;
+    module_program docstring)."""
     from torch.distributed.fsdp import fully_shard
 
     reshard = zero_stage == 3
     for block in block_lists(model):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+    for root in roots:
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard)

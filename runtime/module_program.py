@@ -54,6 +54,7 @@ from autoplan.plan import Plan
 from autoplan.runtime.health import check_token_range
 from autoplan.runtime.module_experts import expert_weight_names
 from autoplan.runtime.module_plan import ModulePlan
+from autoplan.runtime.module_stages import run_model
 
 IGNORE_INDEX = -100
 
@@ -102,6 +103,7 @@ class ModuleProgram(nn.Module):
         self.step = 0  # train_step calls so far
         self.grad_norm: float | None = None  # the last step's global gradient norm (under check_finite)
         self.recomputed_layers: tuple[int, ...] = ()  # the blocks run as recomputed regions (module_recompute)
+        self.param_names = [n for n, _ in model.named_parameters()]  # the whole model's, in its order
 
     # ------------------------------------------------------------ parameters
     def make_optimizer(self, cls: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
@@ -135,11 +137,8 @@ class ModuleProgram(nn.Module):
 
     def _logits(self, tokens: torch.Tensor):
         """The model's logits (B, T, V) for (B, T) tokens: a DTensor under tp, else a tensor."""
-        tokens = tokens.to(self.device)
         with self._autocast():
-            out = self.model(input_ids=tokens, use_cache=False) if self.hf else self.model(tokens)
-        out = getattr(out, "logits", out)
-        return out[0] if isinstance(out, (tuple, list)) else out
+            return run_model(self.model, tokens.to(self.device))
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         dtype = getattr(torch, self.plan.dtype)
@@ -171,7 +170,11 @@ class ModuleProgram(nn.Module):
     def _token_loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of the token cross-entropies of these rows (targets == -100 skipped), as the plan's
         loss strategy computes it; equal on every tp rank."""
-        logits = self._logits(tokens)
+        return self._logits_loss_sum(self._logits(tokens), targets)
+
+    def _logits_loss_sum(self, logits, targets: torch.Tensor) -> torch.Tensor:
+        """Sum of the token cross-entropies of `logits` (the model's, a DTensor under tp) against
+        `targets` (module docstring: the plan's loss strategy)."""
         targets = targets.to(self.device)
         if not isinstance(logits, DTensor):
             return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
@@ -214,17 +217,9 @@ class ModuleProgram(nn.Module):
         """One optimizer step on the global batch; returns the global mean token loss. Raises
         TrainingDivergedError (every rank, no update taken) on a non-finite loss or gradient norm
         under `check_finite` (module docstring)."""
-        plan = self.plan
         count = self._count_targets(tokens, targets, "train_step")
         optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=self.device)
-        rows, wanted = self._rows(tokens), self._rows(targets)
-        for mb_tokens, mb_targets in zip(rows.chunk(plan.num_microbatches),
-                                         wanted.chunk(plan.num_microbatches)):
-            with self._loss_context():
-                loss = self._token_loss_sum(mb_tokens, mb_targets)
-                (loss * (self.data / count)).backward()
-            total += loss.detach().float()
+        total = self._forward_backward(self._rows(tokens), self._rows(targets), count)
         self._sync_gradients()
         loss = self._global_loss(total, count)
         if self.check_finite:
@@ -232,6 +227,18 @@ class ModuleProgram(nn.Module):
         optimizer.step()
         self.step += 1
         return loss
+
+    def _forward_backward(self, rows: torch.Tensor, wanted: torch.Tensor, count: int) -> torch.Tensor:
+        """Forward and backward of this rank's rows, microbatch by microbatch (module docstring);
+        returns the sum of their token losses."""
+        total = torch.zeros((), device=self.device)
+        for mb_tokens, mb_targets in zip(rows.chunk(self.plan.num_microbatches),
+                                         wanted.chunk(self.plan.num_microbatches)):
+            with self._loss_context():
+                loss = self._token_loss_sum(mb_tokens, mb_targets)
+                (loss * (self.data / count)).backward()
+            total += loss.detach().float()
+        return total
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
@@ -256,7 +263,7 @@ class ModuleProgram(nn.Module):
     def _check_finite(self, loss: float) -> None:
         """self.grad_norm (module docstring); TrainingDivergedError when it or `loss` is not finite."""
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        world = dist.get_world_size()
+        world = dist.get_world_size() // self.plan.mesh.pp  # a parameter lives on one pipeline stage
         for p in self.model.parameters():
             if p.grad is not None:
                 grad = _settled(p.grad)
@@ -268,8 +275,8 @@ class ModuleProgram(nn.Module):
 
     def _first_nonfinite(self) -> str | None:
         """The first parameter (in the model's order) whose gradient is not finite on any rank."""
-        names = [n for n, _ in self.model.named_parameters()]
-        mine = next((i for i, (_, p) in enumerate(self.model.named_parameters()) if p.grad is not None
+        names = self.param_names
+        mine = next((names.index(n) for n, p in self.model.named_parameters() if p.grad is not None
                      and not bool(torch.isfinite(_local(p.grad)).all())), len(names))
         first = torch.tensor(mine, device=self.device)
         dist.all_reduce(first, op=dist.ReduceOp.MIN)

@@ -169,9 +169,8 @@ def test_search_hf_model_plans_what_the_module_runtime_runs(tiny_checkpoint, tmp
         assert main(["search", flag, str(tiny_checkpoint), *HF_SEARCH, "--top", "6", "--save-top", str(top)]) == 0
         found[flag] = [Plan.load(p) for p in sorted(top.glob("plan-*.json"))]
     assert "plan written" not in capsys.readouterr().out  # no -o given
-    # the whole space has pipelines or recompute among its best; the module runtime's space has no pp, cp, ep
-    assert any(p.recompute != "none" or p.mesh.pp > 1 for p in found["--hf-config"])
-    assert found["--hf-model"] and all((p.mesh.pp, p.mesh.cp, p.mesh.ep) == (1, 1, 1) for p in found["--hf-model"])
+    # the module runtime runs no context parallelism: its search offers none
+    assert found["--hf-model"] and all(p.mesh.cp == 1 for p in found["--hf-model"])
     model = hf_model_on_meta(tiny_checkpoint)
     for plan in found["--hf-model"]:
         assert plan.model.fingerprint == hf_model_config(load_hf_config(tiny_checkpoint)).fingerprint()
@@ -205,6 +204,8 @@ def test_estimate_hf_model_prices_any_configuration_and_says_what_cannot_run(tin
     assert plan.mesh.tp == 2 and plan.model.name == f"hf-{tiny_checkpoint.name}"
     assert any(op.node.startswith("model_layers_0_self_attn_q_proj") for op in plan.ops)  # the HF graph's ops
     assert main(argv + ["--pp", "2", "--dp", "1"]) == 0
+    assert "cannot run" not in capsys.readouterr().err  # pipelines run too
+    assert main(argv + ["--cp", "2", "--dp", "1"]) == 0
     assert "`autoplan.train --hf-model` cannot run this plan yet" in capsys.readouterr().err
     config_only = ["estimate", "--hf-config", str(tiny_checkpoint / "config.json"), *argv[3:], "-o", str(out)]
     assert main(config_only) == 0 and Plan.load(out).model.fingerprint == plan.model.fingerprint

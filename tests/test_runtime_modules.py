@@ -25,6 +25,9 @@ size (2 and 4 ranks) runs all its configurations. Besides:
               the same numbers; the blocks recomputed and the op families saved are the policy's; and
               one microbatch's forward keeps less for backward (runtime.memory_probe) by the bytes the
               cost model predicts (test_recompute_frees_what_the_cost_model_predicts says how close)
+    pipelines pp alone (1F1B; interleaved 1F1B with an embedding-only first and a head-only last
+              chunk), with dp (ZeRO 0 and 1) and with tp (+ sp, GPipe), for each model; with a
+              pipeline, program.forward says what to use instead and eval_loss gives the loss
 Every case runs through autoplan.parallelize (one passes the checkpoint directory as the model).
 Pure checks (no processes): the module plan of a plan, what it refuses, checkpoints that do not match.
 """
@@ -40,6 +43,7 @@ import torch.nn.functional as F
 
 from _dist import spawn
 from _handmade import HandLM
+from autoplan.errors import PlanError
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,10 +70,17 @@ class Case:
     assignment: str = "megatron"  # "megatron" (with sp: "megatron-sp"), "replicate", "sequence-loss":
     # Megatron with sp, the head and the loss on sequence shards, or "tied-head" (`_tied_head`)
     recompute: str = "none"  # the plan's recompute policy (runtime.module_recompute)
+    pp: int = 1
+    schedule: str = "1f1b"
+    stage_layers: tuple[int, ...] | None = None  # None: as the planner cuts them
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp
+        return self.pp * self.dp * self.tp
+
+    @property
+    def virtual(self) -> int:
+        return len(self.stage_layers) // self.pp if self.stage_layers else 1
 
 
 CASES = [
@@ -100,6 +111,17 @@ CASES = [
     Case("llama-tp2-matmul-only", "llama", tp=2, recompute="matmul-only"),
     Case("qwen2-dp2tp2-zero3-selective", "qwen2", dp=2, tp=2, zero=3, recompute="selective"),
     Case("gpt2-dp2-selective", "gpt2", dp=2, microbatches=2, recompute="selective"),
+    # pipelines: stages cut at block boundaries (runtime.module_pipeline)
+    Case("llama-pp2", "llama", pp=2, microbatches=2, weights="meta"),
+    Case("llama-pp2dp2-zero1", "llama", pp=2, dp=2, zero=1, microbatches=2),
+    Case("llama-pp2tp2-sp", "llama", pp=2, tp=2, sp=True, microbatches=2, schedule="gpipe"),
+    Case("qwen2-pp2-interleaved", "qwen2", pp=2, microbatches=2, schedule="interleaved-1f1b",
+         stage_layers=(0, 1, 1, 0)),
+    Case("qwen2-pp2dp2-interleaved-zero1", "qwen2", pp=2, dp=2, zero=1, microbatches=2,
+         schedule="interleaved-1f1b", stage_layers=(0, 1, 1, 0)),
+    Case("hand-pp2", "hand", pp=2, microbatches=4),
+    Case("hand-pp2dp2", "hand", pp=2, dp=2, microbatches=2),
+    Case("hand-pp2tp2", "hand", pp=2, tp=2, microbatches=2),
 ]
 # What a plain (no recompute) run keeps for backward beyond the cost model's price, measured op by op:
 UNPRICED = {
@@ -112,7 +134,7 @@ UNPRICED = {
 BASES = {"llama-dp2-full": "llama-dp2", "qwen2-tp2-sp-selective": "qwen2-tp2-sp",
          "hand-tp2-sp-full:1": "hand-tp2-sp", "llama-tp2-matmul-only": "llama-tp2",
          "gpt2-dp2-selective": "gpt2-dp2"}
-EXPORTED = ("llama-dp2tp2-sp", "qwen2-dp2tp2-zero3", "gpt2-dp2tp2-zero3")
+EXPORTED = ("llama-dp2tp2-sp", "qwen2-dp2tp2-zero3", "gpt2-dp2tp2-zero3", "llama-pp2dp2-zero1")
 
 
 def _hf_configs() -> dict:
@@ -170,10 +192,11 @@ def _plan(case: Case, graph, summary):
         assignment |= _sequence_head(graph, registry, case.tp, info)
     if case.assignment == "tied-head":
         assignment = _tied_head(graph, registry, case.tp, info)
-    cluster, mesh = parse_cluster(f"1x{case.world}xcpu"), MeshShape(dp=case.dp, tp=case.tp)
+    cluster, mesh = parse_cluster(f"1x{case.world}xcpu"), MeshShape(pp=case.pp, dp=case.dp, tp=case.tp)
     batch = (B // case.dp // case.microbatches, case.microbatches, case.zero, case.recompute)
     return plan_from_assignment(graph, summary, cluster, mesh, assignment, *batch, registry=registry,
-                                dtype="float32")
+                                dtype="float32", schedule=case.schedule, virtual_stages=case.virtual,
+                                stage_layers=case.stage_layers)
 
 
 def _sequence_head(graph, registry, tp: int, info: dict) -> dict[str, str]:
@@ -304,12 +327,21 @@ def _activations(program, tokens: torch.Tensor) -> dict:
 
 
 def _evaluate(program, tokens: torch.Tensor) -> dict:
-    """This rank's logits, all logits, and the loss of the gathered logits on new tokens."""
+    """This rank's logits, all logits, and the loss of the gathered logits on new tokens; with a
+    pipeline, forward's refusal and eval_loss alone."""
+    targets = tokens.roll(-1, dims=1)
+    targets[:, -1] = -100
+    if program.plan.mesh.pp > 1:
+        try:
+            program.forward(tokens)
+            refused = ""
+        except PlanError as exc:
+            refused = str(exc)
+        loss = program.eval_loss(tokens, targets)
+        return {"refused": refused, "after": loss, "eval": loss}
     local = program.forward(tokens)
     logits = program.forward(tokens, gather=True)
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).item()
-    targets = tokens.roll(-1, dims=1)
-    targets[:, -1] = -100
     return {"local_shape": tuple(local.shape), "gathered_shape": tuple(logits.shape), "after": loss,
             "eval": program.eval_loss(tokens, targets)}
 
@@ -429,7 +461,7 @@ def test_meta_model_reads_only_its_slices(runs, case):
     for got in runs[case.world]:
         held = got[case.name]["held"] * (case.dp if case.zero else 1)  # before ZeRO sharded it over dp
         assert got[case.name]["reads"] == held
-        if case.tp > 1:
+        if case.tp > 1 or case.pp > 1:
             assert held < sum(p.numel() for p in runs[case.world][0][case.name]["params"].values())
 
 
@@ -452,6 +484,14 @@ def test_forward_gives_local_or_gathered_logits(runs):
     assert got["local_shape"] == (B // 2, T, vocab // 2) and got["gathered_shape"] == (B, T, vocab)
     got = runs[2][0]["llama-dp2"]
     assert got["local_shape"] == (B // 2, T, vocab) and got["gathered_shape"] == (B, T, vocab)
+
+
+def test_forward_with_a_pipeline_says_what_to_use(runs):
+    for world, name in ((2, "llama-pp2"), (4, "hand-pp2tp2")):
+        for ranks in runs[world]:
+            refused = ranks[name]["refused"]
+            assert "pipelines the model over pp=2 stages" in refused
+            assert "program.eval_loss(tokens, targets)" in refused and "full_state_dict()" in refused
 
 
 def test_export_refuses_a_users_directory(setup, runs):

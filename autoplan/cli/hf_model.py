@@ -4,9 +4,9 @@ will run. Planning reads only its config.json: the model is built on meta and ca
 torch.export (`autoplan.capture.hf.capture_hf_for_planner`), its ops priced with the Hugging Face
 strategy rules (`autoplan.capture.hf_rules.hf_registry`).
 
-    search    searches the space the runtime for your own module runs (dp and tp with sequence
-              parallelism, ZeRO 0-3, microbatching; not yet pp, cp, ep or recompute) and skips plans
-              that runtime refuses for this model (dropout or tied weights under tp):
+    search    searches the space the runtime for your own module runs (pp, dp and tp with sequence
+              parallelism, ZeRO 0-3, microbatching; not yet cp, ep or recompute) and skips plans
+              that runtime refuses for this model (dropout or tied weights under tp or pp):
               `autoplan.api.search_module_plans`. `--hf-config` plans the whole space instead.
     estimate  prices the configuration given, whatever it is, and says on stderr when the runtime
               for your own module cannot run it yet
@@ -71,7 +71,7 @@ def estimate_inputs(args) -> dict:
 
 def warn_if_not_runnable(plan, directory: str) -> None:
     """Say on stderr why `autoplan.train --hf-model` would refuse `plan` (an estimate prices any
-    configuration; the runtime for your own module runs dp and tp so far)."""
+    configuration; the runtime for your own module runs pp, dp and tp so far)."""
     from autoplan.api import hf_model_on_meta
     from autoplan.errors import PlanError
     from autoplan.runtime.module_launch import check_module_plan
