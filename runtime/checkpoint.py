@@ -149,6 +149,8 @@ def _states(program: "RankProgram", optimizer: torch.optim.Optimizer
     """name -> this rank's optimizer state tensors of that parameter (only the owned ones under
     ZeRO 1)."""
     names = {id(p): n for n, p in program.named_local_parameters()}
+    if hasattr(optimizer, "param_states"):  # grad_sync.ShardedOptimizer: its slices gathered whole
+        return {names[pid]: states for pid, states in optimizer.param_states().items()}
     return {names[id(p)]: {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
             for p, state in _inner(optimizer).state.items()}
 
@@ -438,4 +440,6 @@ def load(program: "RankProgram", directory: str | Path,
         raise CheckpointError(f"reading checkpoint {str(path)!r} failed: "
                               f"{_dcp_failure(exc)}") from None
     _copy_back(copies)
+    if hasattr(optimizer, "scatter_states"):  # ShardedOptimizer: its slices of what was loaded
+        optimizer.scatter_states()
     return meta

@@ -123,6 +123,18 @@ def _reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Group) -> 
     fn(out, inp, group=group)
 
 
+def start(kind: str, out: torch.Tensor, inp: torch.Tensor, group: Group):
+    """Issue one asynchronous collective of a gradient bucket (runtime.grad_sync), counted and
+    named as the others: "all_reduce" sums `inp` in place (`out` is `inp`), "reduce_scatter" puts
+    this rank's rows of the sum of `inp` in `out`, "all_gather" puts every rank's `inp` in `out`.
+    Returns its Work (wait on it before reading `out`)."""
+    issue = {"all_reduce": lambda: dist.all_reduce(inp, group=group, async_op=True),
+             "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, inp, group=group, async_op=True),
+             "all_gather": lambda: dist.all_gather_into_tensor(out, inp, group=group, async_op=True)}
+    with _issuing(kind, group):
+        return issue[kind]()
+
+
 def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     """A new tensor holding the reduction of `x` over the group (no autograd)."""
     out = x.clone(memory_format=torch.contiguous_format)

@@ -84,6 +84,10 @@ def local_sumsq(program: "RankProgram") -> torch.Tensor:
     gradient pieces, each divided by the ranks sharing it. Norms are taken in the gradients'
     dtype per group of equal `copies` (one foreach kernel each): a norm that overflows fp32 is
     infinite, as torch's clip_grad_norm_ reports it."""
+    sync = program.grad_sync
+    if sync is not None and sync.shard:  # ZeRO 1/2: the reduced gradients are this rank's slices
+        names = {id(p): n for n, p in program.named_local_parameters()}
+        return sync.shard_sumsq(lambda p: copies(program, names[id(p)])).to(program.device)
     by_copies: dict[int, list[torch.Tensor]] = {}
     for name, p in program.named_local_parameters():
         if p.grad is not None:
