@@ -9,7 +9,8 @@ A step of B backward passes (its microbatches) begins with `begin_step(B)`; each
 only accumulate, like DDP's no_sync) its gradient is final: a Partial DTensor gradient is settled to
 its parameter's placements (a tp collective) and the parameter marked ready. A bucket whose
 parameters are all ready is launched, asynchronously, in bucket order (the same order on every
-rank of its group, whatever order its hooks fired in), while backward goes on:
+rank of its group, whatever order its hooks fired in), while backward goes on (so a parameter that
+gets no gradient holds back its bucket and the later ones until `finish`: correct, not overlapped):
 
     ZeRO 0   all-reduce(sum) of the bucket's flattened local gradients over its replica group
     ZeRO 1/2 reduce-scatter(sum) of the flattened gradients (padded to a multiple of the group
@@ -95,11 +96,12 @@ class SyncTrace:
 
 class GradSync:
     """Bucketed gradient sync of `replicas` (in registration order), overlapped with backward
-    (module docstring); `shard`: ZeRO 1/2 (reduce-scatter, `ShardedOptimizer`)."""
+    (module docstring); `shard`: ZeRO 1/2 (reduce-scatter, `ShardedOptimizer`); `overlap` False:
+    every bucket launched by `finish`, after backward (for measuring what the overlap buys)."""
 
     def __init__(self, replicas: list[Replica], scale: float, shard: bool = False,
-                 bucket_bytes: int = GRAD_BUCKET_BYTES) -> None:
-        self.scale, self.shard = scale, shard
+                 bucket_bytes: int = GRAD_BUCKET_BYTES, overlap: bool = True) -> None:
+        self.scale, self.shard, self.overlap = scale, shard, overlap
         order = list(reversed(replicas))
         self.index = {id(r.param): i for i, r in enumerate(order)}
         self.buckets = self._make_buckets(order, bucket_bytes)
@@ -151,12 +153,14 @@ class GradSync:
         _settle(p)
         self.trace.add("hook", self.index[id(p)])
         self.bucket_of[id(p)].ready += 1
-        while (self.next_launch < len(self.buckets)
-               and self._complete(self.buckets[self.next_launch])):
-            self._launch(self.buckets[self.next_launch])
+        if self.overlap:
+            self._launch_ready()
 
-    def _complete(self, bucket: _Bucket) -> bool:
-        return bucket.ready == len(bucket.params)
+    def _launch_ready(self) -> None:
+        """Launch the complete buckets from the next one on, in order, up to the first incomplete."""
+        while (self.next_launch < len(self.buckets)
+               and self.buckets[self.next_launch].ready == len(self.buckets[self.next_launch].params)):
+            self._launch(self.buckets[self.next_launch])
 
     def _launch(self, bucket: _Bucket) -> None:
         self.trace.add("launch", self.next_launch)
@@ -186,6 +190,7 @@ class GradSync:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     self._mark_ready(p)
+        self._launch_ready()
         self.backwards = 0
         for bucket in self.buckets:
             self._settle_bucket(bucket)

@@ -153,8 +153,9 @@ def test_a_profile_brings_its_measured_launch_floor():
 
 
 @pytest.mark.parametrize("stage, expected", [
-    (0, (2e9, 2e9, 12e9)), (1, (2e9, 2e9, 1.5e9)), (2, (2e9, 0.25e9, 1.5e9)), (3, (0.25e9, 0.25e9, 1.5e9))])
+    (0, (2e9, 2e9, 12e9)), (1, (2e9, 2e9, 1.5e9)), (2, (2e9, 2e9, 1.5e9)), (3, (0.25e9, 0.25e9, 1.5e9))])
 def test_model_states_under_each_zero_stage(stage, expected):
+    """ZeRO 2 holds what ZeRO 1 holds: the runtime's distributed optimizer keeps whole gradients."""
     state = state_bytes_for("bfloat16")  # 2 + 2 + 12 bytes per parameter
     assert model_state_bytes(1e9, 8, stage, state) == pytest.approx(expected)
 

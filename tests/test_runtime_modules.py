@@ -80,6 +80,9 @@ CASES = [
     Case("llama-dp2tp2-sp", "llama", dp=2, tp=2, sp=True, weights="meta"),
     Case("qwen2-dp2tp2-zero3", "qwen2", dp=2, tp=2, zero=3),
     Case("hand-dp2tp2-zero1", "hand", dp=2, tp=2, zero=1),
+    # ZeRO 1 / 2: the distributed optimizer of runtime.grad_sync (sp: Partial gradients settled first)
+    Case("llama-dp2-zero1", "llama", dp=2, zero=1, microbatches=2),
+    Case("qwen2-dp2tp2-sp-zero2", "qwen2", dp=2, tp=2, sp=True, zero=2),
     # row-parallel slices read from the checkpoint are strided: FSDP2 must get them contiguous
     Case("llama-dp2tp2-zero1-meta", "llama", dp=2, tp=2, zero=1, weights="meta"),
 ]
