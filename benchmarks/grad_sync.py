@@ -18,7 +18,9 @@ through the zoo's runtime (`autoplan.runtime.launch.parallelize`, plans from the
 
 Steps are timed in rounds that rotate the methods (runtime_overhead.time_alternating: a barrier
 before every step, one warm-up step each), so load from other processes hits all alike; the table
-gives rank 0's median and quartiles of the wall time per step. Writes benchmarks/out/grad_sync.json.
+gives rank 0's median and quartiles of the wall time per step, and the median time the step waited
+for its gradient sync after backward ended (`GradSync.exposed_s`: the part of the sync that did not
+hide behind backward), the steadier figure on a loaded machine. Writes benchmarks/out/grad_sync.json.
 """
 
 from __future__ import annotations
@@ -82,18 +84,25 @@ def _rank(rank: int, port: int, plans_: dict, rounds: int, steps: int, out: str)
                                                  optimizer_class=torch.optim.AdamW, lr=LR),
                   "sharded": zero1.make_optimizer(torch.optim.AdamW, lr=LR)}
 
-    def zero0_with(sync):
+    parts: dict[str, dict[str, list[float]]] = {}
+
+    def timed(name: str, program, sync, optimizer):
+        """One step of `program` with `sync`, recording how long it waited for the sync after
+        backward."""
         def step() -> float:
-            zero0.grad_sync = sync
-            return zero0.train_step(tokens, targets, optimizers["zero0"])
+            program.grad_sync = sync
+            loss = program.train_step(tokens, targets, optimizer)
+            parts.setdefault(name, {"sync_wait_s": []})["sync_wait_s"].append(sync.exposed_s())
+            return loss
         return step
 
-    methods = {"zero0-after": zero0_with(after), "zero0-buckets": zero0_with(buckets),
-               "zero1-zro": lambda: old1.train_step(tokens, targets, optimizers["zro"]),
-               "zero1-sharded": lambda: zero1.train_step(tokens, targets, optimizers["sharded"])}
+    methods = {"zero0-after": timed("zero0-after", zero0, after, optimizers["zero0"]),
+               "zero0-buckets": timed("zero0-buckets", zero0, buckets, optimizers["zero0"]),
+               "zero1-zro": timed("zero1-zro", old1, old1.grad_sync, optimizers["zro"]),
+               "zero1-sharded": timed("zero1-sharded", zero1, zero1.grad_sync, optimizers["sharded"])}
     first, times, _ = time_alternating(methods, rounds, steps)
     if rank == 0:
-        Path(out).write_text(json.dumps({"first_loss": first, "times": times,
+        Path(out).write_text(json.dumps({"first_loss": first, "times": times, "parts": parts,
                                          "buckets": len(buckets.buckets)}))
     dist.destroy_process_group()
 
@@ -110,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
         mp.start_processes(_rank, args=(_free_port(), plans_, args.rounds, args.steps, out),
                            nprocs=WORLD, start_method="spawn")
         data = json.loads(Path(out).read_text())
-    result = {name: _summary(t) for name, t in data["times"].items()}
+    result = {name: {**_summary(t), "sync_wait_median_ms": 1e3 * statistics.median(data["parts"][name]["sync_wait_s"])}
+              for name, t in data["times"].items()}
     result["first_loss"] = data["first_loss"]
     result["predicted_step_s"] = {f"zero{z}": p.predicted.step_time_s for z, p in plans_.items()}
     result["config"] = {"model": config.name, "params": config.num_parameters(), "dp": WORLD, "seq": SEQ,
@@ -118,7 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "cpus": os.cpu_count(), "load_avg": os.getloadavg()}
     for name in data["times"]:
         print(f"{name:14s} median {result[name]['median_ms']:8.1f} ms   "
-              f"p25 {result[name]['p25_ms']:8.1f}   p75 {result[name]['p75_ms']:8.1f}   ({result[name]['steps']} steps)")
+              f"p25 {result[name]['p25_ms']:8.1f}   p75 {result[name]['p75_ms']:8.1f}   "
+              f"sync wait after backward {result[name]['sync_wait_median_ms']:7.1f} ms   ({result[name]['steps']} steps)")
     print(json.dumps({k: result[k] for k in ("first_loss", "predicted_step_s", "config")}, indent=1))
     OUT.mkdir(exist_ok=True)
     (OUT / "grad_sync.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -33,7 +33,9 @@ is reduced as soon as the last microbatch's backward has made it (PyTorch DDP, M
 overlapped gradient reduce), so the traffic hides behind that backward, except the last bucket (layer 0
 and the embedding), which is ready only when the backward ends:
 
-    hidden_behind(traffic, window) = max(last bucket's collective, traffic - window)
+    hidden_behind(traffic, window) = max(last bucket's collective, traffic - window (n - 1) / n)
+        (n buckets made evenly over the window, each started once made and the one before it is
+        done; the last is made when backward ends)
     ZeRO 0:   all-reduce(grads) hidden behind window_b
     ZeRO 1/2: reduce-scatter(grads) hidden behind window_b, + all-gather(weights) after the optimizer
               step, exposed whole (Megatron's distributed optimizer without --overlap-param-gather;
@@ -372,19 +374,24 @@ class StepModel:
         seconds."""
         groups = ((sums["dense"], self.group(cfg, ("dp", "ep", "cp"))), (sums["expert"], self.group(cfg, ("dp", "cp"))))
 
-        def collective(kind: str, bytes_per_param: float) -> tuple[float, float]:
-            """(all buckets' seconds, the largest bucket's) of `kind` over each group's buckets
+        def collective(kind: str, bytes_per_param: float) -> tuple[float, float, float]:
+            """(all buckets' seconds, the largest bucket's, the most buckets of a group) of `kind`
             (FSDP2's units under ZeRO 3: one per layer and one for the ends)."""
-            total = last = 0.0
+            total = last = most = 0.0
             for count, g in groups:
                 if count and g.size > 1:
                     n = sums["buckets"] if cfg.zero_stage == 3 else bucket_count(count * self.state.grad)
                     each = self.env.efficiency.collective_s(kind, bytes_per_param * count / n, self.env.cluster, g)
-                    total, last = total + n * each, max(last, each)
-            return total, last
+                    total, last, most = total + n * each, max(last, each), max(most, n)
+            return total, last, most
 
-        def hidden_behind(traffic: tuple[float, float], window: float) -> float:
-            return max(traffic[1], traffic[0] - window)  # the last bucket never hides
+        def hidden_behind(traffic: tuple[float, float, float], window: float) -> float:
+            """The last bucket never hides; a bucket cannot start before backward has made it: with
+            n buckets made evenly over the window, the chain ends max(last, total - window (n-1)/n)
+            after backward (FSDP2's units, ZeRO 3: max(last, total - window), as before)."""
+            total, last, n = traffic
+            usable = window if cfg.zero_stage == 3 or n == 0 else window * (n - 1) / n
+            return max(last, total - usable)
 
         window_b, window_f, m = sums["backward"], sums["forward"], cfg.num_microbatches
         if not self.env.efficiency.overlap_grad_reduce:
@@ -397,4 +404,4 @@ class StepModel:
                     "parameter all-gather after the step": ag[0]}
         return {"parameter all-gathers (FSDP2)": m * hidden_behind(ag, window_f),
                 "backward all-gathers and reduce-scatters (FSDP2)": m * hidden_behind(
-                    (ag[0] + rs[0], ag[1] + rs[1]), window_b)}
+                    (ag[0] + rs[0], ag[1] + rs[1], ag[2]), window_b)}

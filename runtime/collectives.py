@@ -128,9 +128,11 @@ def start(kind: str, out: torch.Tensor, inp: torch.Tensor, group: Group):
     named as the others: "all_reduce" sums `inp` in place (`out` is `inp`), "reduce_scatter" puts
     this rank's rows of the sum of `inp` in `out`, "all_gather" puts every rank's `inp` in `out`.
     Returns its Work (wait on it before reading `out`)."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # 2.13 / 2.11
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     issue = {"all_reduce": lambda: dist.all_reduce(inp, group=group, async_op=True),
-             "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, inp, group=group, async_op=True),
-             "all_gather": lambda: dist.all_gather_into_tensor(out, inp, group=group, async_op=True)}
+             "reduce_scatter": lambda: scatter(out, inp, group=group, async_op=True),
+             "all_gather": lambda: gather(out, inp, group=group, async_op=True)}
     with _issuing(kind, group):
         return issue[kind]()
 

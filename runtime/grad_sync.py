@@ -86,8 +86,8 @@ def _settle(p: torch.Tensor) -> None:
 @dataclass
 class SyncTrace:
     """What the last step did, in order: ("hook", i) when parameter i's gradient became final,
-    ("launch", b) when bucket b's collective was issued, ("backward_end", -1) at `finish`, each
-    with its time.perf_counter()."""
+    ("launch", b) when bucket b's collective was issued, ("backward_end", -1) when `finish` began
+    and ("synced", -1) when it ended, each with its time.perf_counter()."""
     events: list[tuple[str, int, float]] = field(default_factory=list)
 
     def add(self, kind: str, index: int) -> None:
@@ -194,6 +194,12 @@ class GradSync:
         self.backwards = 0
         for bucket in self.buckets:
             self._settle_bucket(bucket)
+        self.trace.add("synced", -1)
+
+    def exposed_s(self) -> float:
+        """Seconds the last step waited for its gradient sync after backward (`finish`)."""
+        times = {kind: t for kind, _, t in self.trace.events if kind in ("backward_end", "synced")}
+        return times["synced"] - times["backward_end"]
 
     def _settle_bucket(self, bucket: _Bucket) -> None:
         if bucket.group is None:

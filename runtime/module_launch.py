@@ -9,7 +9,7 @@ a Plan. The order matters:
        same tensors); a model on meta is loaded after step 4
     4. tp styles (`runtime.module_styles`), parameters becoming DTensors on the tp mesh
     5. a meta model's parameters read from the checkpoint, each rank its slices (`runtime.weights`)
-    6. ZeRO: FSDP2 over dp (`runtime.module_program`)
+    6. ZeRO 3: FSDP2 over dp (`runtime.module_program`; ZeRO 1/2 are `runtime.grad_sync`'s)
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def parallelize_module_program(model: nn.Module, plan: Plan, *, cluster: Cluster
 
 
 def _shard_over_dp(model: nn.Module, dp_mesh, zero_stage: int) -> None:
-    """FSDP2 on every block and the root (ZeRO 1 and 2 as 2; module_program docstring)."""
+    """FSDP2 on every block and the root (ZeRO 3; module_program docstring)."""
     from torch.distributed.fsdp import fully_shard
 
     reshard = zero_stage == 3

@@ -166,7 +166,7 @@ class RankProgram(nn.Module):
             module._parameters[attr] = nn.Parameter(local)
 
     def named_local_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """(name in the user's model, this rank's shard), in a fixed order (under ZeRO 2/3, a
+        """(name in the user's model, this rank's shard), in a fixed order (under ZeRO 3, a
         DTensor sharding the tp-local shard over the data ranks)."""
         for name in self.layouts:
             owner, _, attr = name.rpartition(".")
