@@ -214,9 +214,10 @@ class GradSync:
         if self.shard:
             if bucket.master is not None:
                 bucket.master.grad = bucket.received.float().mul_(self.scale)
-            return
-        bucket.flat.mul_(self.scale)
-        self._scatter_flat(bucket, bucket.flat, "grad")
+        else:
+            bucket.flat.mul_(self.scale)
+            self._scatter_flat(bucket, bucket.flat, "grad")
+        bucket.flat = bucket.received = bucket.work = None  # not held through the optimizer step
 
     @staticmethod
     def _scatter_flat(bucket: _Bucket, flat: torch.Tensor, what: str) -> None:
