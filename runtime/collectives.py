@@ -78,6 +78,13 @@ def _issuing(kind: str, group: Group) -> Iterator[None]:
     timeout, a peer's closed connection) into a CollectiveError that names the collective, its
     group and this rank: the backend's own message names neither."""
     _record(kind, group)
+    with _named(kind, group):
+        yield
+
+
+@contextlib.contextmanager
+def _named(kind: str, group: Group) -> Iterator[None]:
+    """The backend's RuntimeError inside the block as a CollectiveError naming `kind` and `group`."""
     try:
         yield
     except CollectiveError:
@@ -135,6 +142,13 @@ def start(kind: str, out: torch.Tensor, inp: torch.Tensor, group: Group):
              "all_gather": lambda: gather(out, inp, group=group, async_op=True)}
     with _issuing(kind, group):
         return issue[kind]()
+
+
+def wait(kind: str, work, group: Group) -> None:
+    """Wait for an asynchronous collective `start` issued; its failure (a peer's timeout) named as
+    the collective's own."""
+    with _named(kind, group):
+        work.wait()
 
 
 def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:

@@ -210,7 +210,7 @@ class GradSync:
                 bucket.master.grad = torch.cat([_local(p.grad).reshape(-1).float()
                                                 for p in bucket.params])
             return
-        bucket.work.wait()
+        C.wait("reduce_scatter" if self.shard else "all_reduce", bucket.work, bucket.group)
         if self.shard:
             if bucket.master is not None:
                 bucket.master.grad = bucket.received.float().mul_(self.scale)
@@ -260,7 +260,7 @@ class GradSync:
             pending.append((b, full, work))
         for b, full, work in pending:
             if work is not None:
-                work.wait()
+                C.wait("all_gather", work, b.group)
             self._scatter_flat(b, full, "data")
 
     @torch.no_grad()
@@ -273,7 +273,7 @@ class GradSync:
                 out.append(piece.clone())
                 continue
             full = piece.new_empty(b.padded)
-            C.start("all_gather", full, piece.contiguous(), b.group).wait()
+            C.wait("all_gather", C.start("all_gather", full, piece.contiguous(), b.group), b.group)
             out.append(full)
         return out
 
