@@ -62,10 +62,18 @@ def state_bytes_for(dtype: str) -> StateBytes:
     raise ConfigError(f"dtype {dtype!r} has no model-state sizes; use bfloat16, float16 or float32")
 
 
+def zero_as_run(zero_stage: int) -> int:
+    """The ZeRO stage whose memory the runtime holds: ZeRO 2 runs as ZeRO 1 (`runtime.grad_sync`'s
+    distributed optimizer keeps whole gradients until the step; ZeRO 3 is FSDP2's)."""
+    return 1 if zero_stage == 2 else zero_stage
+
+
 def model_state_bytes(num_params: float, dp: int, zero_stage: int, state: StateBytes) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer states) bytes per rank for `num_params` local parameters."""
+    """(weights, gradients, optimizer states) bytes per rank for `num_params` local parameters
+    (ZeRO 2 as it runs: `zero_as_run`)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_stage {zero_stage!r} must be 0, 1, 2 or 3")
+    zero_stage = zero_as_run(zero_stage)
     weights = state.weight * num_params / (dp if zero_stage >= 3 else 1)
     grads = state.grad * num_params / (dp if zero_stage >= 2 else 1)
     optimizer = state.optimizer * num_params / (dp if zero_stage >= 1 else 1)
@@ -175,8 +183,10 @@ def largest_layer_parameter_count(graph: "CapturedGraph", strategies: Mapping[st
 
 
 def temporary_bytes(comm_buffer_bytes: float, largest_layer_params: float, zero_stage: int, state: StateBytes) -> float:
-    """Largest tp communication buffer + ZeRO-3 gathered weights of 2 layers + ZeRO-2/3 one layer's gradients."""
+    """Largest tp communication buffer + ZeRO-3 gathered weights of 2 layers + ZeRO-3 one layer's
+    gradients (ZeRO 2 runs as ZeRO 1: `zero_as_run`)."""
     total = comm_buffer_bytes
+    zero_stage = zero_as_run(zero_stage)
     if zero_stage >= 2:
         total += state.grad * largest_layer_params
     if zero_stage == 3:

@@ -25,17 +25,26 @@ sends (`cost_model.pipeline`). Per optimizer step:
     optimizer_s     = Adam over the stage's local parameters at HBM bandwidth (the largest stage)
 
 Data-parallel sync per stage, over dp x ep x cp ranks for dense parameters and dp x cp for expert
-ones (whatever etp: the ranks holding the same experts differ only in dp and cp), in (layers + 1)
-buckets so latencies count; window_b = the stage's backward of one microbatch (with recompute),
-window_f = its forward. As PyTorch DDP / FSDP2 and Megatron-Core's overlapped
-gradient reduce do it, a bucket is reduced as soon as the last microbatch's backward has made it, so
-the traffic hides behind that backward, except the last bucket (layer 0 and the embedding), which is
-ready only when the backward ends: exposed = max(collective / buckets, collective - window):
+ones (whatever etp: the ranks holding the same experts differ only in dp and cp), as the runtime runs
+it (`runtime.grad_sync`): each group's gradients in n = ceil(bytes / 25 MiB) buckets
+(`autoplan.grad_buckets`), each bucket one collective of bytes / n, so latencies count;
+window_b = the stage's backward of one microbatch (with recompute), window_f = its forward. A bucket
+is reduced as soon as the last microbatch's backward has made it (PyTorch DDP, Megatron-Core's
+overlapped gradient reduce), so the traffic hides behind that backward, except the last bucket (layer 0
+and the embedding), which is ready only when the backward ends:
 
-    ZeRO 0: all-reduce(grads) against window_b
-    ZeRO 1: reduce-scatter(grads) against window_b, + all-gather(weights) against window_f (next forward)
-    ZeRO 2: m * (reduce-scatter against window_b) + (all-gather against window_f)
-    ZeRO 3: m * ((all-gather against window_f) + (all-gather + reduce-scatter against window_b))
+    hidden_behind(traffic, window) = max(last bucket's collective, traffic - window (n - 1) / n)
+        (n buckets made evenly over the window, each started once made and the one before it is
+        done; the last is made when backward ends)
+    ZeRO 0:   all-reduce(grads) hidden behind window_b
+    ZeRO 1/2: reduce-scatter(grads) hidden behind window_b, + all-gather(weights) after the optimizer
+              step, exposed whole (Megatron's distributed optimizer without --overlap-param-gather;
+              ZeRO 2 runs as ZeRO 1: gradients stay whole until the step, `memory.zero_as_run`)
+    ZeRO 3:   m * ((all-gather against window_f) + (all-gather + reduce-scatter against window_b)), in
+              FSDP2's units (one per layer, one for the ends) instead of 25 MiB buckets
+
+`dp_sync_parts` names these parts (the all-reduce / reduce-scatter left after backward, the
+all-gather of the parameters).
 
 Megatron-LM of 2021, as Narayanan et al. ran it, all-reduced after the whole backward:
 `Efficiency(overlap_grad_reduce=False)` prices that (no window).
@@ -62,6 +71,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from autoplan.cluster import ClusterSpec
+from autoplan.grad_buckets import bucket_count
 from autoplan.cost_model.comm import AxisGroup
 from autoplan.cost_model.compute import Efficiency, op_time_s
 from autoplan.cost_model.memory import model_state_bytes, state_bytes_for, temporary_bytes
@@ -366,31 +376,43 @@ class StepModel:
         """Data-parallel traffic of one stage not hidden behind its compute (module docstring)."""
         key = tuple(round(sums[k], 6) for k in ("dense", "expert", "buckets")) + tuple(
             round(sums[k] * 1e9) for k in ("forward", "backward"))
-        if key in memo:
-            return memo[key]
-        buckets = sums["buckets"]
+        if key not in memo:
+            memo[key] = sum(self.dp_sync_parts(cfg, sums).values())
+        return memo[key]
+
+    def dp_sync_parts(self, cfg: Config, sums: dict[str, float]) -> dict[str, float]:
+        """The exposed data-parallel sync of one stage (`_stage_sums`), by part (module docstring):
+        seconds."""
         groups = ((sums["dense"], self.group(cfg, ("dp", "ep", "cp"))), (sums["expert"], self.group(cfg, ("dp", "cp"))))
 
-        def collective(kind: str, bytes_per_param: float) -> float:
-            return sum(buckets * self.env.efficiency.collective_s(kind, bytes_per_param * count / buckets,
-                                                                  self.env.cluster, g)
-                       for count, g in groups if count and g.size > 1)
+        def collective(kind: str, bytes_per_param: float) -> tuple[float, float, float]:
+            """(all buckets' seconds, the largest bucket's, the most buckets of a group) of `kind`
+            (FSDP2's units under ZeRO 3: one per layer and one for the ends)."""
+            total = last = most = 0.0
+            for count, g in groups:
+                if count and g.size > 1:
+                    n = sums["buckets"] if cfg.zero_stage == 3 else bucket_count(count * self.state.grad)
+                    each = self.env.efficiency.collective_s(kind, bytes_per_param * count / n, self.env.cluster, g)
+                    total, last, most = total + n * each, max(last, each), max(most, n)
+            return total, last, most
 
-        def beyond(traffic: float, window: float) -> float:  # the last bucket never hides (module docstring)
-            return max(traffic / buckets, traffic - window)
+        def hidden_behind(traffic: tuple[float, float, float], window: float) -> float:
+            """The last bucket never hides; a bucket cannot start before backward has made it: with
+            n buckets made evenly over the window, the chain ends max(last, total - window (n-1)/n)
+            after backward (FSDP2's units, ZeRO 3: max(last, total - window), as before)."""
+            total, last, n = traffic
+            usable = window if cfg.zero_stage == 3 or n == 0 else window * (n - 1) / n
+            return max(last, total - usable)
 
         window_b, window_f, m = sums["backward"], sums["forward"], cfg.num_microbatches
         if not self.env.efficiency.overlap_grad_reduce:
             window_b = window_f = 0.0
         if cfg.zero_stage == 0:
-            exposed = beyond(collective("all_reduce", self.state.grad), window_b)
-        else:
-            rs, ag = collective("reduce_scatter", self.state.grad), collective("all_gather", self.state.weight)
-            if cfg.zero_stage == 1:
-                exposed = beyond(rs, window_b) + beyond(ag, window_f)
-            elif cfg.zero_stage == 2:
-                exposed = m * beyond(rs, window_b) + beyond(ag, window_f)
-            else:
-                exposed = m * (beyond(ag, window_f) + beyond(ag + rs, window_b))
-        memo[key] = exposed
-        return exposed
+            return {"gradient all-reduce after backward": hidden_behind(collective("all_reduce", self.state.grad), window_b)}
+        rs, ag = collective("reduce_scatter", self.state.grad), collective("all_gather", self.state.weight)
+        if cfg.zero_stage in (1, 2):
+            return {"gradient reduce-scatter after backward": hidden_behind(rs, window_b),
+                    "parameter all-gather after the step": ag[0]}
+        return {"parameter all-gathers (FSDP2)": m * hidden_behind(ag, window_f),
+                "backward all-gathers and reduce-scatters (FSDP2)": m * hidden_behind(
+                    (ag[0] + rs[0], ag[1] + rs[1], ag[2]), window_b)}

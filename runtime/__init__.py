@@ -16,11 +16,13 @@ dispatch; with etp < tp over ep x tp / etp, each expert's FFN over etp), pp
 (torch.distributed.pipelining schedules); recompute and bf16 autocast as the plan says. Module map:
 launch (checks, groups) -> rewrite (tp modules and conversions, then context, recompute) -> program
 (materialise, pipeline, data parallel, checkpoints); collectives, losses, modules, experts are the
-pieces the graph calls; counting predicts a step's collectives.
+pieces the graph calls; counting predicts a step's collectives. grad_sync, for both runtimes: the
+data-parallel gradients in buckets synchronised while backward runs, ZeRO 1/2 as a distributed
+optimizer (`program.make_optimizer` makes it).
 
 The user's own module (a transformers causal LM, or any nn.Module whose forward(input_ids)
-returns logits) runs on the PyTorch-native stack instead, without a graph rewrite: dp (ZeRO 0;
-1-3 as FSDP2) and tp with sequence parallelism, as DTensor parallel styles on its modules:
+returns logits) runs on the PyTorch-native stack instead, without a graph rewrite: dp (ZeRO 0-2
+on grad_sync; 3 as FSDP2) and tp with sequence parallelism, as DTensor parallel styles on its modules:
 
     program = parallelize_module_program(model, plan, checkpoint=None)    # (autoplan.parallelize
     print(program.module_plan)                    # dispatches here) {module path: style}

@@ -16,8 +16,9 @@ order, which is the ascending rank order of the expert group, the order its expe
 Under 1 < etp < tp its DeviceMesh has tp as two dims, tp_outer (t // etp) then tp_inner (t % etp):
 Shard(0) on ep and tp_outer (the expert group, in the same order), Shard(FFN dim) on tp_inner. DCP writes
 each distinct piece once and, on load, reads whatever slice the new layout asks for. Parameters
-sharded over dp by ZeRO 2/3 (FSDP2) are gathered over dp first (their tp-local piece); under ZeRO 1
-each rank saves and loads the states of the parameters whose optimizer states it owns.
+sharded over dp by ZeRO 3 (FSDP2) are gathered over dp first (their tp-local piece); under ZeRO 1/2
+the distributed optimizer's slices of each state are gathered whole over dp first
+(`grad_sync.ShardedOptimizer.param_states`) and each rank loads its slice back (`scatter_states`).
 
 Beside DCP's files, `autoplan.json` (plain JSON, the manifest) records the format, the model's name
 and fingerprint, the training step, the mesh, the optimizer's class, the parameter shapes, and the
@@ -124,7 +125,7 @@ def _as_global(local: torch.Tensor, mesh: DeviceMesh, placements: list,
 
 
 def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer that holds the states (ZeroRedundancyOptimizer wraps one)."""
+    """The optimizer that holds the states (grad_sync.ShardedOptimizer wraps one)."""
     return getattr(optimizer, "optim", optimizer)
 
 
@@ -149,6 +150,8 @@ def _states(program: "RankProgram", optimizer: torch.optim.Optimizer
     """name -> this rank's optimizer state tensors of that parameter (only the owned ones under
     ZeRO 1)."""
     names = {id(p): n for n, p in program.named_local_parameters()}
+    if hasattr(optimizer, "param_states"):  # grad_sync.ShardedOptimizer: its slices gathered whole
+        return {names[pid]: states for pid, states in optimizer.param_states().items()}
     return {names[id(p)]: {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
             for p, state in _inner(optimizer).state.items()}
 
@@ -438,4 +441,6 @@ def load(program: "RankProgram", directory: str | Path,
         raise CheckpointError(f"reading checkpoint {str(path)!r} failed: "
                               f"{_dcp_failure(exc)}") from None
     _copy_back(copies)
+    if hasattr(optimizer, "scatter_states"):  # ShardedOptimizer: its slices of what was loaded
+        optimizer.scatter_states()
     return meta

@@ -78,6 +78,13 @@ def _issuing(kind: str, group: Group) -> Iterator[None]:
     timeout, a peer's closed connection) into a CollectiveError that names the collective, its
     group and this rank: the backend's own message names neither."""
     _record(kind, group)
+    with _named(kind, group):
+        yield
+
+
+@contextlib.contextmanager
+def _named(kind: str, group: Group) -> Iterator[None]:
+    """The backend's RuntimeError inside the block as a CollectiveError naming `kind` and `group`."""
     try:
         yield
     except CollectiveError:
@@ -121,6 +128,27 @@ def _reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Group) -> 
         return
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # 2.13 / 2.11
     fn(out, inp, group=group)
+
+
+def start(kind: str, out: torch.Tensor, inp: torch.Tensor, group: Group):
+    """Issue one asynchronous collective of a gradient bucket (runtime.grad_sync), counted and
+    named as the others: "all_reduce" sums `inp` in place (`out` is `inp`), "reduce_scatter" puts
+    this rank's rows of the sum of `inp` in `out`, "all_gather" puts every rank's `inp` in `out`.
+    Returns its Work (wait on it before reading `out`)."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # 2.13 / 2.11
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    issue = {"all_reduce": lambda: dist.all_reduce(inp, group=group, async_op=True),
+             "reduce_scatter": lambda: scatter(out, inp, group=group, async_op=True),
+             "all_gather": lambda: gather(out, inp, group=group, async_op=True)}
+    with _issuing(kind, group):
+        return issue[kind]()
+
+
+def wait(kind: str, work, group: Group) -> None:
+    """Wait for an asynchronous collective `start` issued; its failure (a peer's timeout) named as
+    the collective's own."""
+    with _named(kind, group):
+        work.wait()
 
 
 def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:

@@ -33,13 +33,17 @@ rank runs:
                               whatever the policy saves (`autoplan.recompute_policy`: collectives
                               are never saved)
 
-Per step: the above times num_microbatches; one all-reduce of the dense gradients over the data
-ranks (dp x ep x cp) and one of the expert gradients over dp x cp, whatever etp and ep_as (when those groups
-have more than one rank, and not under ZeRO 2/3, whose FSDP2 reduce-scatters are torch's own); the
+Per step: the above times num_microbatches; the gradient buckets (runtime.grad_sync) of the dense
+gradients over the data ranks (dp x ep x cp) and of the expert gradients over dp x cp, whatever etp and
+ep_as (when those groups have more than one rank, and not under ZeRO 3, whose FSDP2 reduce-scatters are
+torch's own): one all-reduce each under ZeRO 0, a reduce-scatter and an all-gather of the parameters
+under ZeRO 1/2 (one bucket per group and dtype: the models counted here fill less than
+`autoplan.grad_buckets.GRAD_BUCKET_BYTES`; dense and expert gradients share it when their groups
+hold the same ranks); the
 loss's all-reduce over pp (pp > 1) and over the data ranks (carrying the gradient norm's terms
 too, runtime.health); with the finiteness check on (`check_finite`, the default), one all-reduce
 over tp (tp > 1) of the gradient norm's terms. Not counted: torch's own collectives
-(FSDP2, ZeroRedundancyOptimizer's broadcasts, the pipeline schedules' sends and receives).
+(FSDP2, the pipeline schedules' sends and receives).
 
 Group names: a group is named by the narrowest kind with the same ranks, in the order data,
 expert_data, expert, expert_tp, pp, dp, ep, cp, tp (so with only dp > 1, the data group is "dp",
@@ -181,11 +185,12 @@ def expected_collectives(plan: Plan, config: ModelConfig, pp_index: int = 0,
     local_params = {p for n in graph.nodes if stages[n.name] in mine for p, _ in n.params}
     experts = {p for p in local_params
                if mesh.expert_parallel > 1 and p.rsplit(".", 1)[-1] in EXPERT_WEIGHTS}
-    if plan.zero_stage < 2 or data == 1:
-        if data > 1 and local_params - experts:
-            total[("all_reduce", names["data"])] += 1
-        if expert_data > 1 and experts:
-            total[("all_reduce", names["expert_data"])] += 1
+    sync = ["all_reduce"] if plan.zero_stage == 0 else ["reduce_scatter", "all_gather"]
+    synced = ({names["data"]} if data > 1 and local_params - experts else set()) | (
+        {names["expert_data"]} if expert_data > 1 and experts else set())  # one group: one bucket
+    if plan.zero_stage < 3 or data == 1:
+        for kind, group in ((k, g) for k in sync for g in synced):
+            total[(kind, group)] += 1
     if mesh.pp > 1:
         total[("all_reduce", names["pp"])] += 1
     if data > 1:

@@ -15,8 +15,9 @@ Divergence, after the gradients are synchronised and before the optimizer step:
     copies(p) = (world / pp) / pieces(p)
 
 The world / pp ranks of p's pipeline stage hold it in pieces(p) distinct pieces (the product of
-the degrees it is sharded over: tp, the expert group, expert_tp; times dp x ep x cp under ZeRO 2/3),
-each held by copies(p) ranks with the same gradient once sync_gradients has run; so ||g|| is the
+the degrees it is sharded over: tp, the expert group, expert_tp; times dp x ep x cp under ZeRO 3),
+each held by copies(p) ranks with the same gradient once the gradient sync has run (under ZeRO 1/2
+the reduced gradients are slices over the data ranks: grad_sync.shard_sumsq); so ||g|| is the
 single-device model's gradient norm. Each rank's term is summed over tp (one all-reduce of a
 scalar, when tp > 1), then with the loss over pp and the data ranks (the loss's own all-reduces,
 now of two numbers): every rank ends with the same loss and norm, and since NaN and inf survive any
@@ -64,7 +65,7 @@ def check_token_range(tokens: torch.Tensor, targets: torch.Tensor, vocab: int,
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a gradient (under ZeRO 2/3 FSDP2 holds it as a dp-sharded DTensor)."""
+    """This rank's piece of a gradient (under ZeRO 3 FSDP2 holds it as a dp-sharded DTensor)."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -84,6 +85,10 @@ def local_sumsq(program: "RankProgram") -> torch.Tensor:
     gradient pieces, each divided by the ranks sharing it. Norms are taken in the gradients'
     dtype per group of equal `copies` (one foreach kernel each): a norm that overflows fp32 is
     infinite, as torch's clip_grad_norm_ reports it."""
+    sync = program.grad_sync
+    if sync is not None and sync.shard:  # ZeRO 1/2: the reduced gradients are this rank's slices
+        names = {id(p): n for n, p in program.named_local_parameters()}
+        return sync.shard_sumsq(lambda p: copies(program, names[id(p)])).to(program.device)
     by_copies: dict[int, list[torch.Tensor]] = {}
     for name, p in program.named_local_parameters():
         if p.grad is not None:

@@ -14,7 +14,8 @@ a Plan. The order matters:
        weights this rank's experts, DTensors on the ("ep", "tp") mesh (`runtime.module_experts`)
     5. a meta model's parameters read from the checkpoint, each rank its slices (`runtime.weights`)
     6. recompute: each block the policy names runs as one checkpointed region (`runtime.module_recompute`)
-    7. ZeRO: FSDP2 over dp (`runtime.module_program`), outside the recomputed regions
+    7. ZeRO 3: FSDP2 over dp (`runtime.module_program`), outside the recomputed regions; ZeRO 1/2 are
+       `runtime.grad_sync`'s distributed optimizer
 """
 
 from __future__ import annotations
@@ -225,8 +226,8 @@ def parallelize_module_program(model: nn.Module, plan: Plan, *, cluster: Cluster
 
 
 def _shard_over_dp(model: nn.Module, roots: list[nn.Module], dp_mesh, zero_stage: int) -> None:
-    """FSDP2 on every block and the roots: the model, or its pipeline stages (ZeRO 1 and 2 as 2;
-    module_program docstring)."""
+    """FSDP2 on every block and the roots: the model, or its pipeline stages (ZeRO 3; module_program
+    docstring)."""
     from torch.distributed.fsdp import fully_shard
 
     reshard = zero_stage == 3

@@ -13,9 +13,9 @@ torch.distributed.pipelining.
                ScheduleInterleaved1F1B, over the plan's num_microbatches microbatches of this
                dp rank's rows; the token ids reach every stage as a keyword argument (each stage
                derives positions and masks from them), the activation flows between stages
-    ZeRO       0: gradients averaged over dp after the schedule (`ModuleProgram._sync_gradients`);
-               1: FSDP2 on the blocks and on each stage module (the pipelining stage then syncs
-               gradients once per step, after the last microbatch); 2, 3 with pp are refused by
+    ZeRO       0, 1: `runtime.grad_sync` over this rank's stage parameters, as without a pipeline:
+               buckets all-reduced (1: reduce-scattered for the distributed optimizer) from the
+               gradient hooks of the last microbatch's backward; 2, 3 with pp are refused by
                `autoplan.validity`
 
 The loss is the one of `ModuleProgram.train_step`: the schedule's loss function on the last stage

@@ -6,12 +6,13 @@
     weights   the module's own tensors (rank 0's: a model with weights is first broadcast, then
               each rank keeps its shards), or, for a model on meta, this rank's slices of a
               Hugging Face checkpoint directory (`runtime.weights`)
-    ZeRO      0: gradients averaged over dp after backward (one all-reduce per dtype bucket)
-              1, 2: FSDP2 `fully_shard(reshard_after_forward=False)` on every block of the model's
-                 layer lists and on the root: parameters gathered once per step and kept through
-                 backward, gradients reduce-scattered, optimizer states sharded; that is ZeRO-2
-                 (FSDP2 has no mode keeping whole gradients, ZeRO-1's), run for both
-              3: `fully_shard(reshard_after_forward=True)`: parameters gathered again in backward
+    ZeRO      0: gradients averaged over dp in buckets all-reduced while backward runs
+                 (`runtime.grad_sync`, the zoo's mechanism too)
+              1, 2: the same buckets reduce-scattered while backward runs; the optimizer steps on
+                 this rank's fp32 slice of them and all-gathers the parameters
+                 (`grad_sync.ShardedOptimizer`, made by `make_optimizer`)
+              3: FSDP2 `fully_shard(reshard_after_forward=True)` on every block of the model's
+                 layer lists and on the root: parameters gathered again in backward
 
 One step on a global batch of G sequences of T tokens (`train_step`, the contract of the zoo's
 RankProgram):
@@ -51,6 +52,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from autoplan.errors import ConfigError, TrainingDivergedError
 from autoplan.plan import Plan
+from autoplan.runtime.grad_sync import GradSync, Replica, ShardedOptimizer
 from autoplan.runtime.health import check_token_range
 from autoplan.runtime.module_experts import expert_weight_names
 from autoplan.runtime.module_plan import ModulePlan
@@ -96,7 +98,7 @@ class ModuleProgram(nn.Module):
         self.data = plan.mesh.dp * plan.mesh.ep
         self.data_mesh = mesh["dp", "ep"]._flatten("data") if plan.mesh.ep > 1 else mesh["dp"]
         self.experts = frozenset(expert_weight_names(plan))
-        self.fsdp = plan.zero_stage >= 1 and self.dp > 1
+        self.fsdp = plan.zero_stage == 3 and self.dp > 1
         self.hf = hasattr(getattr(model, "config", None), "use_cache")
         self.vocab = getattr(getattr(model, "config", None), "vocab_size", None)  # None: not checked
         self.check_finite = check_finite
@@ -104,9 +106,25 @@ class ModuleProgram(nn.Module):
         self.grad_norm: float | None = None  # the last step's global gradient norm (under check_finite)
         self.recomputed_layers: tuple[int, ...] = ()  # the blocks run as recomputed regions (module_recompute)
         self.param_names = [n for n, _ in model.named_parameters()]  # the whole model's, in its order
+        self.grad_sync = None if self.fsdp else self._grad_sync()
 
     # ------------------------------------------------------------ parameters
+    def _grad_sync(self) -> GradSync:
+        """Gradients averaged over the data-parallel ranks in buckets during backward, each tp shard
+        over its replicas: dense ones over dp x ep, expert ones over dp (`runtime.module_experts`),
+        both divided by dp x ep (under ZeRO 1/2 reduce-scattered for `ShardedOptimizer`); with one
+        data-parallel rank only the Partial gradients settled."""
+        dense = self.data_mesh.get_group() if self.data > 1 else None
+        experts = self.mesh.get_group("dp") if self.dp > 1 else None
+        replicas = [Replica(p, experts, self.dp) if name in self.experts else Replica(p, dense, self.data)
+                    for name, p in self.model.named_parameters()]
+        return GradSync(replicas, 1.0 / self.data, shard=self.plan.zero_stage in (1, 2) and self.dp > 1)
+
     def make_optimizer(self, cls: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
+        """`cls` over the parameters; under ZeRO 1/2 over this rank's slices of them
+        (`grad_sync.ShardedOptimizer`, the optimizer train_step then requires)."""
+        if self.grad_sync is not None and self.grad_sync.shard:
+            return ShardedOptimizer(self.grad_sync, cls, **kwargs)
         return cls(self.model.parameters(), **kwargs)
 
     def named_local_parameters(self):
@@ -120,6 +138,8 @@ class ModuleProgram(nn.Module):
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every gradient gathered whole (zeros where none), on CPU; call it on every rank."""
+        if self.grad_sync is not None and self.grad_sync.shard:
+            self.grad_sync.gather_gradients()
         return {n: _full(p.grad) if p.grad is not None else torch.zeros(p.shape)
                 for n, p in self.model.named_parameters()}
 
@@ -218,9 +238,16 @@ class ModuleProgram(nn.Module):
         TrainingDivergedError (every rank, no update taken) on a non-finite loss or gradient norm
         under `check_finite` (module docstring)."""
         count = self._count_targets(tokens, targets, "train_step")
+        if self.grad_sync is not None and self.grad_sync.shard and not isinstance(optimizer, ShardedOptimizer):
+            raise ConfigError(f"ZeRO {plan.zero_stage} steps on this rank's slices of the "
+                              f"parameters: make the optimizer with program.make_optimizer(...), "
+                              f"not {type(optimizer).__name__} over the parameters")
         optimizer.zero_grad(set_to_none=True)
+        if self.grad_sync is not None:
+            self.grad_sync.begin_step(self.plan.num_microbatches)
         total = self._forward_backward(self._rows(tokens), self._rows(targets), count)
-        self._sync_gradients()
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
         loss = self._global_loss(total, count)
         if self.check_finite:
             self._check_finite(loss)
@@ -264,8 +291,11 @@ class ModuleProgram(nn.Module):
         """self.grad_norm (module docstring); TrainingDivergedError when it or `loss` is not finite."""
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         world = dist.get_world_size() // self.plan.mesh.pp  # a parameter lives on one pipeline stage
+        sharded = self.grad_sync is not None and self.grad_sync.shard
+        if sharded:  # the reduced gradients are this rank's slices
+            squares += self.grad_sync.shard_sumsq(lambda p: world // _pieces(p)).to(self.device)
         for p in self.model.parameters():
-            if p.grad is not None:
+            if p.grad is not None and not sharded:
                 grad = _settled(p.grad)
                 squares += _local(grad).double().square().sum() / (world / _pieces(grad))
         dist.all_reduce(squares)
@@ -281,40 +311,6 @@ class ModuleProgram(nn.Module):
         first = torch.tensor(mine, device=self.device)
         dist.all_reduce(first, op=dist.ReduceOp.MIN)
         return names[int(first)] if int(first) < len(names) else None
-
-    @torch.no_grad()
-    def _sync_gradients(self) -> None:
-        """Under tp, partial gradients (of weights used on sequence shards) summed to their
-        parameter's placement; under ZeRO 0, gradients averaged over the data-parallel ranks in one
-        all-reduce per dtype (FSDP2 reduce-scatters them itself): dense ones over dp x ep, expert
-        ones over dp (`runtime.module_experts`)."""
-        if self.fsdp:
-            return
-        grads: dict[torch.dtype, list[torch.Tensor]] = {}
-        experts: dict[torch.dtype, list[torch.Tensor]] = {}
-        for name, p in self.model.named_parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-                p.grad = p.grad.redistribute(placements=p.placements)
-            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            (experts if name in self.experts else grads).setdefault(local.dtype, []).append(local)
-        self._average(grads, self.data_mesh.get_group())
-        self._average(experts, self.mesh.get_group("dp"))
-
-    def _average(self, grads: dict[torch.dtype, list[torch.Tensor]], group) -> None:
-        """Each gradient summed over `group` and divided by the data-parallel ranks dp x ep."""
-        if self.data == 1:
-            return
-        for dtype, tensors in sorted(grads.items(), key=lambda kv: str(kv[0])):
-            flat = torch.cat([g.reshape(-1) for g in tensors])
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(flat, group=group)
-            flat /= self.data
-            offset = 0
-            for g in tensors:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

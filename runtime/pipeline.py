@@ -18,7 +18,9 @@ the meta device (collectives on meta tensors only compute shapes) at one microba
 
 Schedules: "1f1b" -> Schedule1F1B (one stage per rank; needs microbatches >= pp), "gpipe" ->
 ScheduleGPipe, "interleaved-1f1b" -> ScheduleInterleaved1F1B (several stages per rank). Gradients
-are scaled by 1 / microbatches (the schedules' default), the loss being each microbatch's mean.
+are scaled by 1 / microbatches, the loss being each microbatch's mean, by the program's gradient
+sync (runtime.grad_sync) with its other factors, not by the schedule (whose scaling would come after
+the sync has begun in backward).
 """
 
 from __future__ import annotations
@@ -205,13 +207,13 @@ class PipelineRunner:
         schedule = getattr(pipelining, SCHEDULES[plan.schedule])
         n = plan.num_microbatches
         if plan.schedule == SCHEDULE_INTERLEAVED:
-            self.schedule = schedule(self.stages, n, loss_fn=self._loss)
+            self.schedule = schedule(self.stages, n, loss_fn=self._loss, scale_grads=False)
         else:
             if len(self.stages) != 1:
                 raise PlanError(f"schedule {plan.schedule!r} runs one stage per rank; the plan "
                                 f"gives pipeline rank {pp.index} {len(self.stages)}: use "
                                 f"'interleaved-1f1b' for virtual stages")
-            self.schedule = schedule(self.stages[0], n, loss_fn=self._loss)
+            self.schedule = schedule(self.stages[0], n, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.loss_module(output, targets)

@@ -18,17 +18,17 @@ One step on a global batch of G sequences of T tokens:
       (loss_m / num_microbatches).backward()
     with pipelining (runtime.pipeline): the schedule runs the microbatches through the stages
     gradients summed over the ranks that hold the same shard (dense: dp x ep x cp; experts: dp x
-      cp, whatever etp and ep_as), one all-reduce per dtype bucket, divided by dp * ep * cp
-      (sync_gradients)
+      cp, whatever etp and ep_as), in buckets launched during the last microbatch's backward,
+      divided by dp * ep * cp (runtime.grad_sync)
     the global loss and gradient norm, and if either is not finite TrainingDivergedError on every
       rank instead of the step (runtime.health)
     optimizer.step()
 
 Every rank's loss is the mean over its own tokens and all hold equally many, so every gradient is
-the gradient of the global mean token loss, as on one device. ZeRO stage 1 shards the optimizer
-states over the data ranks with `ZeroRedundancyOptimizer` (`make_optimizer`); stages 2 and 3 shard
-gradients and parameters over them with FSDP2 (runtime.zero), which then reduce-scatters the
-gradients in backward instead of `sync_gradients`.
+the gradient of the global mean token loss, as on one device. ZeRO stages 1 and 2 reduce-scatter
+the same buckets and step on this rank's slice of them (`grad_sync.ShardedOptimizer`, made by
+`make_optimizer`), then all-gather the parameters; stage 3 shards parameters over the data ranks
+with FSDP2 (runtime.zero), which reduce-scatters the gradients in backward itself.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from autoplan.plan import Plan
 from autoplan.runtime import collectives as C
 from autoplan.runtime import health
 from autoplan.mesh import MeshShape
+from autoplan.runtime.grad_sync import GradSync, Replica, ShardedOptimizer
 from autoplan.runtime.groups import RankGroup, group_of
 from autoplan.runtime.init import InitRule, init_local, nested_bounds
 from autoplan.runtime.rewrite import ParamLayout, Rewritten
@@ -86,10 +87,17 @@ class RankProgram(nn.Module):
         self.layouts: dict[str, ParamLayout] = {n: l for n, l in self.all_layouts.items()
                                                 if n in used}
         self._materialize(rules)
-        self.fsdp = plan.zero_stage >= 2 and self.data.size > 1
+        self.fsdp = plan.zero_stage == 3 and self.data.size > 1
+        self.grad_sync = None
         if self.fsdp:
             shard_over_dp(self.graph_module, rewritten.module_targets, self.data.group, device,
                           plan.zero_stage)
+        else:
+            self.grad_sync = GradSync(
+                [Replica(p, g.group if g.size > 1 else None, g.size)
+                 for n, p in self.named_local_parameters() for g in [self._replicas(n)]],
+                1.0 / self.data_shards / (plan.num_microbatches if self.pipeline else 1),
+                shard=plan.zero_stage in (1, 2) and self.data.size > 1)
 
     # ------------------------------------------------------------ groups
     @property
@@ -158,7 +166,7 @@ class RankProgram(nn.Module):
             module._parameters[attr] = nn.Parameter(local)
 
     def named_local_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """(name in the user's model, this rank's shard), in a fixed order (under ZeRO 2/3, a
+        """(name in the user's model, this rank's shard), in a fixed order (under ZeRO 3, a
         DTensor sharding the tp-local shard over the data ranks)."""
         for name in self.layouts:
             owner, _, attr = name.rpartition(".")
@@ -174,6 +182,8 @@ class RankProgram(nn.Module):
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """This rank's gradients gathered over tp and the expert group, on CPU (zeros where none);
         call it on every rank."""
+        if self.grad_sync is not None and self.grad_sync.shard:
+            self.grad_sync.gather_gradients()
         return {n: self._gather(n, p.grad if p.grad is not None else torch.zeros_like(p))
                 for n, p in self.named_local_parameters()}
 
@@ -239,32 +249,6 @@ class RankProgram(nn.Module):
         cols = slice(c * width, (c + 1) * width)
         return tokens[lo:lo + rows, cols], targets[lo:lo + rows, cols]
 
-    @torch.no_grad()
-    def sync_gradients(self) -> None:
-        """Sum gradients over the ranks holding the same shard and divide by the data shards: one
-        all-reduce per (group, dtype) bucket of flattened grads (nothing to do under ZeRO 2/3,
-        where FSDP2 reduce-scatters them in backward)."""
-        if self.fsdp:
-            return
-        scale = 1.0 / self.data_shards
-        buckets: dict[tuple, list[torch.Tensor]] = {}
-        for name, p in self.named_local_parameters():
-            group = self._replicas(name)
-            if group.size == 1:  # no replica (experts with dp = cp = 1): only the scale
-                if p.grad is not None and scale != 1.0:
-                    p.grad.mul_(scale)
-                continue
-            if p.grad is None:  # e.g. unused on this rank: still part of every rank's bucket
-                p.grad = torch.zeros_like(p)
-            buckets.setdefault((group.axis, str(p.grad.dtype)), []).append(p.grad)
-        for (axis, _), grads in sorted(buckets.items()):
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            C.all_reduce_(flat, self.groups[axis].group).mul_(scale)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
-
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor,
                    optimizer: torch.optim.Optimizer) -> float:
         """One optimizer step on the global batch; returns the global mean token loss. Raises
@@ -290,7 +274,13 @@ class RankProgram(nn.Module):
         """train_step's body after the checks of its input (module docstring)."""
         plan = self.plan
         local_tokens, local_targets = self.shard_batch(tokens, targets)
+        if self.grad_sync is not None and self.grad_sync.shard and not isinstance(optimizer, ShardedOptimizer):
+            raise ConfigError(f"ZeRO {plan.zero_stage} steps on this rank's slices of the "
+                              f"parameters: make the optimizer with program.make_optimizer(...), "
+                              f"not {type(optimizer).__name__} over the parameters")
         optimizer.zero_grad(set_to_none=True)
+        if self.grad_sync is not None:
+            self.grad_sync.begin_step(plan.num_microbatches)
         if self.pipeline is not None:
             with self._autocast():
                 total = self.pipeline.step(local_tokens.to(self.device),
@@ -303,7 +293,8 @@ class RankProgram(nn.Module):
                 with self._quiet():
                     loss.backward()
                 total += loss.detach().float()
-        self.sync_gradients()
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
         loss, self.grad_norm = self._global_loss(total)
         if self.check_finite and not (math.isfinite(loss) and math.isfinite(self.grad_norm)):
             raise TrainingDivergedError(self.step, loss, self.grad_norm,
@@ -329,20 +320,14 @@ class RankProgram(nn.Module):
 
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
                        **kwargs) -> torch.optim.Optimizer:
-        """`optimizer_class` over this rank's parameters; with zero_stage 1 its states are sharded
-        over the data ranks (dp x cp, and ep when no layer is expert-parallel) by
-        `torch.distributed.optim.ZeroRedundancyOptimizer`. The program remembers it for
+        """`optimizer_class` over this rank's parameters; under zero_stage 1 and 2 over this
+        rank's slices of the gradient buckets, each split over the ranks that hold the same
+        parameters (`grad_sync.ShardedOptimizer`). The program remembers it for
         `save_checkpoint` / `load_checkpoint`."""
-        params = [p for _, p in self.named_local_parameters()]
-        zero_group = self.groups["expert_data" if any(l.expert for l in self.layouts.values())
-                                 else "data"]
-        if self.plan.zero_stage == 1 and zero_group.size > 1:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            self.optimizer = ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class,
-                                                     process_group=zero_group.group, **kwargs)
+        if self.grad_sync is not None and self.grad_sync.shard:
+            self.optimizer = ShardedOptimizer(self.grad_sync, optimizer_class, **kwargs)
         else:
-            self.optimizer = optimizer_class(params, **kwargs)
+            self.optimizer = optimizer_class([p for _, p in self.named_local_parameters()], **kwargs)
         return self.optimizer
 
     # ------------------------------------------------------------ checkpoints
@@ -363,6 +348,8 @@ class RankProgram(nn.Module):
         from autoplan.runtime.checkpoint import load
 
         meta = load(self, directory, None if parameters_only else optimizer or self.optimizer)
+        if isinstance(self.optimizer, ShardedOptimizer):  # its fp32 slices of the new parameters
+            self.optimizer.reload_parameters()
         self.step = int(meta.get("step", 0))
         return meta
 

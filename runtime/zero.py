@@ -1,17 +1,18 @@
-"""ZeRO stages 2 and 3 on the dp axis with torch's FSDP2 (`fully_shard`).
+"""ZeRO stage 3 on the dp axis with torch's FSDP2 (`fully_shard`).
 
 Each module of the rewritten graph that owns parameters becomes one FSDP unit over a DeviceMesh
 made from the data process group (dp, and cp when context-parallel: the ranks that hold the same
 tp shards), then the GraphModule itself becomes the root unit. A parameter's tp-local shard is
 split once more along dim 0 over those ranks (a DTensor on their mesh):
 
-    stage 2  reshard_after_forward=False: parameters stay gathered from forward to backward;
-             gradients are reduce-scattered (averaged over dp) in backward, optimizer states sharded
-    stage 3  reshard_after_forward=True: parameters are gathered again for backward
+    stage 3  reshard_after_forward=True: parameters are gathered again for backward; gradients
+             are reduce-scattered (averaged over dp) in backward, optimizer states sharded
+             (reshard_after_forward=False, parameters kept gathered to backward, for `zero_stage`
+             2 if it is ever passed here; the runtime runs stage 2 as `runtime.grad_sync`'s
+             distributed optimizer)
 
 Tensor parallelism stays outside FSDP: it sees plain local tensors, and the graph's own
-collectives run on the tp group as before. Stage 1 uses `ZeroRedundancyOptimizer` instead
-(`RankProgram.make_optimizer`).
+collectives run on the tp group as before. Stages 1 and 2 use `runtime.grad_sync` instead.
 """
 
 from __future__ import annotations

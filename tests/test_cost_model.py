@@ -153,8 +153,9 @@ def test_a_profile_brings_its_measured_launch_floor():
 
 
 @pytest.mark.parametrize("stage, expected", [
-    (0, (2e9, 2e9, 12e9)), (1, (2e9, 2e9, 1.5e9)), (2, (2e9, 0.25e9, 1.5e9)), (3, (0.25e9, 0.25e9, 1.5e9))])
+    (0, (2e9, 2e9, 12e9)), (1, (2e9, 2e9, 1.5e9)), (2, (2e9, 2e9, 1.5e9)), (3, (0.25e9, 0.25e9, 1.5e9))])
 def test_model_states_under_each_zero_stage(stage, expected):
+    """ZeRO 2 holds what ZeRO 1 holds: the runtime's distributed optimizer keeps whole gradients."""
     state = state_bytes_for("bfloat16")  # 2 + 2 + 12 bytes per parameter
     assert model_state_bytes(1e9, 8, stage, state) == pytest.approx(expected)
 
@@ -326,3 +327,34 @@ def test_a_plan_in_a_dtype_the_profile_did_not_measure_is_refused():
     with pytest.raises(ProfileError, match=r"measured GEMMs in bfloat16, not float32: plan in bfloat16 .*"
                                            r"autoplan profile --dtype float32"):
         estimate("gpt3-1.3b", "1x8xh100", 8, 2048, dtype="float32", **kwargs)
+
+
+def test_dp_sync_is_priced_per_bucket_as_the_runtime_runs_it():
+    """runtime.grad_sync's buckets: ceil(bytes / 25 MiB) collectives; with a long enough last
+    backward only the last bucket is exposed, with none all of them; ZeRO 1 and 2: the
+    reduce-scatter hidden alike, the all-gather after the step exposed whole."""
+    from autoplan.cost_model.step import StepEnv, StepModel
+    from autoplan.cost_model.step_config import Config
+    from autoplan.grad_buckets import GRAD_BUCKET_BYTES, bucket_count
+
+    cluster, eff, params = parse_cluster("2x8xh100"), Efficiency(), 100e6  # bf16: 200 MB of gradients
+    steps = StepModel(StepEnv(get_model_config("gpt2-small"), cluster, 1024, "bfloat16", eff), partition=None)
+    n = bucket_count(2 * params)
+    assert n == 8 == -(-2 * params // GRAD_BUCKET_BYTES)
+
+    def parts(zero: int, backward_s: float) -> dict[str, float]:
+        cfg = Config.of(tp=1, cp=1, pp=1, ep=1, dp=16, microbatch_size=1, num_microbatches=4, zero_stage=zero,
+                        recompute="none")
+        sums = dict(dense=params, expert=0.0, buckets=13, forward=0.0, backward=backward_s)
+        return steps.dp_sync_parts(cfg, sums), steps.group(cfg, ("dp", "ep", "cp"))
+
+    (after, group), (hidden, _) = parts(0, 0.0), parts(0, 10.0)
+    one = eff.collective_s("all_reduce", 2 * params / n, cluster, group)
+    assert after == {"gradient all-reduce after backward": pytest.approx(n * one)}
+    assert hidden == {"gradient all-reduce after backward": pytest.approx(one)}  # the last bucket
+    zero1, zero2 = parts(1, 10.0)[0], parts(2, 10.0)[0]
+    assert zero1 == zero2
+    assert zero1["gradient reduce-scatter after backward"] == pytest.approx(
+        eff.collective_s("reduce_scatter", 2 * params / n, cluster, group))
+    assert zero1["parameter all-gather after the step"] == pytest.approx(
+        n * eff.collective_s("all_gather", 2 * params / n, cluster, group))

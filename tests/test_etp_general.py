@@ -308,8 +308,8 @@ def test_search_picks_etp_2_for_few_large_experts():
     """4 experts of FFN width 28672 (48 layers, hidden 8192) on 8 x 8 H100: ep2 x tp4 cannot take etp = 1 (8
     ranks for 4 experts), but etp = 2 spreads them over ep2 x tp_outer2 with each FFN halved, which halves the
     expert weights per rank against ep = 1 and so needs 4 pipeline stages instead of 8. Best plans by etp
-    (the cost model's figures): etp2 14.46 s, etp1 14.53 s (pp8 x dp2 x tp4), etp = tp 15.38 s (pp8 x ep2 x tp4),
-    etp4 16.22 s."""
+    (the cost model's figures, with ZeRO 1's parameter all-gather exposed after the step as the runtime runs
+    it): etp2 14.64 s, etp1 14.65 s (pp8 x dp2 x tp4), etp = tp 15.50 s (pp8 x ep2 x tp4), etp4 16.55 s."""
     from autoplan.cluster import parse_cluster
     from autoplan.models.config import ModelConfig
     from autoplan.api import search_plans
@@ -327,7 +327,7 @@ def test_search_picks_etp_2_for_few_large_experts():
     assert (plan.mesh.ep, plan.mesh.tp, plan.mesh.etp) == (2, 4, 2) and plan.to_json()["mesh"]["etp"] == 2
     assert Plan.from_json(plan.to_json()) == plan
     assert best["2"] < best["1"] < best["tp"]
-    assert best["1"] / best["2"] > 1.003 and best["tp"] / best["2"] > 1.02
+    assert best["1"] / best["2"] > 1.0003 and best["tp"] / best["2"] > 1.02
 
 
 def test_cli_estimate_takes_an_intermediate_etp(tmp_path, capsys):

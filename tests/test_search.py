@@ -362,6 +362,7 @@ def test_unsplittable_batch_in_the_search_names_batches_that_work():
 
 CP_INNER = ("pp", "dp", "ep", "tp", "cp")
 DP_INNER = ("pp", "ep", "cp", "tp", "dp")
+EP_INNER = ("pp", "dp", "cp", "tp", "ep")
 
 
 def slow_network(nodes: int, gpus_per_node: int, slower: float) -> ClusterSpec:
@@ -406,7 +407,9 @@ def test_search_picks_a_non_default_order_when_it_is_strictly_better():
     default = search_plans(MID_MOE, cluster, 2, 4096, options=dataclasses.replace(options, orders=False),
                          baselines=False)
     best = chosen.plans[0]
-    assert best.mesh.order in (CP_INNER, DP_INNER)
+    # since the dp sync is priced as the runtime runs it (25 MiB buckets; ZeRO 1's all-gather after
+    # the step, exposed), tp4 x ep2 with ep innermost beats tp4 x dp2 with dp innermost
+    assert best.mesh.order in (CP_INNER, DP_INNER, EP_INNER)
     assert best.predicted.step_time_s < 0.9 * default.plans[0].predicted.step_time_s
     assert chosen.priced[0].config.order == best.mesh.order
     back = Plan.from_json(best.to_json())
