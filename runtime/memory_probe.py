@@ -6,7 +6,7 @@ tensor's, the bytes this rank holds). After the forward,
 
     saved_bytes   the bytes of those storages still alive: what autograd, checkpoints and their
                   caches hold for backward. Left out: storages made from parameters alone (autocast's
-                  weight copies, parameter views), those the forward returns (the loss), and the
+                  weight copies, parameter views; FSDP2's gathered parameters count as parameters), those the forward returns (the loss), and the
                   inputs, which the caller made
     hooked_bytes  the part of saved_bytes that `torch.autograd.graph.saved_tensors_hooks` sees (ops
                   outside recomputed regions, and the regions' inputs): equal to saved_bytes when
@@ -85,6 +85,11 @@ class _StorageTracker(TorchDispatchMode):
             return "forward"
         return "recompute" if self.regions else "backward"
 
+    def note_parameters(self, module: nn.Module, _args) -> None:
+        """The parameters `module` runs with, as parameters: FSDP2 swaps gathered (unsharded) ones in
+        before its forward, so a cast of them is a weight copy, left out as on an unsharded model."""
+        self.from_params.update(_key(p) for p in module.parameters(recurse=False))
+
     def enter_region(self, *_) -> None:
         self.regions += 1
 
@@ -128,6 +133,8 @@ class _StorageTracker(TorchDispatchMode):
 def _watch_regions(tracker: _StorageTracker, module: nn.Module | None) -> Iterator[None]:
     handles = []
     for name, sub in (module.named_modules() if module is not None else ()):
+        if any(True for _ in sub.parameters(recurse=False)):
+            handles.append(sub.register_forward_pre_hook(tracker.note_parameters))
         if name.rsplit(".", 1)[-1].startswith("recompute_"):
             handles += [sub.register_forward_pre_hook(tracker.enter_region),
                         sub.register_forward_hook(tracker.exit_region)]
