@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import pytest
 import torch
@@ -38,11 +37,13 @@ def test_published_parameter_counts(name, low, high):
     assert low <= get_model_config(name).num_parameters() <= high
 
 
-def test_gpt3_175b_builds_fast_on_meta():
-    build_model(get_model_config("tiny-gpt"))  # a process's first meta op imports torch._dynamo
-    start = time.perf_counter()
-    build_model(get_model_config("gpt3-175b"), dtype=torch.bfloat16)
-    assert time.perf_counter() - start < 1.0
+def test_gpt3_175b_builds_on_meta_without_memory():
+    """Every parameter on meta, none materialised (its build time is benchmarks/capture_speed.py's)."""
+    config = get_model_config("gpt3-175b")
+    model = build_model(config, dtype=torch.bfloat16)
+    params = list(model.parameters())
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in params)
+    assert sum(p.numel() for p in params) == config.num_parameters()
 
 
 @pytest.mark.parametrize("name", TINY)
