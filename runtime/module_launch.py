@@ -13,7 +13,8 @@ a Plan. The order matters:
     4. tp styles (`runtime.module_styles`), parameters becoming DTensors on the tp mesh; expert
        weights this rank's experts, DTensors on the ("ep", "tp") mesh (`runtime.module_experts`)
     5. a meta model's parameters read from the checkpoint, each rank its slices (`runtime.weights`)
-    6. recompute: each block the policy names runs as one checkpointed region (`runtime.module_recompute`)
+    6. recompute: each block the policy names runs as one checkpointed region (`runtime.module_recompute`;
+       with a pipeline, those of the blocks this rank holds, by the model's layer indices)
     7. ZeRO 3: FSDP2 over dp (`runtime.module_program`), outside the recomputed regions; ZeRO 1/2 are
        `runtime.grad_sync`'s distributed optimizer
 """
@@ -68,12 +69,12 @@ def check_module_plan(plan: Plan, model: nn.Module, cluster: ClusterSpec | str |
 
 
 def _check_pipeline(plan: Plan) -> None:
-    """pp runs alone or with dp and tp: its stages are cut from the whole model before experts are
-    distributed or blocks wrapped for recompute, which this runtime does not do on a cut model yet."""
-    if plan.mesh.ep > 1 or plan.recompute != "none":
-        raise PlanError(f"pp={plan.mesh.pp} with ep={plan.mesh.ep} and recompute {plan.recompute!r}: the "
-                        f"runtime for your own module runs a pipeline with dp, tp and ZeRO, without ep or "
-                        f"recompute so far; plan pp=1, or ep=1 and recompute 'none' with the pipeline")
+    """pp runs with dp, tp, ZeRO and recompute: its stages are cut from the whole model before experts
+    are distributed, which this runtime does not do on a cut model yet."""
+    if plan.mesh.ep > 1:
+        raise PlanError(f"pp={plan.mesh.pp} with ep={plan.mesh.ep}: the runtime for your own module runs a "
+                        f"pipeline with dp, tp, ZeRO and recompute, without ep so far; plan pp=1, or ep=1 "
+                        f"with the pipeline")
 
 
 def _check_experts(plan: Plan, model: nn.Module) -> None:
@@ -218,7 +219,8 @@ def parallelize_module_program(model: nn.Module, plan: Plan, *, cluster: Cluster
         load_checkpoint(model, checkpoint, device)
     program = (PipelinedModuleProgram(model, plan, mesh, mplan, device, check_finite, cut) if pipelined
                else ModuleProgram(model, plan, mesh, mplan, device, check_finite))
-    program.recomputed_layers = apply_module_recompute(model, recompute_policy(plan.recompute))  # checked in step 1
+    program.recomputed_layers = apply_module_recompute(  # checked in step 1
+        model, recompute_policy(plan.recompute), cut.held_blocks() if pipelined else None)
     if program.fsdp:
         roots = program.stage_modules if pipelined else [model]
         _shard_over_dp(model, roots, program.mesh["dp"], plan.zero_stage)

@@ -145,6 +145,11 @@ class StageCut:
                                                  for group in (self.blocks, self.prefix, self.suffix))
         self._layouts.clear()
 
+    def held_blocks(self) -> list[nn.Module | None]:
+        """The layer list's blocks in layer order (block i is the plan's layer i), None where another
+        pipeline rank holds the layer (after `prune`: its stand-in)."""
+        return [None if isinstance(p.module, Elsewhere) else p.module for p in self.blocks]
+
     def _layout(self, stage: int) -> list[tuple[Position, nn.Module]]:
         """What each position runs during stage `stage`'s forward (module docstring); made once."""
         if stage not in self._layouts:
