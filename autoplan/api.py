@@ -316,8 +316,8 @@ def _parallelize_zoo(model, cluster: ClusterSpec, plan: "Plan | None", config: "
 def module_search_options(max_microbatch_size: int = 16) -> SearchOptions:
     """The part of the space the runtime for your own module runs (`autoplan.runtime.module_launch`):
     pp (its schedules), dp and tp (with sequence parallelism), ZeRO 0-3, microbatching, every recompute
-    policy, ep (transformers' MoE experts); plans it does not run (ep with ZeRO over dp, pp with ep or
-    recompute, ...) are refused by `check_module_plan` and skipped; no cp yet."""
+    policy, ep (transformers' MoE experts); plans it does not run (ep with ZeRO over dp, dropout under
+    tp, ...) are refused by `check_module_plan` and skipped; no cp yet."""
     return SearchOptions(max_microbatch_size=max_microbatch_size, context_parallel=False, expert_parallel=True)
 
 

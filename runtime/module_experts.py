@@ -57,11 +57,15 @@ def expert_weight_names(plan: Plan) -> list[str]:
 
 
 def experts_modules(plan: Plan, model: nn.Module) -> dict[str, nn.Module]:
-    """{module path: experts module} holding the plan's expert weights; PlanError where a module
+    """{module path: experts module} holding the plan's expert weights (those the model holds: with a
+    pipeline, this rank's stages'); PlanError where a module
     holds a parameter the plan does not split with them, or the experts do not divide by ep."""
     ep = plan.mesh.ep
     found: dict[str, nn.Module] = {}
+    present = {n for n, _ in model.named_parameters()}
     for name in expert_weight_names(plan):
+        if name not in present:  # on another pipeline stage (`module_stages.StageCut.prune`)
+            continue
         path = name.rpartition(".")[0]
         found[path] = model.get_submodule(path)
     for path, module in found.items():

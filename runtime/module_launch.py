@@ -6,14 +6,16 @@ a Plan. The order matters:
        (fingerprint of a transformers config, parameter names), a forward that pipeline stages can
        cut (`runtime.module_stages`), dropout under tp, tied weights under tp (held alike by every
        holder), experts under ep, where the weights come from
-    2. the process group and the ("dp", "ep", "tp") DeviceMesh (("pp", "dp", "tp") with a pipeline)
+    2. the process group and the ("dp", "ep", "tp") DeviceMesh (("pp", "dp", "ep", "tp") with a pipeline)
     3. weights: a model with weights is broadcast from rank 0 (so every rank distributes the
        same tensors); a model on meta is loaded after step 4. With a pipeline, the model then
-       keeps only this rank's stages' modules (`runtime.module_pipeline`)
+       keeps only this rank's stages' modules (`runtime.module_pipeline`), so that step 4 distributes
+       its own stages' experts and tp styles
     4. tp styles (`runtime.module_styles`), parameters becoming DTensors on the tp mesh; expert
        weights this rank's experts, DTensors on the ("ep", "tp") mesh (`runtime.module_experts`)
     5. a meta model's parameters read from the checkpoint, each rank its slices (`runtime.weights`)
-    6. recompute: each block the policy names runs as one checkpointed region (`runtime.module_recompute`)
+    6. recompute: each block the policy names runs as one checkpointed region (`runtime.module_recompute`;
+       with a pipeline, those of the blocks this rank holds, by the model's layer indices)
     7. ZeRO 3: FSDP2 over dp (`runtime.module_program`), outside the recomputed regions; ZeRO 1/2 are
        `runtime.grad_sync`'s distributed optimizer
 """
@@ -59,21 +61,11 @@ def check_module_plan(plan: Plan, model: nn.Module, cluster: ClusterSpec | str |
     _check_model(plan, model)
     mplan = module_plan(plan, model)
     if plan.mesh.pp > 1:
-        _check_pipeline(plan)
         cut_stages(model, plan)  # PlanError where the model's forward cannot be cut into the stages
     if plan.mesh.tp > 1:
         _check_dropout(model)
         _check_tied(model, mplan)
     return mplan
-
-
-def _check_pipeline(plan: Plan) -> None:
-    """pp runs alone or with dp and tp: its stages are cut from the whole model before experts are
-    distributed or blocks wrapped for recompute, which this runtime does not do on a cut model yet."""
-    if plan.mesh.ep > 1 or plan.recompute != "none":
-        raise PlanError(f"pp={plan.mesh.pp} with ep={plan.mesh.ep} and recompute {plan.recompute!r}: the "
-                        f"runtime for your own module runs a pipeline with dp, tp and ZeRO, without ep or "
-                        f"recompute so far; plan pp=1, or ep=1 and recompute 'none' with the pipeline")
 
 
 def _check_experts(plan: Plan, model: nn.Module) -> None:
@@ -218,7 +210,8 @@ def parallelize_module_program(model: nn.Module, plan: Plan, *, cluster: Cluster
         load_checkpoint(model, checkpoint, device)
     program = (PipelinedModuleProgram(model, plan, mesh, mplan, device, check_finite, cut) if pipelined
                else ModuleProgram(model, plan, mesh, mplan, device, check_finite))
-    program.recomputed_layers = apply_module_recompute(model, recompute_policy(plan.recompute))  # checked in step 1
+    program.recomputed_layers = apply_module_recompute(  # checked in step 1
+        model, recompute_policy(plan.recompute), cut.held_blocks() if pipelined else None)
     if program.fsdp:
         roots = program.stage_modules if pipelined else [model]
         _shard_over_dp(model, roots, program.mesh["dp"], plan.zero_stage)

@@ -2,8 +2,9 @@
 whose steps run the plan's stages (`runtime.module_stages`) under a schedule of
 torch.distributed.pipelining.
 
-    mesh       a DeviceMesh ("pp", "dp", "tp") laid out as the plan's MeshShape; each pipeline
-               rank runs its stages on its ("dp", "tp") sub-mesh, as a program without pp would
+    mesh       a DeviceMesh ("pp", "dp", "ep", "tp") laid out as the plan's MeshShape; each pipeline
+               rank runs its stages on its ("dp", "ep", "tp") sub-mesh, as a program without pp
+               would (ep: the experts of its stages' MoE blocks, `runtime.module_experts`)
     stages     global stage g = chunk * pp + stage holds the layers of the plan's StageSpec; pipeline
                rank p runs stages p, p + pp, ... (`runtime.pipeline.rank_stages`, the placement
                ScheduleInterleaved1F1B expects). The model keeps only this rank's modules, under
@@ -19,9 +20,9 @@ torch.distributed.pipelining.
                `autoplan.validity`
 
 The loss is the one of `ModuleProgram.train_step`: the schedule's loss function on the last stage
-returns, per microbatch m, sum of token cross-entropies of m * dp / N (`scale_grads=False`: no
+returns, per microbatch m, sum of token cross-entropies of m * dp ep / N (`scale_grads=False`: no
 further division by the microbatch count), and adds the sum to this step's total; the global loss
-is that total summed over pp (only the last stage has one) and dp, / N.
+is that total summed over pp (only the last stage has one) and dp x ep, / N.
 
 `forward` (logits) is refused: the logits exist on the last stage only, one microbatch at a time.
 `eval_loss` runs the schedule forward only. `full_state_dict` / `full_parameters` /
@@ -47,13 +48,14 @@ from autoplan.validity import SCHEDULE_INTERLEAVED
 
 
 def pipeline_mesh(plan: Plan, device_type: str) -> DeviceMesh:
-    """The ("pp", "dp", "tp") DeviceMesh of `plan`: entry [p][d][t] is the rank at those mesh
-    coordinates (the MeshShape's order of axes over ranks)."""
+    """The ("pp", "dp", "ep", "tp") DeviceMesh of `plan`: entry [p][d][e][t] is the rank at those mesh
+    coordinates (the MeshShape's order of axes over ranks); each pipeline rank's ("dp", "ep", "tp")
+    sub-mesh is the mesh of a program without pp (`module_program.plan_mesh`)."""
     shape = plan.mesh
     base = {a: 0 for a in shape.degrees()}
-    ranks = [[[shape.rank_of({**base, "pp": p, "dp": d, "tp": t}) for t in range(shape.tp)]
-              for d in range(shape.dp)] for p in range(shape.pp)]
-    return DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=("pp", "dp", "tp"))
+    ranks = [[[[shape.rank_of({**base, "pp": p, "dp": d, "ep": e, "tp": t}) for t in range(shape.tp)]
+               for e in range(shape.ep)] for d in range(shape.dp)] for p in range(shape.pp)]
+    return DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=("pp", "dp", "ep", "tp"))
 
 
 def held_module_plan(mplan: ModulePlan, model: nn.Module) -> ModulePlan:
@@ -116,13 +118,13 @@ class PipelinedModuleProgram(ModuleProgram):
 
     def __init__(self, model: nn.Module, plan: Plan, mesh: DeviceMesh, mplan: ModulePlan,
                  device: torch.device, check_finite: bool, cut: StageCut) -> None:
-        super().__init__(model, plan, mesh["dp", "tp"], mplan, device, check_finite)
+        super().__init__(model, plan, mesh["dp", "ep", "tp"], mplan, device, check_finite)
         self.cut, self.pp_group = cut, mesh.get_group("pp")
         self.param_names = cut.param_names
         boundary = boundary_placement(mplan, cut)
         local = rank_stages(plan, mesh.get_local_rank("pp"))
         self.stage_modules = [StageModule(model, cut, g, boundary, self.mesh["tp"]) for g in local]
-        self._scale = 1.0  # of the loss function: dp / N of the running step
+        self._scale = 1.0  # of the loss function: dp ep / N of the running step
         self._schedule = None
 
     def schedule(self):
@@ -145,7 +147,7 @@ class PipelinedModuleProgram(ModuleProgram):
         """The schedule over these rows (forward and backward, or forward only); the sum of the token
         losses on the last stage (its microbatches' losses / the scale), 0 elsewhere. (Not summed
         inside the loss function: the stages' metadata inference calls it too, at the first step.)"""
-        self._scale, losses = self.dp / count, []
+        self._scale, losses = self.data / count, []
         schedule = self.schedule()
         run = schedule.step if train else schedule.eval
         with self._loss_context(), self._autocast():

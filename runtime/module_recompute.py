@@ -5,7 +5,8 @@ checkpoint under selective activation checkpointing contexts, one region per rec
     blocks       the members of the model's layer lists (`module_program.block_lists`, the blocks FSDP2
                  wraps), in the model's order: block i is layer i of the plan
     regions      the blocks `policy.recomputed_layers(len(blocks))` (every block, or the first k under
-                 "<kind>:k"); each block's `forward` runs as
+                 "<kind>:k", k counted over the whole model also under pp, as the cost model prices
+                 it: a pipeline rank wraps those of its held blocks); each block's `forward` runs as
                      recompute(original_forward, *args, saves=policy.saves, **kwargs)
                  so forward keeps the block's inputs and the outputs of the ops whose family the policy
                  saves (selective: matmul and attention; matmul-only: matmul; full: nothing), and
@@ -49,11 +50,15 @@ def check_recompute_blocks(plan_recompute: str, model: nn.Module, num_layers: in
     return policy
 
 
-def apply_module_recompute(model: nn.Module, policy: RecomputePolicy) -> tuple[int, ...]:
+def apply_module_recompute(model: nn.Module, policy: RecomputePolicy,
+                           held: list[nn.Module | None] | None = None) -> tuple[int, ...]:
     """Run each block `policy` recomputes as one checkpointed region (module docstring), in place;
-    returns the indices of those blocks."""
-    blocks = block_lists(model)
-    layers = tuple(policy.recomputed_layers(len(blocks)))
+    returns the indices of those blocks. `held`: with a pipeline, every layer's block in the model's
+    order, None where another stage holds it (`StageCut.held_blocks`): the policy's layers are the
+    model's (global) indices, as the cost model and the zoo runtime count them, so "full:k" re-runs
+    the first k layers of the model, those this rank holds; other stages' stand-ins are never wrapped."""
+    blocks = block_lists(model) if held is None else held
+    layers = tuple(i for i in policy.recomputed_layers(len(blocks)) if blocks[i] is not None)
     saves = tuple(sorted(policy.saves))
     for i in layers:
         block = blocks[i]

@@ -145,6 +145,11 @@ class StageCut:
                                                  for group in (self.blocks, self.prefix, self.suffix))
         self._layouts.clear()
 
+    def held_blocks(self) -> list[nn.Module | None]:
+        """The layer list's blocks in layer order (block i is the plan's layer i), None where another
+        pipeline rank holds the layer (after `prune`: its stand-in)."""
+        return [None if isinstance(p.module, Elsewhere) else p.module for p in self.blocks]
+
     def _layout(self, stage: int) -> list[tuple[Position, nn.Module]]:
         """What each position runs during stage `stage`'s forward (module docstring); made once."""
         if stage not in self._layouts:
@@ -268,12 +273,28 @@ def _probe(model: nn.Module, blocks: list[Position], pieces: list[Position], seq
                 lambda _m, _a, out, key=(kind, i): outputs.setdefault(key, out)))
     device = next(model.parameters()).device
     try:  # on fake tensors: no memory, no compute, whether the model has weights or is on meta
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.enable_grad():
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.enable_grad(), _batched_experts(model):
             run_model(model, torch.zeros(1, seq_len, dtype=torch.long, device=device))
     finally:
         for h in handles:
             h.remove()
     return calls, outputs
+
+
+@contextlib.contextmanager
+def _batched_experts(model: nn.Module):
+    """transformers' fused MoE experts run as "batched_mm" instead of "grouped_mm" for the call: torch's
+    fake kernel of _grouped_mm takes bf16 only (the CPU and CUDA kernels take float32 too), and the probe
+    needs only the shapes, which both give."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "_experts_implementation", None) == "grouped_mm"}
+    for c in configs.values():
+        c._experts_implementation = "batched_mm"
+    try:
+        yield
+    finally:
+        for c in configs.values():
+            c._experts_implementation = "grouped_mm"
 
 
 def _check_blocks(blocks: list[Position], calls: list, outputs: dict) -> None:

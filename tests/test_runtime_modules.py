@@ -125,6 +125,9 @@ CASES = [
     Case("hand-pp2", "hand", pp=2, microbatches=4),
     Case("hand-pp2dp2", "hand", pp=2, dp=2, microbatches=2),
     Case("hand-pp2tp2", "hand", pp=2, tp=2, microbatches=2),
+    # recompute on the blocks a pipeline rank holds, by the model's layer indices
+    Case("llama-pp2-full", "llama", pp=2, microbatches=2, recompute="full"),
+    Case("qwen2-pp2tp2-selective", "qwen2", pp=2, tp=2, microbatches=2, recompute="selective"),
 ]
 # What a plain (no recompute) run keeps for backward beyond the cost model's price, measured op by op:
 UNPRICED = {
@@ -329,6 +332,26 @@ def _activations(program, tokens: torch.Tensor) -> dict:
             "decisions": {f"{family}:{saved}": n for (family, saved), n in decisions.items()}}
 
 
+def _held_layers(program) -> dict:
+    """The layers whose blocks this rank holds, and the paths of other stages' stand-ins whose forward
+    was replaced (none may be: a stand-in is never a recomputed region)."""
+    if program.plan.mesh.pp == 1:
+        return {"held_layers": tuple(range(program.plan.model.num_layers)), "wrapped_stand_ins": []}
+    blocks = program.cut.held_blocks()
+    return {"held_layers": tuple(i for i, b in enumerate(blocks) if b is not None),
+            "wrapped_stand_ins": [p.path for p, b in zip(program.cut.blocks, blocks)
+                                  if b is None and "forward" in vars(p.module)]}
+
+
+def _trained_decisions(program, tokens: torch.Tensor, keep: bool) -> dict:
+    """`_train`, counting the save / recompute decisions of the recomputed blocks over its steps."""
+    from autoplan.runtime.recompute import observe_recompute
+
+    with observe_recompute() as decisions:
+        found = _train(program, tokens, keep)
+    return found | {"decisions": {f"{family}:{saved}": n for (family, saved), n in decisions.items()}}
+
+
 def _evaluate(program, tokens: torch.Tensor) -> dict:
     """This rank's logits, all logits, and the loss of the gathered logits on new tokens; with a
     pipeline, forward's refusal and eval_loss alone."""
@@ -361,10 +384,13 @@ def _run_case(rank: int, case: Case, plan, setup_: dict) -> dict:
     program = autoplan.parallelize(model, f"1x{case.world}xcpu", plan, checkpoint=checkpoint)
     held = _local_numel(program)
     found = {"reads": sum(reads), "held": held, "table": str(program.module_plan),
-             "recomputed": program.recomputed_layers}
-    if case.name in BASES or case.name in BASES.values() or case.recompute != "none":
-        found |= _activations(program, setup_["tokens"][0])
-    found |= _train(program, setup_["tokens"], keep=rank == 0)
+             "recomputed": program.recomputed_layers} | _held_layers(program)
+    if case.pp > 1 and case.recompute != "none":  # no single-microbatch forward: the decisions of training
+        found |= _trained_decisions(program, setup_["tokens"], keep=rank == 0)
+    else:
+        if case.name in BASES or case.name in BASES.values() or case.recompute != "none":
+            found |= _activations(program, setup_["tokens"][0])
+        found |= _train(program, setup_["tokens"], keep=rank == 0)
     found |= _evaluate(program, setup_["tokens"][STEPS])
     if case.name in EXPORTED:
         save_hf(program, setup_["root"] / f"export-{case.name}")
@@ -523,14 +549,21 @@ def test_recompute_applies_the_plans_policy(runs, case):
     from autoplan.recompute_policy import recompute_policy
 
     policy = recompute_policy(case.recompute)
+    held = set()
     for ranks in runs[case.world]:
         got = ranks[case.name]
-        assert got["recomputed"] == tuple(policy.recomputed_layers(2))
+        held |= set(got["held_layers"])
+        assert len(got["held_layers"]) == 2 // case.pp and not got["wrapped_stand_ins"]
+        assert got["recomputed"] == tuple(i for i in policy.recomputed_layers(2) if i in got["held_layers"])
         saved = {k.split(":")[0] for k, n in got["decisions"].items() if k.endswith(":True") and n}
         assert saved == set(policy.saves)
         linears = {"hand": 6, "gpt2": 4}.get(case.model, 7)  # q, k, v, o, (gate,) up, down; GPT-2's c_attn fused
         matmuls = got["decisions"].get("matmul:True", 0) + got["decisions"].get("matmul:False", 0)
-        assert matmuls == linears * len(got["recomputed"])
+        # a pipeline: counted over training, each microbatch's forward and, at the first step, the
+        # stage's shape inference (torch.distributed.pipelining runs the stage's forward once)
+        forwards = STEPS * case.microbatches + 1 if case.pp > 1 else 1
+        assert matmuls == linears * len(got["recomputed"]) * forwards
+    assert held == {0, 1}
 
 
 @pytest.mark.parametrize("name", sorted(BASES), ids=str)
@@ -549,3 +582,21 @@ def test_recompute_frees_what_the_cost_model_predicts(setup, runs, name):
             assert plain - kept >= predicted * (1 - FREED_TOLERANCE)
         else:
             assert plain - kept == pytest.approx(predicted, rel=FREED_TOLERANCE)
+
+
+def test_recompute_under_a_pipeline_counts_the_models_layers(setup):
+    """'full:1' under pp=2 re-runs the model's first layer (as the cost model and the zoo runtime count
+    it), on the rank holding it only: not each stage's first layer, and no other stage's stand-in."""
+    from autoplan.recompute_policy import recompute_policy
+    from autoplan.runtime.module_recompute import apply_module_recompute
+    from autoplan.runtime.module_stages import cut_stages
+
+    plan = dataclasses.replace(setup["plans"]["llama-pp2-full"], recompute="full:1")
+    found = []
+    for stage in (0, 1):
+        model, _ = _build(Case("meta", "llama", weights="meta"), setup["dirs"])
+        cut = cut_stages(model, plan)
+        cut.prune([stage])
+        found.append(apply_module_recompute(model, recompute_policy(plan.recompute), cut.held_blocks()))
+        assert not any("forward" in vars(p.module) for p in cut.blocks if p.module not in cut.held_blocks())
+    assert found == [(0,), ()]

@@ -41,10 +41,12 @@ class Case:
     dp: int = 1
     tp: int = 1  # Megatron's assignment, the MoE replicated on tp (ep splits its experts)
     weights: str = "module"  # "module": built with weights; "meta": loaded from the checkpoint
+    pp: int = 1  # pipeline stages (1F1B over `microbatches`), each rank distributing its stages' experts
+    microbatches: int = 1
 
     @property
     def world(self) -> int:
-        return self.dp * self.ep * self.tp
+        return self.pp * self.dp * self.ep * self.tp
 
 
 CASES = [
@@ -52,6 +54,7 @@ CASES = [
     Case("qwen2_moe-ep2", "qwen2_moe"),
     Case("mixtral-ep2-dp2", "mixtral", dp=2),
     Case("qwen2_moe-ep2-tp2", "qwen2_moe", tp=2, weights="meta"),
+    Case("mixtral-pp2-ep2", "mixtral", pp=2, microbatches=2, weights="meta"),
 ]
 
 EXPORTED = ("mixtral-ep2-dp2", "qwen2_moe-ep2-tp2")
@@ -92,9 +95,10 @@ def _plan(case: Case, graph, summary):
         info = strategy_info(summary.rule_info(), case.tp, case.tp)
         assignment = megatron_assignment(graph, hf_registry(), case.tp, info, False)
         assignment |= {n.name: "replicate" for n in graph.nodes if n.op_kind == "moe"}
-    mesh = MeshShape(dp=case.dp, ep=case.ep, tp=case.tp)
+    mesh = MeshShape(pp=case.pp, dp=case.dp, ep=case.ep, tp=case.tp)
     return plan_from_assignment(graph, summary, parse_cluster(f"1x{case.world}xcpu"), mesh, assignment,
-                                B // (case.dp * case.ep), 1, 0, "none", registry=hf_registry(), dtype="float32")
+                                B // (case.dp * case.ep * case.microbatches), case.microbatches, 0, "none",
+                                registry=hf_registry(), dtype="float32")
 
 
 @pytest.fixture(scope="module")

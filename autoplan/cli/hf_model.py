@@ -5,7 +5,7 @@ torch.export (`autoplan.capture.hf.capture_hf_for_planner`), its ops priced with
 strategy rules (`autoplan.capture.hf_rules.hf_registry`).
 
     search    searches the space the runtime for your own module runs (pp, dp and tp with sequence
-              parallelism, ZeRO 0-3, microbatching; not yet cp, ep or recompute) and skips plans
+              parallelism, ZeRO 0-3, microbatching, recompute, ep; not yet cp) and skips plans
               that runtime refuses for this model (dropout or tied weights under tp or pp):
               `autoplan.api.search_module_plans`. `--hf-config` plans the whole space instead.
     estimate  prices the configuration given, whatever it is, and says on stderr when the runtime
