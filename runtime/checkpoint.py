@@ -71,7 +71,6 @@ from autoplan.runtime import checkpoint_files as files
 from autoplan.runtime.checkpoint_files import FORMAT, KIND, MANIFEST, CheckpointError
 from autoplan.runtime.checkpoint_reader import (DCP_METADATA, SafeReader, read_dcp_metadata,
                                                 storage_files)
-from autoplan.runtime.module_checkpoint import holds_module, module_state_dict, parameter_shapes
 from autoplan.runtime.rank_agreement import first_error, gather_texts, rank_world, shared_token
 from autoplan.runtime.zero import full_tensor
 
@@ -168,8 +167,9 @@ def _state_dict(program: "RankProgram", optimizer: torch.optim.Optimizer | None,
                 for_load: bool) -> tuple[dict[str, torch.Tensor], list]:
     """DCP's state dict and, for loading, the (destination, loaded tensor) copies to do after
     (none for the user's own module: DCP loads into its tensors, `runtime.module_checkpoint`)."""
-    if holds_module(program):
-        return module_state_dict(program, {} if optimizer is None else _states(program, optimizer)), []
+    own = getattr(program, "checkpoint_tensors", None)  # the user's module: its tensors as it holds them
+    if own is not None:
+        return own({} if optimizer is None else _states(program, optimizer)), []
     plain = checkpoint_mesh(program)
     etp, tp = program.plan.mesh.etp, program.plan.mesh.tp
     split = checkpoint_mesh(program, split_tp=True) if 1 < etp < tp else None  # expert weights' mesh
@@ -236,7 +236,7 @@ def _metadata(program: "RankProgram", step: int, optimizer: torch.optim.Optimize
     return {"kind": KIND, "format": FORMAT,
             "model": {"name": plan.model.name, "fingerprint": plan.model.fingerprint},
             "step": step, "mesh": plan.mesh.to_json(), "optimizer": kind,
-            "parameters": parameter_shapes(program) if holds_module(program) else
+            "parameters": program.checkpoint_shapes() if hasattr(program, "checkpoint_shapes") else
             {n: list(layout.shape) for n, layout in sorted(program.all_layouts.items())},
             "files": digests}
 

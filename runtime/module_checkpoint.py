@@ -16,23 +16,22 @@ Under a pipeline each rank holds only its stages' modules (`StageCut.prune`), so
 and loads its own parameters. DCP loads in place into these tensors (the local pieces of DTensors
 included), so nothing is copied back afterwards; `runtime.checkpoint.load` then hands a
 ShardedOptimizer its slices (`scatter_states`). Keys are the same for every plan of the model, so a
-checkpoint saved under one plan resumes under any other.
+checkpoint saved under one plan resumes under any other. `runtime.checkpoint` reaches these
+through the program (`ModuleProgram.checkpoint_tensors` / `checkpoint_shapes`).
 """
 
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from autoplan.runtime.module_program import ModuleProgram
 from autoplan.runtime.rank_agreement import gather_texts
 
-
-def holds_module(program) -> bool:
-    """Whether `program` runs the user's own module (its parameters are the module's tensors)."""
-    return isinstance(program, ModuleProgram)
+if TYPE_CHECKING:
+    from autoplan.runtime.module_program import ModuleProgram
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -43,7 +42,7 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
                               shape=param.shape, stride=param.stride())
 
 
-def module_state_dict(program: ModuleProgram, states: dict[str, dict[str, torch.Tensor]]
+def module_state_dict(program: "ModuleProgram", states: dict[str, dict[str, torch.Tensor]]
                       ) -> dict[str, torch.Tensor]:
     """DCP's state dict of this rank (module docstring); `states`: name -> the optimizer's state
     tensors of that parameter (`runtime.checkpoint._states`)."""
@@ -55,7 +54,7 @@ def module_state_dict(program: ModuleProgram, states: dict[str, dict[str, torch.
     return found
 
 
-def parameter_shapes(program: ModuleProgram) -> dict[str, list[int]]:
+def parameter_shapes(program: "ModuleProgram") -> dict[str, list[int]]:
     """Every parameter's full shape under its name, over all pipeline stages (a collective)."""
     mine = {name: list(p.shape) for name, p in program.named_local_parameters()}
     merged: dict[str, list[int]] = {}

@@ -54,6 +54,7 @@ from autoplan.errors import ConfigError, TrainingDivergedError
 from autoplan.plan import Plan
 from autoplan.runtime.grad_sync import GradSync, Replica, ShardedOptimizer
 from autoplan.runtime.health import check_token_range
+from autoplan.runtime.module_checkpoint import module_state_dict, parameter_shapes
 from autoplan.runtime.module_experts import expert_weight_names
 from autoplan.runtime.module_plan import ModulePlan
 from autoplan.runtime.module_stages import run_model
@@ -137,6 +138,15 @@ class ModuleProgram(nn.Module):
         from autoplan.runtime.checkpoint import save
 
         return save(self, directory, optimizer or self.optimizer, step)
+
+    def checkpoint_tensors(self, states: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """This rank's tensors for `runtime.checkpoint` to hand DCP, as it holds them; `states`: the
+        optimizer's state tensors of each parameter by name (`runtime.module_checkpoint`)."""
+        return module_state_dict(self, states)
+
+    def checkpoint_shapes(self) -> dict[str, list[int]]:
+        """Every parameter's full shape by name, for the manifest (a collective)."""
+        return parameter_shapes(self)
 
     def load_checkpoint(self, directory, optimizer: torch.optim.Optimizer | None = None, *,
                         parameters_only: bool = False) -> dict:
