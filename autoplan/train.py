@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 4 -m autoplan.train --hf-model my-llama --steps 40 --save-hf my-llama-tuned
 
 `--hf-model DIR` fine-tunes a local Hugging Face checkpoint with the runtime for your own module
-(`autoplan.train_hf`: what it runs, its loss, and which options are zoo-only so far).
+(`autoplan.train_hf`: what it runs and its loss; --save / --resume below work for it too).
 
 Without --plan, the plan is searched for the launched world (a `1xNxcpu` cluster on CPU, or
 `--cluster`). `--save DIR` writes a checkpoint (model and optimizer state under full names and
@@ -181,7 +181,7 @@ def build_program(args):
 
 
 def train(args, run: Run | None = None) -> list[float]:
-    check_hf_args(args)  # first: it names the options --hf-model does not take
+    check_hf_args(args)  # first: --hf-model DIR and --save-hf OUT checked before anything is built
     check_checkpoint_args(args)
     run = run if run is not None else Run()
     program, plan, vocab = build_program(args)

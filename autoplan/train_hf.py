@@ -18,10 +18,12 @@ At the end, the loss of the trained weights on the batch after the last one (`ev
 that `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads (`autoplan.runtime.hf_export`;
 OUT must be new, empty or an earlier export of autoplan: checked before training starts).
 
-Not yet with --hf-model (refused before anything runs): --save / --save-every / --keep / --resume /
---auto-resume (DCP checkpoints with optimizer state run for the zoo models only): to continue a
-fine-tune, start again from the exported OUT with `--hf-model OUT` (the optimizer state starts
-afresh). Plans with pp, cp, ep or recompute are refused by the runtime with what to change.
+--save DIR / --save-every N / --keep K / --resume DIR / --auto-resume save and resume DCP checkpoints
+of the parameters (under the model's own names), the optimizer state and the step, as for the zoo
+models (`autoplan.runtime.checkpoint`, `autoplan.runtime.module_checkpoint`): the same files, checks
+and atomic saves; a run resumes under any plan of the same model (another --plan, or world size).
+Plans with cp (and what else the runtime for your own module does not run yet) are refused by the
+runtime with what to change.
 """
 
 from __future__ import annotations
@@ -30,8 +32,6 @@ import os
 from pathlib import Path
 
 from autoplan.errors import ConfigError
-
-DCP_OPTIONS = ("save", "save_every", "keep", "resume", "auto_resume")
 
 
 def add_hf_options(parser, model_group) -> None:
@@ -43,18 +43,13 @@ def add_hf_options(parser, model_group) -> None:
 
 
 def check_hf_args(args) -> None:
-    """Refuse what --hf-model does not run yet, and --save-hf without it or onto a directory
-    autoplan may not write, before anything is built (module docstring)."""
+    """Refuse --save-hf without --hf-model or onto a directory autoplan may not write, and an
+    --hf-model DIR that is no checkpoint, before anything is built (module docstring)."""
     if not args.hf_model:
         if args.save_hf:
             raise ConfigError(f"--save-hf {args.save_hf}: exports a Hugging Face model trained with "
                               f"--hf-model DIR; a zoo model (--model) saves with --save DIR (DCP)")
         return
-    given = [f"--{o.replace('_', '-')}" for o in DCP_OPTIONS if getattr(args, o, None)]
-    if given:
-        raise ConfigError(f"{', '.join(given)}: DCP checkpoints (with the optimizer state) run for the "
-                          f"zoo models only so far, not with --hf-model; write the weights with --save-hf "
-                          f"OUT and continue from them with --hf-model OUT (the optimizer starts afresh)")
     if args.save_hf:
         from autoplan.runtime.hf_export import export_target_error
 

@@ -20,6 +20,10 @@ sharded over dp by ZeRO 3 (FSDP2) are gathered over dp first (their tp-local pie
 the distributed optimizer's slices of each state are gathered whole over dp first
 (`grad_sync.ShardedOptimizer.param_states`) and each rank loads its slice back (`scatter_states`).
 
+The runtime for the user's own module saves under the same keys, its tensors as it holds them
+(DTensors under tp / ep / FSDP2, each pipeline stage its own modules: `runtime.module_checkpoint`),
+with the same files, manifest, checks and atomic saves below.
+
 Beside DCP's files, `autoplan.json` (plain JSON, the manifest) records the format, the model's name
 and fingerprint, the training step, the mesh, the optimizer's class, the parameter shapes, and the
 size and SHA-256 of every other file (runtime.checkpoint_files). The optimizer's hyperparameters
@@ -161,7 +165,11 @@ def _states(program: "RankProgram", optimizer: torch.optim.Optimizer
 
 def _state_dict(program: "RankProgram", optimizer: torch.optim.Optimizer | None,
                 for_load: bool) -> tuple[dict[str, torch.Tensor], list]:
-    """DCP's state dict and, for loading, the (destination, loaded tensor) copies to do after."""
+    """DCP's state dict and, for loading, the (destination, loaded tensor) copies to do after
+    (none for the user's own module: DCP loads into its tensors, `runtime.module_checkpoint`)."""
+    own = getattr(program, "checkpoint_tensors", None)  # the user's module: its tensors as it holds them
+    if own is not None:
+        return own({} if optimizer is None else _states(program, optimizer)), []
     plain = checkpoint_mesh(program)
     etp, tp = program.plan.mesh.etp, program.plan.mesh.tp
     split = checkpoint_mesh(program, split_tp=True) if 1 < etp < tp else None  # expert weights' mesh
@@ -228,8 +236,8 @@ def _metadata(program: "RankProgram", step: int, optimizer: torch.optim.Optimize
     return {"kind": KIND, "format": FORMAT,
             "model": {"name": plan.model.name, "fingerprint": plan.model.fingerprint},
             "step": step, "mesh": plan.mesh.to_json(), "optimizer": kind,
-            "parameters": {n: list(layout.shape)
-                           for n, layout in sorted(program.all_layouts.items())},
+            "parameters": program.checkpoint_shapes() if hasattr(program, "checkpoint_shapes") else
+            {n: list(layout.shape) for n, layout in sorted(program.all_layouts.items())},
             "files": digests}
 
 

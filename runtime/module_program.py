@@ -54,6 +54,7 @@ from autoplan.errors import ConfigError, TrainingDivergedError
 from autoplan.plan import Plan
 from autoplan.runtime.grad_sync import GradSync, Replica, ShardedOptimizer
 from autoplan.runtime.health import check_token_range
+from autoplan.runtime.module_checkpoint import module_state_dict, parameter_shapes
 from autoplan.runtime.module_experts import expert_weight_names
 from autoplan.runtime.module_plan import ModulePlan
 from autoplan.runtime.module_stages import run_model
@@ -106,6 +107,7 @@ class ModuleProgram(nn.Module):
         self.grad_norm: float | None = None  # the last step's global gradient norm (under check_finite)
         self.recomputed_layers: tuple[int, ...] = ()  # the blocks run as recomputed regions (module_recompute)
         self.param_names = [n for n, _ in model.named_parameters()]  # the whole model's, in its order
+        self.optimizer: torch.optim.Optimizer | None = None  # the last one make_optimizer made
         self.grad_sync = None if self.fsdp else self._grad_sync()
 
     # ------------------------------------------------------------ parameters
@@ -124,8 +126,40 @@ class ModuleProgram(nn.Module):
         """`cls` over the parameters; under ZeRO 1/2 over this rank's slices of them
         (`grad_sync.ShardedOptimizer`, the optimizer train_step then requires)."""
         if self.grad_sync is not None and self.grad_sync.shard:
-            return ShardedOptimizer(self.grad_sync, cls, **kwargs)
-        return cls(self.model.parameters(), **kwargs)
+            self.optimizer = ShardedOptimizer(self.grad_sync, cls, **kwargs)
+        else:
+            self.optimizer = cls(self.model.parameters(), **kwargs)
+        return self.optimizer
+
+    def save_checkpoint(self, directory, optimizer: torch.optim.Optimizer | None = None, *, step: int = 0):
+        """Save the parameters under the model's own names, the optimizer's states (default: the one
+        `make_optimizer` made) and `step`, atomically, as the zoo's programs do (`runtime.checkpoint`,
+        `runtime.module_checkpoint`); call it on every rank. Returns the checkpoint's path."""
+        from autoplan.runtime.checkpoint import save
+
+        return save(self, directory, optimizer or self.optimizer, step)
+
+    def checkpoint_tensors(self, states: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """This rank's tensors for `runtime.checkpoint` to hand DCP, as it holds them; `states`: the
+        optimizer's state tensors of each parameter by name (`runtime.module_checkpoint`)."""
+        return module_state_dict(self, states)
+
+    def checkpoint_shapes(self) -> dict[str, list[int]]:
+        """Every parameter's full shape by name, for the manifest (a collective)."""
+        return parameter_shapes(self)
+
+    def load_checkpoint(self, directory, optimizer: torch.optim.Optimizer | None = None, *,
+                        parameters_only: bool = False) -> dict:
+        """Load a checkpoint of this model saved under any plan into the parameters and the optimizer
+        (default: the one `make_optimizer` made; none with `parameters_only`); returns its manifest
+        (with "step", which `self.step` takes). Call it on every rank."""
+        from autoplan.runtime.checkpoint import load
+
+        meta = load(self, directory, None if parameters_only else optimizer or self.optimizer)
+        if isinstance(self.optimizer, ShardedOptimizer):  # its fp32 slices of the loaded parameters
+            self.optimizer.reload_parameters()
+        self.step = int(meta.get("step", 0))
+        return meta
 
     def named_local_parameters(self):
         return self.model.named_parameters()
