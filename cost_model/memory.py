@@ -11,7 +11,8 @@ tensor parallelism, divided over the dp ranks by the ZeRO stage:
 Activations of one microbatch, per recompute policy: `cost_model.activations` (the storages the
 runtime keeps for backward, and what a recomputed layer keeps of them); `memory_breakdown` adds them
 for pp = 1 (one microbatch in flight; gradient accumulation frees each microbatch's activations in
-its backward) with the transient of the layer being re-run.
+its backward) with the transient of the layer being re-run. Under ep the busiest rank's: the rows a
+rank's experts receive priced with the routing imbalance margins (`activations.EP_IMBALANCE_MARGIN`).
 
 Temporary buffers: the largest tensor a tp collective produces (all-gathered or all-reduced), and
 under ZeRO-3 two layers of gathered bf16 weights (the current one and the prefetched next), under
