@@ -78,19 +78,26 @@ class Activations:
     def _held_now(self, kind: str) -> tuple[dict, dict]:
         recomputed = set(self.layers) if kind != "none" else set()
         first = self.holders(kind)
-        kept: dict[object, list] = {part: [0.0, 0.0] for part in ("pre", *self.layers, "post")}
+        kept: dict[object, list] = {part: [0.0] * 4 for part in ("pre", *self.layers, "post")}
         for key, part in first.items():
-            _add(kept[part], self.storages[key], self.margins[0])
-        transient: dict[object, list] = {layer: [0.0, 0.0] for layer in recomputed}
+            _add(kept[part], self.storages[key])
+        transient: dict[object, list] = {layer: [0.0] * 4 for layer in recomputed}
         for key, part in set(self.saved):
             if part in recomputed and key not in first:
-                _add(transient[part], self.storages[key], self.margins[1])
-        return kept, transient
+                _add(transient[part], self.storages[key])
+        return ({part: _margined(q, self.margins[0]) for part, q in kept.items()},
+                {part: _margined(q, self.margins[1]) for part, q in transient.items()})
 
 
-def _add(pair: list, storage: Storage, margin: float) -> None:
-    """Add a storage's bytes, a routed one's times (1 + margin): the busiest ep rank's."""
-    pair[0 if storage.batched else 1] += storage.nbytes * (1 + margin if storage.routed else 1)
+def _add(quad: list, storage: Storage) -> None:
+    """Add a storage's bytes to [batched, fixed, routed batched, routed fixed]."""
+    quad[(0 if storage.batched else 1) + (2 if storage.routed else 0)] += storage.nbytes
+
+
+def _margined(quad: list, margin: float) -> list:
+    """[batched, fixed] bytes, the routed ones times (1 + margin): the busiest ep rank's. Each sum is of
+    whole bytes before the one product, so it does not depend on the order storages were added in."""
+    return [quad[0] + quad[2] * (1 + margin), quad[1] + quad[3] * (1 + margin)]
 
 
 def activation_bytes(acts: Activations, policy: RecomputePolicy, scale: float = 1.0) -> tuple[float, float]:
