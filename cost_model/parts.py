@@ -126,8 +126,11 @@ class SolutionParts:
         key = (context, spread, imbalance)
         if key not in self._activations:
             walked = self.walked if self.walked is not None else self.solution
-            self._activations[key] = _activation_tally(walked.activations(context, spread, imbalance),
-                                                       [nodes[0].layer for nodes, _ in self.groups])
+            if not imbalance and not walked.activations(context, spread).margined:  # nothing routed: the same
+                self._activations[key] = self.activation_tally(context, spread)
+            else:
+                self._activations[key] = _activation_tally(walked.activations(context, spread, imbalance),
+                                                           [nodes[0].layer for nodes, _ in self.groups])
         return self._activations[key]
 
 
@@ -330,10 +333,13 @@ class BlockCosts:
                     imbalance: bool = True) -> dict:
         """Bytes held for backward at this microbatch: per layer ("activation"), per layer while it is
         re-run ("transient"), and the two ends ("pre", "post"), for a run with a context group of
-        `context` ranks and MoE experts `spread` over an expert group (routed rows for the busiest rank, or the mean)."""
+        `context` ranks and MoE experts `spread` over an expert group (routed rows for the busiest
+        rank, or the mean)."""
         key = (recompute, context, spread, imbalance)
+        tally = self.parts.activation_tally(context, spread, imbalance)
+        if not imbalance and tally is self.parts.activation_tally(context, spread):  # nothing routed
+            return self.activations(recompute, context, spread)
         if key not in self._arrays:
-            tally = self.parts.activation_tally(context, spread, imbalance)
             self._arrays[key] = {
                 "activation": self._per_layer(recompute, lambda g, kind: Tally.at(tally.layers[kind][g][0], self.scale)),
                 "transient": self._per_layer(recompute, lambda g, kind: Tally.at(tally.layers[kind][g][1], self.scale)),
