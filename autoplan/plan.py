@@ -94,6 +94,7 @@ class MemoryBreakdown:
     optimizer_bytes: float
     activations_bytes: float
     temporary_bytes: float = 0.0
+    ep_imbalance_bytes: float = 0.0  # the ep routing imbalance margin on MoE routed rows (cost_model.step)
 
     def __post_init__(self) -> None:
         _check_amounts("predicted memory_breakdown", self)

@@ -16,8 +16,12 @@ parameters) x recompute none, selective, matmul-only, full, full:2. Plans come f
                made that are alive after it (parameters and tensors made from them alone left out;
                checkpoints' inputs and caches in), and the most a region's re-run holds
     error      predicted / measured - 1, per rank; a case's row gives its worst rank. Under ep the
-               routing decides how many rows each rank's experts get; the model prices the mean over
-               the expert group's ranks, so the summary also gives the error against that mean
+               routing decides how many rows each rank's experts get: the plan prices the busiest rank
+               (the routed rows at the mean over the expert group times 1 + EP_IMBALANCE_MARGIN, an
+               upper bound; EP_RERUN_IMBALANCE_MARGIN for a re-run layer), so an ep case is checked
+               against its busiest rank (the most any rank holds); the summary also gives the
+               prediction at the mean (no margin) against the mean of the ranks, and the margins the
+               ep cases needed (the routed rows their busiest rank held over the mean's)
 
 Every case runs in fresh processes (one, or two gloo ranks), one forward and backward each.
 Writes benchmarks/out/memory_fidelity.json and benchmarks/out/memory_fidelity.png (predicted
@@ -97,10 +101,12 @@ def make_plan(config, strategy: str, dtype: str, policy: str):
     return plan, graph
 
 
-def predict(config, plan, graph) -> tuple[float, float]:
+def predict(config, plan, graph, imbalance: bool = True) -> tuple[float, float]:
+    """(held, re-run) bytes the plan prices per rank: under ep the busiest rank's, or (`imbalance` False)
+    the mean over the expert group's."""
     from autoplan.cost_model.memory import plan_activation_bytes
 
-    return plan_activation_bytes(plan, graph, config.rule_info())
+    return plan_activation_bytes(plan, graph, config.rule_info(), imbalance)
 
 
 # ------------------------------------------------------------------------------ the ranks
@@ -152,13 +158,32 @@ def run_case(models: dict, case: tuple) -> dict:
     cid, family, strategy, dtype, policy = case
     config = models[family]
     plan, graph = make_plan(config, strategy, dtype, policy)
-    held, transient = predict(config, plan, graph)
+    (held, transient), mean = predict(config, plan, graph), predict(config, plan, graph, False)
     ranks = measure(config, plan)
+    checked = [max(ranks, key=lambda r: r[0])] if strategy == "ep2" else ranks  # ep: the busiest rank
+    checked_again = [max(ranks, key=lambda r: r[1])] if strategy == "ep2" else ranks
     return {"id": cid, "family": family, "strategy": strategy, "dtype": dtype, "policy": policy,
             "predicted_bytes": held, "predicted_recompute_bytes": transient,
+            "predicted_mean_bytes": mean[0], "predicted_mean_recompute_bytes": mean[1],
             "measured_bytes": [r[0] for r in ranks], "measured_recompute_bytes": [r[1] for r in ranks],
-            "errors": [_error(held, r[0]) for r in ranks],
-            "recompute_errors": [_error(transient, r[1]) for r in ranks]}
+            "errors": [_error(held, r[0]) for r in checked],
+            "recompute_errors": [_error(transient, r[1]) for r in checked_again],
+            "checked_recompute_bytes": [r[1] for r in checked_again],
+            "mean_error": _error(mean[0], statistics.mean(r[0] for r in ranks)),
+            "needed_margin": [_needed(mean[i], (held, transient)[i], max(r[i] for r in ranks), margin)
+                              for i, margin in enumerate(_margins())]}
+
+
+def _margins() -> tuple[float, float]:
+    from autoplan.cost_model.activations import EP_IMBALANCE_MARGIN, EP_RERUN_IMBALANCE_MARGIN
+
+    return EP_IMBALANCE_MARGIN, EP_RERUN_IMBALANCE_MARGIN
+
+
+def _needed(mean: float, priced: float, busiest: float, margin: float) -> float | None:
+    """The imbalance margin at which the prediction equals the busiest rank's bytes (the prediction is
+    linear in it: `priced` at `margin`), or None where nothing is routed."""
+    return margin * (busiest - mean) / (priced - mean) if priced > mean else None
 
 
 def _worst(errors: list[float]) -> float:
@@ -167,10 +192,12 @@ def _worst(errors: list[float]) -> float:
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'case':34s} {'predicted MB':>12s} {'measured MB':>12s} {'error':>7s}  {'re-run pred.':>12s} "
-             f"{'measured':>9s} {'error':>7s}"]
+             f"{'measured':>9s} {'error':>7s}   (ep: the busiest rank)"]
     for r in rows:
-        measured = max(r["measured_bytes"], key=lambda b: abs(_error(r["predicted_bytes"], b)))
-        again = max(r["measured_recompute_bytes"], key=lambda b: abs(_error(r["predicted_recompute_bytes"], b)))
+        ep = r["strategy"] == "ep2"
+        measured = max(r["measured_bytes"], key=lambda b: b if ep else abs(_error(r["predicted_bytes"], b)))
+        again = max(r["measured_recompute_bytes"],
+                    key=lambda b: b if ep else abs(_error(r["predicted_recompute_bytes"], b)))
         lines.append(f"{r['id']:34s} {r['predicted_bytes'] / 1e6:12.3f} {measured / 1e6:12.3f} "
                      f"{_worst(r['errors']):+7.2%}  {r['predicted_recompute_bytes'] / 1e6:12.3f} {again / 1e6:9.3f} "
                      f"{_worst(r['recompute_errors']):+7.2%}")
@@ -178,18 +205,32 @@ def table(rows: list[dict]) -> str:
 
 
 def summary(rows: list[dict]) -> dict:
-    """Median and largest |error| over every (case, rank), and how many are within TOLERANCE; the same
-    against each case's mean over its ranks (what the model prices under ep)."""
+    """Median and largest |error| over every checked (case, rank): each rank, the busiest under ep; how
+    many are within TOLERANCE; the prediction at margin 0 against each case's mean over its ranks; under
+    ep, the margin each case needed and whether the prediction bounds the busiest rank."""
     held = [abs(e) for r in rows for e in r["errors"]]
-    again = [abs(e) for r in rows for e, b in zip(r["recompute_errors"], r["measured_recompute_bytes"]) if b]
-    mean = [abs(_error(r["predicted_bytes"], statistics.mean(r["measured_bytes"]))) for r in rows]
+    again = [abs(e) for r in rows for e, b in zip(r["recompute_errors"], r["checked_recompute_bytes"]) if b]
+    mean = [abs(r["mean_error"]) for r in rows]
+    ep = [r for r in rows if r["strategy"] == "ep2"]
     return {"cases": len(rows), "rank_measurements": len(held),
+            "ep_cases": len(ep), "ep_needed_margin_max": [max((r["needed_margin"][i] for r in ep
+                                                           if r["needed_margin"][i] is not None), default=0.0)
+                                                      for i in (0, 1)],  # held, re-run
+            "ep_busiest_rank_bounded": sum(e >= 0 for r in ep for e in _checked(r)),
+            "ep_busiest_rank_checks": sum(len(_checked(r)) for r in ep),
+            "ep_at_mean_max_rank_excess": max((b / r["predicted_mean_bytes"] - 1 for r in ep for b in r["measured_bytes"]),
+                                              default=0.0),  # the busiest rank over the mean's price
             "median_abs_error": statistics.median(held), "max_abs_error": max(held),
             "within_tolerance": sum(e <= TOLERANCE for e in held),
             "mean_of_ranks_max_abs_error": max(mean), "mean_of_ranks_within_tolerance": sum(e <= TOLERANCE for e in mean),
             "recompute_median_abs_error": statistics.median(again) if again else 0.0,
             "recompute_max_abs_error": max(again, default=0.0),
             "recompute_within_tolerance": sum(e <= TOLERANCE for e in again), "recompute_measurements": len(again)}
+
+
+def _checked(row: dict) -> list[float]:
+    """A case's checked errors: held after the forward, and while a layer is re-run where one is."""
+    return row["errors"] + [e for e, b in zip(row["recompute_errors"], row["checked_recompute_bytes"]) if b]
 
 
 def plot(rows: list[dict], path: Path) -> None:

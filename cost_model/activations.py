@@ -58,6 +58,17 @@ NO_SAVE_POINTWISE = frozenset({"add", "iadd", "add_", "sub", "isub", "sub_", "ne
 SAVE_ALL_POINTWISE = frozenset({"mul", "imul", "mul_", "truediv", "div"})
 SAVE_OUTPUT_POINTWISE = frozenset({"tanh", "sigmoid", "exp", "relu", "rsqrt", "sqrt"})
 MOE_ROUTER_INTS = 2  # top-k indices and softmax weights kept per routed slot (int64 + fp32 below)
+# The ep routing imbalance margins: with experts spread over a group, the rows a rank's experts receive
+# depend on the routing (no capacity limit: no token is dropped), so the busiest rank holds more than the
+# mean over the group. Its routed-row storages (`_moe`) are priced at mean x (1 + margin), an upper bound
+# for the busiest rank: held after the forward (summed over the held layers, whose excesses partly
+# average out) and while a recomputed layer is re-run (one layer, the busiest). From the ep cases of
+# benchmarks/memory_fidelity.py (untrained routers, ep = 2; README, memory fidelity), the margins that
+# would make the prediction equal the busiest rank: held 0.07 with 4 layers held, 0.24 with 2; re-run
+# 0.31 over 4 recomputed layers, 0.13 over 2. Each margin is the largest of these plus headroom.
+EP_IMBALANCE_MARGIN = 0.25
+EP_RERUN_IMBALANCE_MARGIN = 0.35
+ROUTED_ROWS = frozenset({"received", "expert_in", "gate", "up", "product"})  # `_moe`'s storages per received row
 
 
 # ------------------------------------------------------------------------------------ the walk
@@ -106,12 +117,15 @@ class RunShape:
     group (Ulysses all-to-alls around attention when > 1), whether each MoE layer's experts are
     spread over an expert group (ep, or ep x tp / etp: tokens dispatched by all-to-all), and whether
     the fused kernels run as Triton (GPUs) or as their torch paths (CPU): of what they keep, only the
-    MoE combine differs (the kernel keeps the expert outputs as they are, the torch path an fp32 copy)."""
+    MoE combine differs (the kernel keeps the expert outputs as they are, the torch path an fp32 copy);
+    `imbalance`: the routed rows of spread experts priced for the busiest rank (`EP_IMBALANCE_MARGIN`,
+    `EP_RERUN_IMBALANCE_MARGIN`), or (False) at the mean over the expert group."""
 
     mixed: bool = False
     context: int = 1
     spread: bool = False
     triton: bool = False
+    imbalance: bool = True
 
 
 def activations(graph: "CapturedGraph", strategies: Mapping[str, Strategy], tp: int, info: Mapping | None = None,
@@ -147,12 +161,19 @@ class _Walk:
     def result(self) -> Activations:
         layers = tuple(sorted({n.layer for n in self.graph.nodes if n.layer is not None}))
         return Activations(dict(self.storages), tuple(self.saved),
-                           {i: tuple(keys) for i, keys in self.inputs.items()}, tuple(self.resident), layers)
+                           {i: tuple(keys) for i, keys in self.inputs.items()}, tuple(self.resident), layers,
+                           self.margins())
+
+    def margins(self) -> tuple[float, float]:
+        """(held, re-run) imbalance margins on the routed storages: none where no row is routed."""
+        routed = self.shape.imbalance and any(s.routed for s in self.storages.values())
+        return (EP_IMBALANCE_MARGIN, EP_RERUN_IMBALANCE_MARGIN) if routed else (0.0, 0.0)
 
     # ---------------------------------------------------------------- bookkeeping
-    def make(self, key: str, nbytes: float, node: "NodeInfo", family: str, batched: bool = True) -> str:
+    def make(self, key: str, nbytes: float, node: "NodeInfo", family: str, batched: bool = True,
+             routed: bool = False) -> str:
         if key not in self.storages:  # the first maker's (a conversion shared by several consumers)
-            self.storages[key] = Storage(key, float(nbytes), batched, node.layer, family, node.name)
+            self.storages[key] = Storage(key, float(nbytes), batched, node.layer, family, node.name, routed)
         return key
 
     def keep(self, key: str, node: "NodeInfo") -> None:
@@ -368,22 +389,25 @@ class _Walk:
                        product (M, f) each; the down projection's output (matmul) made, not kept
             combine    the expert output rows (N k, h), kept for the weights' gradient: in fp32 on the
                        torch path, as they are (compute dtype) under the Triton kernel
+        Spread over an expert group, the storages of the M received rows are `Storage.routed`: priced
+        with the imbalance margins (`Activations.margins`), the busiest rank's, not the mean's.
         """
         shape = self._moe_shape(node)
         n, k, h, f, rows, c, width = (shape[key] for key in ("tokens", "k", "h", "f", "rows", "c", "width"))
+        spread = shape["spread"]
         flat = self.seen(node, 0)
         router_in = flat if width <= c or not self.shape.mixed else self.make(
             f"{node.name}:router_in", n * h * c, node, "other")
         self.make(f"{node.name}:logits", n * shape["experts"] * c, node, "matmul")
-        ints = 2 * n * k + (2 * rows if shape["spread"] else 0)
-        kept = [router_in, ("topk", n * k * (INT64 + FP32), "other"), ("routing", ints * INT64, "other"),
+        kept = [router_in, ("topk", n * k * (INT64 + FP32), "other"), ("routing", 2 * n * k * INT64, "other"),
+                ("received", 2 * rows * INT64 if spread else 0.0, "other"),
                 ("expert_in", rows * h * (c if self.shape.mixed else width), "other"),
                 ("gate", rows * f * c, "matmul"), ("up", rows * f * c, "matmul"), ("product", rows * f * c, "other"),
                 ("combine", n * k * h * (c if self.shape.triton else FP32), "other")]
         for item in kept:
-            self.keep(item if isinstance(item, str) else self.make(f"{node.name}:{item[0]}", item[1], node, item[2]),
-                      node)
-        self.make(f"{node.name}:down", rows * h * c, node, "matmul")
+            self.keep(item if isinstance(item, str) else self.make(
+                f"{node.name}:{item[0]}", item[1], node, item[2], routed=spread and item[0] in ROUTED_ROWS), node)
+        self.make(f"{node.name}:down", rows * h * c, node, "matmul", routed=spread)
         self.output(node, "collective" if self.strategies[node.name].name == "ffn" else "other")
 
     def _moe_shape(self, node: "NodeInfo") -> dict:

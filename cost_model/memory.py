@@ -11,7 +11,8 @@ tensor parallelism, divided over the dp ranks by the ZeRO stage:
 Activations of one microbatch, per recompute policy: `cost_model.activations` (the storages the
 runtime keeps for backward, and what a recomputed layer keeps of them); `memory_breakdown` adds them
 for pp = 1 (one microbatch in flight; gradient accumulation frees each microbatch's activations in
-its backward) with the transient of the layer being re-run.
+its backward) with the transient of the layer being re-run. Under ep the busiest rank's: the rows a
+rank's experts receive priced with the routing imbalance margins (`activations.EP_IMBALANCE_MARGIN`).
 
 Temporary buffers: the largest tensor a tp collective produces (all-gathered or all-reduced), and
 under ZeRO-3 two layers of gathered bf16 weights (the current one and the prefetched next), under
@@ -208,10 +209,12 @@ def memory_breakdown(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
     return MemoryBreakdown(weights, grads, optimizer, activations_held, temporary)
 
 
-def plan_activations(plan: Plan, graph: "CapturedGraph", info: Mapping) -> tuple[Activations, float]:
+def plan_activations(plan: Plan, graph: "CapturedGraph", info: Mapping, imbalance: bool = True
+                     ) -> tuple[Activations, float]:
     """(the storages one forward of `plan` keeps on a rank, at `graph`'s batch; the scale to the plan's
     microbatch per rank), from its resolved strategies over `graph` (captured at any batch of the plan's
-    sequence length); `info`: the model's rule info (`ModelConfig.rule_info`)."""
+    sequence length); `info`: the model's rule info (`ModelConfig.rule_info`); `imbalance`: spread experts'
+    routed rows priced for the busiest rank (`RunShape.imbalance`), or (False) at the expert group's mean."""
     mesh = plan.mesh
     strategies = {op.node: op.resolved for op in plan.ops if op.resolved is not None}
     missing = [n.name for n in graph.nodes if n.name not in strategies and n.op_kind not in ("placeholder", "output")]
@@ -221,19 +224,21 @@ def plan_activations(plan: Plan, graph: "CapturedGraph", info: Mapping) -> tuple
     for node in graph.nodes:
         strategies.setdefault(node.name, _replicated(node))
     triton = fused_kernels(plan.kernels, plan.cluster.device).triton  # what the runtime runs on that device
-    shape = RunShape(plan.dtype != "float32", mesh.context_parallel, mesh.expert_parallel > 1, triton)
+    shape = RunShape(plan.dtype != "float32", mesh.context_parallel, mesh.expert_parallel > 1, triton, imbalance)
     info = {**info, "etp": mesh.etp} if mesh.etp != mesh.tp else dict(info)
     acts = activations(graph, strategies, mesh.tp, info, shape)
     return acts, plan.microbatch_size / mesh.context_parallel / graph.batch_size
 
 
-def plan_activation_bytes(plan: Plan, graph: "CapturedGraph", info: Mapping) -> tuple[float, float]:
+def plan_activation_bytes(plan: Plan, graph: "CapturedGraph", info: Mapping, imbalance: bool = True
+                          ) -> tuple[float, float]:
     """(bytes one rank holds after a microbatch's forward, the most a recomputed layer adds while backward
-    re-runs it) for `plan` with pp = 1 (`plan_activations`)."""
+    re-runs it) for `plan` with pp = 1 (`plan_activations`): under ep, the busiest rank's (the routed rows
+    with the imbalance margins; `imbalance` False: the mean over the expert group)."""
     if plan.mesh.pp != 1:
         raise ConfigError(f"plan_activation_bytes prices one stage holding every layer; the plan has "
                           f"pp={plan.mesh.pp}")
-    acts, scale = plan_activations(plan, graph, info)
+    acts, scale = plan_activations(plan, graph, info, imbalance)
     return activation_bytes(acts, recompute_policy(plan.recompute), scale)
 
 

@@ -118,14 +118,19 @@ class SolutionParts:
     walked: "TpSolution | None" = None  # the solution over the representative graph (None: `solution`)
     _activations: dict = field(default_factory=dict, repr=False)
 
-    def activation_tally(self, context: int = 1, spread: bool = False) -> ActivationTally:
+    def activation_tally(self, context: int = 1, spread: bool = False, imbalance: bool = True
+                         ) -> ActivationTally:
         """What each part holds for backward when the run has a context group of `context` ranks and
-        (`spread`) MoE experts dispatched over an expert group (`cost_model.activations.RunShape`)."""
-        key = (context, spread)
+        (`spread`) MoE experts dispatched over an expert group, their routed rows for the busiest rank
+        or (`imbalance` False) the mean (`cost_model.activations.RunShape`)."""
+        key = (context, spread, imbalance)
         if key not in self._activations:
             walked = self.walked if self.walked is not None else self.solution
-            self._activations[key] = _activation_tally(walked.activations(context, spread),
-                                                       [nodes[0].layer for nodes, _ in self.groups])
+            if not imbalance and not walked.activations(context, spread).margined:  # nothing routed: the same
+                self._activations[key] = self.activation_tally(context, spread)
+            else:
+                self._activations[key] = _activation_tally(walked.activations(context, spread, imbalance),
+                                                           [nodes[0].layer for nodes, _ in self.groups])
         return self._activations[key]
 
 
@@ -324,13 +329,17 @@ class BlockCosts:
             self._arrays[recompute] = {k: self._per_layer(recompute, v) for k, v in per.items()}
         return self._arrays[recompute]
 
-    def activations(self, recompute: str, context: int = 1, spread: bool = False) -> dict:
+    def activations(self, recompute: str, context: int = 1, spread: bool = False,
+                    imbalance: bool = True) -> dict:
         """Bytes held for backward at this microbatch: per layer ("activation"), per layer while it is
         re-run ("transient"), and the two ends ("pre", "post"), for a run with a context group of
-        `context` ranks and MoE experts `spread` over an expert group."""
-        key = (recompute, context, spread)
+        `context` ranks and MoE experts `spread` over an expert group (routed rows for the busiest
+        rank, or the mean)."""
+        key = (recompute, context, spread, imbalance)
+        tally = self.parts.activation_tally(context, spread, imbalance)
+        if not imbalance and tally is self.parts.activation_tally(context, spread):  # nothing routed
+            return self.activations(recompute, context, spread)
         if key not in self._arrays:
-            tally = self.parts.activation_tally(context, spread)
             self._arrays[key] = {
                 "activation": self._per_layer(recompute, lambda g, kind: Tally.at(tally.layers[kind][g][0], self.scale)),
                 "transient": self._per_layer(recompute, lambda g, kind: Tally.at(tally.layers[kind][g][1], self.scale)),

@@ -51,8 +51,11 @@ Megatron-LM of 2021, as Narayanan et al. ran it, all-reduced after the whole bac
 
 Memory per rank of a stage: model states of its parts (ZeRO over the data-parallel ranks of each
 kind), + in-flight microbatches x activations + the transient, + temporary buffers (the largest tp
-collective buffer; ZeRO-2/3 one layer of gradients, ZeRO-3 two layers of gathered weights). The
-reported memory breakdown is that of the stage with the largest total.
+collective buffer; ZeRO-2/3 one layer of gradients, ZeRO-3 two layers of gathered weights). With MoE
+experts spread over an expert group, activations are the busiest rank's: routed rows at the mean times
+1 + `activations.EP_IMBALANCE_MARGIN` (held) or `EP_RERUN_IMBALANCE_MARGIN` (a layer re-run); the
+breakdown shows those bytes as their own line (`MemoryBreakdown.ep_imbalance_bytes`) and the
+activations at the mean. The reported memory breakdown is that of the stage with the largest total.
 
 The mesh's order of axes over ranks (`Config.order`) enters only through the links: which node each
 group of tp, cp (ep x cp under ep_as = "cp"), ep, pp and the data-parallel sync spans, and how many of its
@@ -148,12 +151,13 @@ class _Times:
     """Per-layer seconds for one (solution, recompute, cp, ep, ep_as), with prefix sums, and the two ends."""
 
     time: np.ndarray
-    prefix: dict[str, np.ndarray]  # time, compute, forward, backward, activation
+    prefix: dict[str, np.ndarray]  # time, compute, forward, backward, activation, imbalance (its ep margin)
     pre_s: float
     post_s: float
     total_s: float
     transient: np.ndarray  # per layer: held while backward re-runs it (0 where it is not recomputed)
     ends_bytes: tuple[float, float]  # activations of the parts before and after the layers
+    mean_transient: np.ndarray  # `transient` with MoE routed rows at the ep group's mean (no imbalance margin)
 
 
 @dataclass
@@ -223,16 +227,19 @@ class StepModel:
         key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg))
         if key not in self._times:
             a = block.arrays(cfg.recompute)
-            held = block.activations(cfg.recompute, cfg.context_parallel, cfg.mesh.expert_parallel > 1)
+            spread = cfg.mesh.expert_parallel > 1
+            held = block.activations(cfg.recompute, cfg.context_parallel, spread)  # the busiest rank's
+            mean = block.activations(cfg.recompute, cfg.context_parallel, spread, False)  # the ep margin's share
             comm = a["comm"]
             if cfg.context_parallel > 1 or cfg.mesh.expert_parallel > 1:
                 comm = comm + np.array([self._extra_comm_s(block, cfg, p) for p in block.distinct])[block.index]
             time = a["compute"] + comm
             ends = [p.compute_s() + p.comm_s() for p in (block.pre, block.post)]  # never recomputed
             prefix = {"time": _prefix(time), "compute": _prefix(a["compute"]), "forward": _prefix(a["forward"]),
-                      "backward": _prefix(a["backward"]), "activation": _prefix(held["activation"])}
+                      "backward": _prefix(a["backward"]), "activation": _prefix(held["activation"]),
+                      "imbalance": _prefix(held["activation"] - mean["activation"])}
             self._times[key] = _Times(time, prefix, ends[0], ends[1], float(time.sum()) + sum(ends),
-                                      held["transient"], (held["pre"], held["post"]))
+                                      held["transient"], (held["pre"], held["post"]), mean["transient"])
         return self._times[key]
 
     def _split_states(self, dense, expert, cfg: Config):
@@ -333,7 +340,8 @@ class StepModel:
         dp_memo: dict[tuple, float] = {}
         dp = max(self._dp_exposed_s(cfg, x, dp_memo) for x in sums)
         h = sums[heaviest]
-        breakdown = MemoryBreakdown(h["weights"], h["grads"], h["optimizer_states"], h["activations"], h["temporary"])
+        breakdown = MemoryBreakdown(h["weights"], h["grads"], h["optimizer_states"], h["activations"], h["temporary"],
+                                    h["imbalance"])
         stages = tuple((s, chunk, a, b) for chunk in range(cfg.virtual_stages)
                        for s, rs in enumerate(ranges) for k, (a, b) in enumerate(rs) if k == chunk)
         return Priced(cfg, block.variant, TimeBreakdown(compute, steady - compute + dp, bubble,
@@ -357,7 +365,10 @@ class StepModel:
             sums["forward"] += p.fwd_compute_s
             sums["backward"] += p.backward_s()
         transient = max([float(problem.layer_transient_bytes[a:b].max()) for a, b in ranges if b > a] + [0.0])
-        activations = float(problem.in_flight[stage]) * sums["activation"] + transient
+        mean_transient = max([float(t.mean_transient[a:b].max()) for a, b in ranges if b > a] + [0.0])
+        in_flight = float(problem.in_flight[stage])
+        imbalance = in_flight * sums["imbalance"] + transient - mean_transient  # the ep margin's bytes
+        activations = in_flight * sums["activation"] + transient - imbalance
         shard = cfg.data_ranks if cfg.zero_stage >= 1 else 1
         opt_bytes = (2 * self.state.optimizer + self.state.grad + self.state.weight) * (sums["dense"] + sums["expert"]) / shard
         time = sums["time"] + (t.pre_s if stage == 0 else 0.0) + (t.post_s if stage == cfg.pp - 1 else 0.0)
@@ -368,7 +379,7 @@ class StepModel:
             "backward": sums["backward"], "dense": sums["dense"], "expert": sums["expert"],
             "buckets": sum(b - a for a, b in ranges) + 1, "weights": sums["weights"], "grads": sums["grads"],
             "optimizer_states": sums["optimizer"], "activations": activations, "temporary": temporary,
-            "memory": states + activations + temporary,
+            "imbalance": imbalance, "memory": states + activations + imbalance + temporary,
             "optimizer": op_time_s(0.0, opt_bytes, self.env.cluster.device, self.env.dtype, self.env.efficiency),
         }
 

@@ -21,6 +21,7 @@ class Storage:
     layer: int | None
     family: str
     node: str = ""  # the captured op that makes it (its conversion, cast or internal tensor included)
+    routed: bool = False  # per row a rank's spread experts receive: priced with `Activations.margins`
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,12 @@ class Activations:
     inputs: Mapping[int, tuple[str, ...]]  # layer -> region inputs
     resident: tuple[str, ...] = ()  # made once per program (RoPE tables), held whatever the policy
     layers: tuple[int, ...] = field(default=())
+    margins: tuple[float, float] = (0.0, 0.0)  # on routed storages, held and re-run: the busiest ep rank's
+
+    @property
+    def margined(self) -> bool:
+        """Whether the ep routing imbalance margins price some storage (else the same at the mean)."""
+        return self.margins != (0.0, 0.0)
 
     @functools.cached_property
     def _made(self) -> dict[tuple, list[str]]:
@@ -71,18 +78,26 @@ class Activations:
     def _held_now(self, kind: str) -> tuple[dict, dict]:
         recomputed = set(self.layers) if kind != "none" else set()
         first = self.holders(kind)
-        kept: dict[object, list] = {part: [0.0, 0.0] for part in ("pre", *self.layers, "post")}
+        kept: dict[object, list] = {part: [0.0] * 4 for part in ("pre", *self.layers, "post")}
         for key, part in first.items():
             _add(kept[part], self.storages[key])
-        transient: dict[object, list] = {layer: [0.0, 0.0] for layer in recomputed}
+        transient: dict[object, list] = {layer: [0.0] * 4 for layer in recomputed}
         for key, part in set(self.saved):
             if part in recomputed and key not in first:
                 _add(transient[part], self.storages[key])
-        return kept, transient
+        return ({part: _margined(q, self.margins[0]) for part, q in kept.items()},
+                {part: _margined(q, self.margins[1]) for part, q in transient.items()})
 
 
-def _add(pair: list, storage: Storage) -> None:
-    pair[0 if storage.batched else 1] += storage.nbytes
+def _add(quad: list, storage: Storage) -> None:
+    """Add a storage's bytes to [batched, fixed, routed batched, routed fixed]."""
+    quad[(0 if storage.batched else 1) + (2 if storage.routed else 0)] += storage.nbytes
+
+
+def _margined(quad: list, margin: float) -> list:
+    """[batched, fixed] bytes, the routed ones times (1 + margin): the busiest ep rank's. Each sum is of
+    whole bytes before the one product, so it does not depend on the order storages were added in."""
+    return [quad[0] + quad[2] * (1 + margin), quad[1] + quad[3] * (1 + margin)]
 
 
 def activation_bytes(acts: Activations, policy: RecomputePolicy, scale: float = 1.0) -> tuple[float, float]:
@@ -101,7 +116,8 @@ def _at(pair: list, scale: float) -> float:
 
 
 def held_storages(acts: Activations, policy: RecomputePolicy) -> list[Storage]:
-    """The storages held after forward under `policy` (`activation_bytes`' held bytes, one by one)."""
+    """The storages held after forward under `policy` (`activation_bytes`' held bytes, one by one, at the
+    mean over an ep group: `Storage.nbytes`)."""
     recomputed = set(policy.recomputed_layers(len(acts.layers)))
     none, kind = acts.holders("none"), acts.holders(policy.kind)
     keys = {k for k, part in none.items() if part not in recomputed}

@@ -154,7 +154,7 @@ def test_moe_keeps_its_routed_rows_per_rank(strategy, tp, etp, split, gathered):
     moe = next(n for n in graph.nodes if n.op_kind == "moe")
     info = strategy_info(config.rule_info(), tp, etp)
     strategies = resolve_strategies(graph, default_registry(), info, tp, {moe.name: strategy})
-    acts = activations(graph, strategies, tp, info, RunShape(mixed=False))
+    acts = activations(graph, strategies, tp, info, RunShape(mixed=False, imbalance=False))  # the mean
     mine = {key.split(":")[1]: s.nbytes for key, s in acts.storages.items() if key.startswith(moe.name + ":")}
     k, h, f = config.top_k, config.hidden, config.ffn_hidden
     tokens = 2 * 64 / (tp if strategy in ("sequence", "expert") else 1)

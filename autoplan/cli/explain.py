@@ -28,6 +28,8 @@ from autoplan.cli.args import positive_int
 from autoplan.cli.hf_model import explain_inputs
 from autoplan.plan import Plan
 
+EP_MARGIN_LINE = "ep routing imbalance margin"  # the busiest ep rank's routed rows over the mean's (cost_model.step)
+
 GB = 1e9
 
 
@@ -75,7 +77,8 @@ def _time_parts(plan: Plan) -> list[tuple[str, float]]:
 def _memory_parts(plan: Plan) -> list[tuple[str, float]]:
     m = plan.predicted.memory
     return [("parameters", m.parameters_bytes), ("gradients", m.gradients_bytes), ("optimizer states", m.optimizer_bytes),
-            ("activations", m.activations_bytes), ("temporary buffers", m.temporary_bytes)]
+            ("activations", m.activations_bytes), (EP_MARGIN_LINE, m.ep_imbalance_bytes),
+            ("temporary buffers", m.temporary_bytes)]
 
 
 def _stages_text(plan: Plan) -> list[str]:
@@ -173,7 +176,8 @@ def explain_plan(plan: Plan, config=None, graph=None, ops: bool = True, max_ops:
     lines += ["", f"memory per GPU (the heaviest stage): {_gb(p.peak_memory_bytes)} of {_gb(capacity)}"
                   f" ({'fits' if p.peak_memory_bytes <= capacity else 'DOES NOT FIT'})"]
     total_m = max(p.memory.total_bytes(), 1e-30)
-    lines += _table(["part", "memory", "share"], [[n, _gb(v), f"{v / total_m:.1%}"] for n, v in _memory_parts(plan)])
+    lines += _table(["part", "memory", "share"], [[n, _gb(v), f"{v / total_m:.1%}"] for n, v in _memory_parts(plan)
+                                                      if v or n != EP_MARGIN_LINE])
     lines += ["", f"pipeline stages ({plan.schedule})"] + _stages_text(plan)
     if ops and plan.ops:
         lines += ["", *_ops_text(plan, config, graph, max_ops, profile, registry, info)]
@@ -203,18 +207,22 @@ def _ops_text(plan: Plan, config, graph, max_ops: int, profile=None, registry=No
 
 
 def activation_families(plan: Plan, graph, config) -> tuple[list[tuple[str, float]], float]:
-    """([(op family, bytes its ops leave for backward)], largest first; the most a recomputed layer adds
-    while it is re-run) per microbatch on one rank under the plan's recompute policy."""
+    """([(op family, bytes its ops leave for backward)], largest first, after under ep the routing
+    imbalance margin's bytes (held and re-run: the busiest rank's excess over the mean); the most a
+    recomputed layer adds while it is re-run, at the mean) per microbatch on one rank under the plan's
+    recompute policy."""
     from autoplan.cost_model.storages import activation_bytes, held_storages
-    from autoplan.cost_model.memory import plan_activations
+    from autoplan.cost_model.memory import plan_activation_bytes, plan_activations
     from autoplan.recompute_policy import recompute_policy
 
-    acts, scale = plan_activations(plan, graph, config.rule_info())
+    acts, scale = plan_activations(plan, graph, config.rule_info(), False)
     policy = recompute_policy(plan.recompute)
     families: dict[str, float] = defaultdict(float)
     for storage in held_storages(acts, policy):
         families[op_family(storage.node)] += storage.nbytes * (scale if storage.batched else 1.0)
-    return sorted(families.items(), key=lambda fb: (-fb[1], fb[0])), activation_bytes(acts, policy, scale)[1]
+    rows, at_mean = sorted(families.items(), key=lambda fb: (-fb[1], fb[0])), activation_bytes(acts, policy, scale)
+    margin = sum(plan_activation_bytes(plan, graph, config.rule_info())) - sum(at_mean) if plan.mesh.pp == 1 else 0.0
+    return ([(EP_MARGIN_LINE, margin)] if margin > 0 else []) + rows, at_mean[1]
 
 
 def _activations_text(plan: Plan, graph, config, max_rows: int) -> list[str]:

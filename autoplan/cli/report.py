@@ -61,6 +61,8 @@ def breakdown_table(plan: Plan) -> Table:
     times = [("compute", t.compute_s), ("communication (exposed)", t.communication_s), ("pipeline bubble", t.bubble_s), ("optimizer", t.optimizer_s)]
     mems = [("parameters", m.parameters_bytes), ("gradients", m.gradients_bytes), ("optimizer states", m.optimizer_bytes),
             ("activations", m.activations_bytes), ("temporary buffers", m.temporary_bytes)]
+    if m.ep_imbalance_bytes:  # the busiest ep rank's routed rows over the mean's (cost_model.step)
+        mems.insert(4, ("ep routing imbalance margin", m.ep_imbalance_bytes))
     total_t, total_m = max(t.total_s(), 1e-30), max(m.total_bytes(), 1e-30)
     for i in range(len(mems)):
         tname, tval = times[i] if i < len(times) else ("", None)
