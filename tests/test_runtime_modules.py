@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from _dist import spawn
+from _hf_checkpoints import save_and_capture
 from _handmade import HandLM
 from autoplan.errors import PlanError
 
@@ -243,20 +244,11 @@ def _hand_summary():
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> dict:
     """Checkpoint directories, tokens, references, and each case's plan (captured once per model)."""
-    from autoplan.capture.hf import capture_hf, capture_hf_for_planner
+    from autoplan.capture.hf import capture_hf
 
     root = tmp_path_factory.mktemp("modules")
     tokens = torch.randint(0, 128, (STEPS + 1, B, T), generator=torch.Generator().manual_seed(SEED))
-    dirs, refs, graphs = {}, {}, {}
-    warnings.simplefilter("ignore")  # capture's notes on replicated ops; transformers' progress
-    for name, config in _hf_configs().items():
-        torch.manual_seed(SEED)
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-        dirs[name] = root / name
-        model.save_pretrained(dirs[name])
-        refs[name] = _reference(model, tokens)
-        summary, graph, _ = capture_hf_for_planner(config, T, "float32")
-        graphs[name] = (graph, summary)
+    dirs, refs, graphs = save_and_capture(_hf_configs(), root, tokens, _reference, T, SEED)
     refs["hand"] = _reference(_hand_model(), tokens)
     graphs["hand"] = (capture_hf(_hand_model("meta"), 1, T, torch.float32), _hand_summary())
     plans = {c.name: _plan(c, *graphs[c.model]) for c in CASES}

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from _dist import spawn
+from _hf_checkpoints import save_and_capture
 
 transformers = pytest.importorskip("transformers")
 
@@ -103,20 +104,9 @@ def _plan(case: Case, graph, summary):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> dict:
-    from autoplan.capture.hf import capture_hf_for_planner
-
     root = tmp_path_factory.mktemp("moe")
     tokens = torch.randint(0, 128, (STEPS, B, T), generator=torch.Generator().manual_seed(SEED))
-    dirs, refs, graphs = {}, {}, {}
-    warnings.simplefilter("ignore")
-    for name, config in _configs().items():
-        torch.manual_seed(SEED)
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-        dirs[name] = root / name
-        model.save_pretrained(dirs[name])
-        refs[name] = _reference(model, tokens)
-        summary, graph, _ = capture_hf_for_planner(config, T, "float32")
-        graphs[name] = (graph, summary)
+    dirs, refs, graphs = save_and_capture(_configs(), root, tokens, _reference, T, SEED)
     plans = {c.name: _plan(c, *graphs[c.model]) for c in CASES}
     return {"root": root, "dirs": dirs, "tokens": tokens, "refs": refs, "plans": plans, "graphs": graphs}
 
