@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from autoplan.errors import ConfigError
 from autoplan.grad_buckets import GRAD_BUCKET_BYTES
 from autoplan.runtime import collectives as C
 
@@ -391,3 +392,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for b, whole in zip(self.sync.buckets, wholes):
                 lo, hi = b.owned
                 self.state[b.master][key].copy_(whole[lo:hi])
+
+
+def check_optimizer(sync: GradSync | None, optimizer: torch.optim.Optimizer, zero_stage: int) -> None:
+    """Under ZeRO 1/2 the step runs on this rank's slices: `optimizer` must be the program's
+    `ShardedOptimizer` (both runtimes' train_step check this before the step)."""
+    if sync is not None and sync.shard and not isinstance(optimizer, ShardedOptimizer):
+        raise ConfigError(f"ZeRO {zero_stage} steps on this rank's slices of the parameters: make the "
+                          f"optimizer with program.make_optimizer(...), not {type(optimizer).__name__} "
+                          f"over the parameters")

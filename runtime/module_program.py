@@ -52,7 +52,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from autoplan.errors import ConfigError, TrainingDivergedError
 from autoplan.plan import Plan
-from autoplan.runtime.grad_sync import GradSync, Replica, ShardedOptimizer
+from autoplan.runtime.grad_sync import GradSync, Replica, ShardedOptimizer, check_optimizer
 from autoplan.runtime.health import check_token_range
 from autoplan.runtime.module_checkpoint import module_state_dict, parameter_shapes
 from autoplan.runtime.module_experts import expert_weight_names
@@ -272,10 +272,7 @@ class ModuleProgram(nn.Module):
         TrainingDivergedError (every rank, no update taken) on a non-finite loss or gradient norm
         under `check_finite` (module docstring)."""
         count = self._count_targets(tokens, targets, "train_step")
-        if self.grad_sync is not None and self.grad_sync.shard and not isinstance(optimizer, ShardedOptimizer):
-            raise ConfigError(f"ZeRO {plan.zero_stage} steps on this rank's slices of the "
-                              f"parameters: make the optimizer with program.make_optimizer(...), "
-                              f"not {type(optimizer).__name__} over the parameters")
+        check_optimizer(self.grad_sync, optimizer, self.plan.zero_stage)
         optimizer.zero_grad(set_to_none=True)
         if self.grad_sync is not None:
             self.grad_sync.begin_step(self.plan.num_microbatches)

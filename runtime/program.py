@@ -49,7 +49,7 @@ from autoplan.plan import Plan
 from autoplan.runtime import collectives as C
 from autoplan.runtime import health
 from autoplan.mesh import MeshShape
-from autoplan.runtime.grad_sync import GradSync, Replica, ShardedOptimizer
+from autoplan.runtime.grad_sync import GradSync, Replica, ShardedOptimizer, check_optimizer
 from autoplan.runtime.groups import RankGroup, group_of
 from autoplan.runtime.init import InitRule, init_local, nested_bounds
 from autoplan.runtime.rewrite import ParamLayout, Rewritten
@@ -274,10 +274,7 @@ class RankProgram(nn.Module):
         """train_step's body after the checks of its input (module docstring)."""
         plan = self.plan
         local_tokens, local_targets = self.shard_batch(tokens, targets)
-        if self.grad_sync is not None and self.grad_sync.shard and not isinstance(optimizer, ShardedOptimizer):
-            raise ConfigError(f"ZeRO {plan.zero_stage} steps on this rank's slices of the "
-                              f"parameters: make the optimizer with program.make_optimizer(...), "
-                              f"not {type(optimizer).__name__} over the parameters")
+        check_optimizer(self.grad_sync, optimizer, self.plan.zero_stage)
         optimizer.zero_grad(set_to_none=True)
         if self.grad_sync is not None:
             self.grad_sync.begin_step(plan.num_microbatches)

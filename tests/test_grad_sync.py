@@ -130,3 +130,17 @@ def test_distributed_optimizer_matches_one_process():
         for got, want in zip(out["params"], out["reference"]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         assert out["held"] <= out["total"] // 2 + len(out["params"])  # half, plus padding
+
+
+def test_zero_1_2_refuse_an_optimizer_over_the_whole_parameters():
+    """Both runtimes' train_step run this check before a step (runtime.grad_sync.check_optimizer)."""
+    from types import SimpleNamespace
+
+    from autoplan.errors import ConfigError
+    from autoplan.runtime.grad_sync import check_optimizer
+
+    plain = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    check_optimizer(None, plain, 0)  # ZeRO 3 (FSDP2): no GradSync
+    check_optimizer(SimpleNamespace(shard=False), plain, 0)
+    with pytest.raises(ConfigError, match=r"ZeRO 2 steps on this rank's slices .* not SGD over the parameters"):
+        check_optimizer(SimpleNamespace(shard=True), plain, 2)
