@@ -4,8 +4,12 @@ Every rank of the world calls `measure_collectives` (under torchrun, or after
 `init_process_group`). For each group size g (the world, and where the world is > 2 also 2, 4, ...
 that divide it), the world is cut into consecutive groups of g ranks that run at the same time (as
 tensor-parallel groups do in training). For each kind and message size: warm-up, then timed windows
-separated by a world barrier (see gemm.timed_windows_s); the sample is the median per-call time of
-the slowest rank (a collective finishes when its last rank does).
+separated by a world barrier (see gemm.timed_windows_s); the sample is the fastest window's per-call
+time on each rank, then the slowest rank's (a collective finishes when its last rank does). The fastest
+window, not the median: the noise of a collective's windows is one-sided (a rank descheduled, a peer
+late out of the barrier), and on CPU gloo it swamps small messages (4 KiB all-reduce windows of 0.3 to
+4.9 ms medians on the 2-core development machine, against 0.13 to 0.31 ms fastest), which left the
+quick profile without an all-reduce fit in 3 of 5 test runs of 2026-11-25.
 
 message_bytes is each rank's full buffer, as nccl-tests counts it (all_reduce: the tensor;
 all_gather: the gathered output; reduce_scatter: the input; all_to_all: the input). The fit per
@@ -26,7 +30,6 @@ version); the element count is rounded down to a multiple of g.
 
 from __future__ import annotations
 
-import statistics
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -153,7 +156,7 @@ def _subgroup(group_size: int):
 
 
 def time_collective_s(kind: str, message_bytes: int, group_size: int, group, world: _World, budget_s: float) -> tuple[int, float]:
-    """(message_bytes rounded to whole elements per rank, slowest rank's median seconds per call)."""
+    """(message_bytes rounded to whole elements per rank, slowest rank's fastest-window seconds per call)."""
     numel = max(group_size, message_bytes // ELEMENT_BYTES // group_size * group_size)
     fn = _collective_fn(kind, numel, group_size, group, world.device)
     for _ in range(WARMUP_CALLS):
@@ -161,7 +164,7 @@ def time_collective_s(kind: str, message_bytes: int, group_size: int, group, wor
     synchronize(world.device)
     one_call_s = world.max(timed_windows_s(fn, world.device, 1, 1, before=world.barrier)[0])
     repeats, inner = plan_windows(one_call_s, budget_s)  # the same on every rank: no rank waits forever
-    local_s = statistics.median(timed_windows_s(fn, world.device, repeats, inner, before=world.barrier))
+    local_s = min(timed_windows_s(fn, world.device, repeats, inner, before=world.barrier))
     return numel * ELEMENT_BYTES, world.max(local_s)
 
 
