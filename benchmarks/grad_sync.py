@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from runtime_overhead import _free_port, _summary, small_llama, time_alternating  # noqa: E402
+from runtime_overhead import _free_port, _summary, join_gloo, small_llama, time_alternating  # noqa: E402
 
 OUT = Path(__file__).parent / "out"
 WORLD, SEQ, BATCH, SEED, LR = 2, 256, 4, 0, 1e-4
@@ -63,10 +63,7 @@ def _after_backward(program):
 
 
 def _rank(rank: int, port: int, plans_: dict, rounds: int, steps: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    join_gloo(rank, WORLD, port)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from autoplan.models import build_model

@@ -222,10 +222,7 @@ def runtime_plan(config):
 
 
 def _rank(rank: int, port: int, plan, rounds: int, steps: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    join_gloo(rank, WORLD, port)
     from autoplan.models import build_model
     from autoplan.runtime.launch import parallelize
 
@@ -276,6 +273,15 @@ def time_alternating(methods: dict, rounds: int, steps: int) -> tuple[dict, dict
                 times[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - start_cpu)
     return first, times, cpu
+
+
+def join_gloo(rank: int, world: int, port: int) -> None:
+    """This process as `rank` of a `world`-rank gloo group on localhost, with torchrun's environment
+    (the runtime reads LOCAL_RANK / LOCAL_WORLD_SIZE) and one CPU thread, as every rank of a benchmark."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
 def _free_port() -> int:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from runtime_overhead import OUT, _free_port, _summary, time_alternating
+from runtime_overhead import OUT, _free_port, _summary, join_gloo, time_alternating
 
 WORLD, SEQ, BATCH, SEED, LR = 4, 256, 2, 0, 1e-4
 
@@ -114,11 +114,8 @@ def _autoplan_step(directory: str, plan, tokens: torch.Tensor):
 
 
 def _rank(rank: int, port: int, directory: str, plans_: dict, rounds: int, steps: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
     warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    join_gloo(rank, WORLD, port)
     tokens = torch.randint(8192, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     methods = {"transformers": _transformers_step(directory, tokens)}
     methods |= {name: _autoplan_step(directory, plan, tokens) for name, plan in plans_.items()}
