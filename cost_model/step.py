@@ -185,6 +185,7 @@ class StepModel:
         self._states: dict[tuple, _States] = {}
         self._links_of: dict[MeshShape, tuple[AxisGroup, ...]] = {}
         self._schedules: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._p2p: dict[tuple, float] = {}
 
     def group(self, cfg: Config, axes: tuple[str, ...]) -> AxisGroup:
         key = (cfg.pp, cfg.dp, cfg.ep, cfg.cp, cfg.tp, cfg.order, axes, cfg.etp)  # etp: the tp halves' sizes
@@ -270,22 +271,43 @@ class StepModel:
         total = self.times(block, cfg).total_s
         return (cfg.num_microbatches + (cfg.pp - 1) / cfg.virtual_stages) * total / cfg.pp
 
+    def memory_floor_bytes(self, block: BlockCosts, cfg: Config) -> float:
+        """A floor under the busiest pipeline rank's memory, whatever the partition (given or searched, ranks
+        of contiguous layers or interleaved chunks): the ranks' memory sums to at least every layer's and
+        both ends' model states, pp temporaries, and the activations held f_min times (f_min: the fewest
+        microbatches in flight on any rank; transients >= 0), so the busiest holds at least their mean.
+        O(1) from the cached sums: the search drops a configuration whose floor exceeds the device before
+        it builds a stage problem, most of a deep model's misfits."""
+        t, st = self.times(block, cfg), self.states(block, cfg)
+        in_flight, _ = self._schedule(cfg)
+        states = sum(float(st.prefix[k][-1]) for k in ("weights", "grads", "optimizer")) + sum(st.pre[2:]) + sum(st.post[2:])
+        held = float(t.prefix["activation"][-1]) + sum(t.ends_bytes)
+        return (states + float(in_flight.min()) * held) / cfg.pp + st.temporary
+
+    def _schedule(self, cfg: Config) -> tuple[np.ndarray, np.ndarray]:
+        """Microbatches in flight and the fewest layers per pipeline rank: what the schedule alone decides."""
+        pp, m, v = cfg.pp, cfg.num_microbatches, cfg.virtual_stages
+        if (pp, m, v) not in self._schedules:  # asked per configuration
+            self._schedules[(pp, m, v)] = (np.array([in_flight_microbatches(s, pp, m, v) for s in range(pp)]),
+                                           np.array(stage_min_layers(pp, v)))
+        return self._schedules[(pp, m, v)]
+
     # ------------------------------------------------------------------ stages
     def stage_problem(self, block: BlockCosts, cfg: Config) -> StageProblem:
         """The partition problem of `cfg` with the tp solution `block` (what `price` partitions)."""
         return self._problem(block, cfg, self.times(block, cfg), self.states(block, cfg))
 
     def _problem(self, block: BlockCosts, cfg: Config, t: _Times, st: _States) -> StageProblem:
-        pp, m, v = cfg.pp, cfg.num_microbatches, cfg.virtual_stages
+        pp, v = cfg.pp, cfg.virtual_stages
         boundary = block.boundary_full_bytes / cfg.tp  # Megatron's scatter / gather: 1 / tp of it per rank
-        p2p = p2p_per_microbatch_s(boundary, self.env.cluster, cfg.mesh, v, self.env.efficiency.collective_call_s)
+        if (cfg.mesh, v, boundary) not in self._p2p:  # the pp link's lookup, once per mesh
+            self._p2p[(cfg.mesh, v, boundary)] = p2p_per_microbatch_s(boundary, self.env.cluster, cfg.mesh, v,
+                                                                      self.env.efficiency.collective_call_s)
+        p2p = self._p2p[(cfg.mesh, v, boundary)]
         first = Part(t.pre_s, sum(st.pre[2:]), t.ends_bytes[0])
         last = Part(t.post_s, sum(st.post[2:]), t.ends_bytes[1])
         activation = np.diff(t.prefix["activation"])
-        if (pp, m, v) not in self._schedules:  # what the schedule alone decides, asked per configuration
-            self._schedules[(pp, m, v)] = (np.array([in_flight_microbatches(s, pp, m, v) for s in range(pp)]),
-                                           np.array(stage_min_layers(pp, v)))
-        in_flight, min_layers = self._schedules[(pp, m, v)]
+        in_flight, min_layers = self._schedule(cfg)
         return StageProblem(t.time, st.static, activation, t.transient, in_flight, self.env.memory_limit_bytes,
                             first, last, np.full(pp, p2p), np.full(pp, st.temporary), min_layers)
 

@@ -34,6 +34,7 @@ from typing import Mapping, Sequence
 
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.compute import Efficiency
+from autoplan.cost_model.pipeline import MEMORY_RTOL
 from autoplan.cost_model.step import Priced
 from autoplan.errors import ConfigError
 from autoplan.mesh import MeshShape
@@ -179,9 +180,12 @@ def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Best, report: Pr
 
 
 def _cannot_fit(ctx: SearchContext, block, cfg: Config) -> bool:
-    """Whether no partition of `cfg` into stages fits the memory (`stages.partition_fits`, exact): pricing
-    would find the same, at the cost of a stage DP. Interleaved ranks of unequal layers hold other layers
-    than the contiguous ranges the check tries, so those are priced."""
+    """Whether no partition of `cfg` into stages fits the memory: pricing would find the same, at the cost
+    of a stage DP. First the O(1) floor under the busiest rank (`StepModel.memory_floor_bytes`, sound for
+    every partition), then the exact check (`stages.partition_fits`, O(pp L)). Interleaved ranks of unequal
+    layers hold other layers than the contiguous ranges the exact check tries, so those are priced."""
+    if ctx.steps.memory_floor_bytes(block, cfg) > ctx.cluster.device.memory_bytes * (1 + MEMORY_RTOL):
+        return True
     if cfg.virtual_stages > 1 and len(block.distinct) > 1:
         return False
     return not partition_fits(ctx.steps.stage_problem(block, cfg))
