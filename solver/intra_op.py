@@ -69,18 +69,24 @@ def megatron_assignment(graph: CapturedGraph, registry: StrategyRegistry, tp: in
     assignment: dict[str, str] = {}
     output: dict[str, object] = {}
     options = graph_strategies(graph, registry, info, tp)  # asked once per distinct node shape
+    tables: dict[int, tuple[dict, object]] = {}  # per distinct options list (alive in `options`): by name, fallback
     for node in graph.nodes:
-        leaf = node.module_path.rsplit(".", 1)[-1]
         wanted = wanted_by_kind.get(node.op_kind, "replicate")
         if node.op_kind == "linear":
+            leaf = node.module_path.rsplit(".", 1)[-1]
             wanted = "column" if leaf in column else ("row_sp" if sequence_parallel else "row") if leaf in row else "replicate"
-        placements = [output[u] for u in node.inputs]
-        if node.op_kind == "elementwise" and placements and all(p == FEAT for p in placements):
-            wanted = "features"
-        elif node.op_kind == "elementwise" and sequence_parallel and SEQ in placements and FEAT not in placements:
-            wanted = "sequence"
-        valid = {s.name: s for s in options[node.name]}
-        fallback = valid.get("replicate") or next(iter(valid.values()))  # a MoE under etp < tp has one strategy
+        elif node.op_kind == "elementwise":
+            placements = [output[u] for u in node.inputs]
+            if placements and all(p == FEAT for p in placements):
+                wanted = "features"
+            elif sequence_parallel and SEQ in placements and FEAT not in placements:
+                wanted = "sequence"
+        node_options = options[node.name]
+        if id(node_options) not in tables:
+            valid = {s.name: s for s in node_options}
+            # a MoE under etp < tp has one strategy
+            tables[id(node_options)] = (valid, valid.get("replicate") or next(iter(valid.values())))
+        valid, fallback = tables[id(node_options)]
         chosen = valid.get(wanted, valid.get("row", fallback) if wanted == "row_sp" else fallback)
         assignment[node.name] = chosen.name
         output[node.name] = chosen.output

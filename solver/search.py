@@ -47,7 +47,7 @@ from autoplan.solver.intra_op import fold_note
 from autoplan.cost_model.step_config import Config
 from autoplan.solver.stages import partition_fits
 from autoplan.solver.space import (FlopsPerSequence, SearchOptions, enumerate_configs, infeasible,
-                                   memory_lower_bound, parameter_split, time_lower_bound_s)
+                                   memory_lower_bounds, time_lower_bound_s)
 from autoplan.strategies import StrategyRegistry
 from autoplan.validity import check, configuration_problems
 
@@ -205,8 +205,7 @@ def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq
     if not callable(graph) and not any(n.op_kind == "moe" for n in graph.nodes):
         options = dataclasses.replace(options, expert_tensor_parallel=False)  # no MoE layer for etp to change
     configs = enumerate_configs(config, cluster, global_batch, seq_len, options)
-    sizes = parameter_split(config)
-    bounds = [(memory_lower_bound(config, c, seq_len, dtype, sizes), c) for c in configs]
+    bounds = list(zip(memory_lower_bounds(config, configs, seq_len, dtype), configs))
     fitting = [c for bound, c in bounds if bound <= cluster.device.memory_bytes]
     if not fitting:
         smallest = min(bounds, key=lambda bc: (bc[0], bc[1].sort_key()))

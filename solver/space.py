@@ -46,7 +46,7 @@ Bounds, both sound (never above the priced value), so pruning by them never lose
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.memory import model_state_bytes, state_bytes_for
@@ -288,8 +288,22 @@ def memory_lower_bound(model: ModelConfig, cfg: Config, seq_len: int, dtype: str
     states = sum(model_state_bytes(dense / (cfg.tp * cfg.pp), data, cfg.zero_stage, state))
     if experts:
         states += sum(model_state_bytes(experts / (cfg.tp * cfg.pp * cfg.ep), data // cfg.ep, cfg.zero_stage, state))
-    a_min = float(cfg.rank_microbatch) * seq_len * model.hidden * ITEMSIZE[dtype] / cfg.tp
+    # mbs / C as a float (= float(cfg.rank_microbatch), both correctly rounded) without making the Fraction
+    a_min = cfg.microbatch_size / cfg.context_parallel * seq_len * model.hidden * ITEMSIZE[dtype] / cfg.tp
     return states + model.num_layers * a_min / cfg.pp
+
+
+def memory_lower_bounds(model: ModelConfig, configs: list[Config], seq_len: int, dtype: str) -> list[float]:
+    """`memory_lower_bound` of each configuration, found once per (mesh, microbatch size, ZeRO stage): the
+    rest of a configuration (recompute, schedule) does not enter it, and a search enumerates each mesh's
+    configurations as one object (`_mesh_configs`), so its id keys them."""
+    sizes, found, bounds = parameter_split(model), {}, []
+    for cfg in configs:
+        key = (id(cfg.mesh), cfg.microbatch_size, cfg.zero_stage)
+        if key not in found:
+            found[key] = memory_lower_bound(model, cfg, seq_len, dtype, sizes)
+        bounds.append(found[key])
+    return bounds
 
 
 def parameter_split(model: ModelConfig) -> tuple[int, int]:
@@ -308,12 +322,15 @@ class FlopsPerSequence:
     layers: float
     saved: tuple[tuple[str, float], ...] = ()
     num_layers: int = 1
+    _by_policy: dict = field(default_factory=dict, compare=False, repr=False)  # per_microbatch's, per policy name
 
     def per_microbatch(self, recompute: str) -> float:
-        policy = recompute_policy(recompute)
-        share = len(policy.recomputed_layers(self.num_layers)) / max(self.num_layers, 1)
-        kept = sum(flops for family, flops in self.saved if policy.saves_family(family))
-        return self.forward + self.backward + share * (self.layers - kept)
+        if recompute not in self._by_policy:  # asked once per configuration that passes the memory bound
+            policy = recompute_policy(recompute)
+            share = len(policy.recomputed_layers(self.num_layers)) / max(self.num_layers, 1)
+            kept = sum(flops for family, flops in self.saved if policy.saves_family(family))
+            self._by_policy[recompute] = self.forward + self.backward + share * (self.layers - kept)
+        return self._by_policy[recompute]
 
 
 def time_lower_bound_s(cfg: Config, flops: FlopsPerSequence, flops_per_s: float) -> float:
