@@ -46,8 +46,8 @@ from autoplan.solver.context import (VARIANT_ILP, VARIANT_MEGATRON, BaselineResu
 from autoplan.solver.intra_op import fold_note
 from autoplan.cost_model.step_config import Config
 from autoplan.solver.stages import partition_fits
-from autoplan.solver.space import (FlopsPerSequence, SearchOptions, enumerate_configs, infeasible,
-                                   memory_lower_bounds, time_lower_bound_s)
+from autoplan.solver.space import (FlopsPerSequence, SearchOptions, enumerate_configs, fitting_configs, infeasible,
+                                   memory_lower_bound, parameter_split, time_lower_bound_s)
 from autoplan.strategies import StrategyRegistry
 from autoplan.validity import check, configuration_problems
 
@@ -204,11 +204,12 @@ def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq
     options = options or SearchOptions()
     if not callable(graph) and not any(n.op_kind == "moe" for n in graph.nodes):
         options = dataclasses.replace(options, expert_tensor_parallel=False)  # no MoE layer for etp to change
-    configs = enumerate_configs(config, cluster, global_batch, seq_len, options)
-    bounds = list(zip(memory_lower_bounds(config, configs, seq_len, dtype), configs))
-    fitting = [c for bound, c in bounds if bound <= cluster.device.memory_bytes]
-    if not fitting:
-        smallest = min(bounds, key=lambda bc: (bc[0], bc[1].sort_key()))
+    fitting, num_configs = fitting_configs(config, cluster, global_batch, seq_len, options, dtype)
+    if not fitting:  # the error names the configuration closest to fitting
+        sizes = parameter_split(config)
+        smallest = min(((memory_lower_bound(config, c, seq_len, dtype, sizes), c)
+                        for c in enumerate_configs(config, cluster, global_batch, seq_len, options)),
+                       key=lambda bc: (bc[0], bc[1].sort_key()))
         raise infeasible(config, cluster, seq_len, dtype, smallest[0], smallest[1])
     report(ProgressMessage(f"capturing {config.name} at seq {seq_len}"))
     ctx = SearchContext(config, cluster, global_batch, seq_len, dtype=dtype, efficiency=efficiency,
@@ -224,7 +225,7 @@ def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq
                                                                    options.partial_recompute)
     if not ranking.items:
         raise infeasible(config, cluster, seq_len, dtype, smallest.peak_memory_bytes, smallest.config, bound=False)
-    stats = SearchStats(len(configs), len(configs) - len(fitting), pruned, priced_count, len(ranking.items),
+    stats = SearchStats(num_configs, num_configs - len(fitting), pruned, priced_count, len(ranking.items),
                         ctx.ilp_solves, time.perf_counter() - start, cannot_fit)
     plans = _plans(ctx, ranking, found_baselines, stats, options)
     report(ProgressMessage(f"best: {plans[0].mesh}, {plans[0].predicted.step_time_s:.3f} s per step", len(keys), len(keys)))

@@ -230,33 +230,56 @@ def runnable_zero_stages(stages: tuple[int, ...], pp: int, ep: int) -> tuple[int
 def enumerate_configs(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int,
                       options: SearchOptions) -> list[Config]:
     """Every configuration of the module docstring, in a fixed order."""
-    configs = []
+    return _enumerate(model, cluster, global_batch, seq_len, options, None)[0]
+
+
+def fitting_configs(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, options: SearchOptions,
+                    dtype: str) -> tuple[list[Config], int]:
+    """The configurations of `enumerate_configs` whose memory lower bound fits the device, in its order, and how many
+    it has in all. The bound reads only the mesh's degrees, the microbatch and the ZeRO stage, so it is found once
+    per (mesh, microbatch, ZeRO stage), and the configurations of a group that cannot fit are counted, never made:
+    on a deep model most of them (96 GPT-3 layers on 16 x 8 H100: 5188 of 9144)."""
+    sizes, limit = parameter_split(model), cluster.device.memory_bytes
+    return _enumerate(model, cluster, global_batch, seq_len, options,
+                      lambda cfg: memory_lower_bound(model, cfg, seq_len, dtype, sizes) <= limit)
+
+
+def _enumerate(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, options: SearchOptions,
+               keep) -> tuple[list[Config], int]:
+    """The configurations in their fixed order, those of a (mesh, microbatch, ZeRO stage) left out where `keep` (None:
+    keep all) refuses its first; and how many there are, left out or not."""
+    configs, total = [], 0
     for tp, cp, pp, ep, dp, ep_as in enumerate_meshes(model, cluster, global_batch, seq_len, options):
         context = cp * ep if ep_as == "cp" else cp
         for etp in expert_tp_degrees(model, tp, context, ep, seq_len, options):
             orders = (mesh_orders(tp, cp, pp, ep, dp, cluster.gpus_per_node, etp, ep_as) if options.orders
                       else (DEFAULT_ORDER,))
-            configs.extend(_mesh_configs(model, global_batch, options, (tp, cp, pp, ep, dp), etp, orders, ep_as))
-    return configs
+            made, count = _mesh_configs(model, global_batch, options, (tp, cp, pp, ep, dp), etp, orders, ep_as, keep)
+            configs.extend(made)
+            total += count
+    return configs, total
 
 
 def _mesh_configs(model: ModelConfig, global_batch: int, options: SearchOptions, degrees: tuple[int, ...],
-                  etp: int | None, orders: tuple[tuple[str, ...], ...], ep_as: str = "dp") -> list[Config]:
+                  etp: int | None, orders: tuple[tuple[str, ...], ...], ep_as: str, keep) -> tuple[list[Config], int]:
     """The configurations of one mesh (tp, cp, pp, ep, dp), etp and ep_as: microbatches, schedules, ZeRO,
-    recompute."""
+    recompute (`_enumerate`: those `keep` refuses counted, not made), and how many there are."""
     tp, cp, pp, ep, dp = degrees
-    per_rank, configs = global_batch // (dp if ep_as == "cp" else dp * ep), []
+    per_rank, configs, total = global_batch // (dp if ep_as == "cp" else dp * ep), [], 0
     meshes = [MeshShape(pp=pp, dp=dp, tp=tp, cp=cp, ep=ep, order=order, etp=etp, ep_as=ep_as) for order in orders]
     for mbs in (d for d in divisors_up_to(per_rank, options.max_microbatch_size)
                 if not _dominated_by_ep_as_dp(global_batch, dp, ep, d, ep_as)):
         m = per_rank // mbs
         schedules = [(s, v) for s, v in [(SCHEDULE_1F1B, 1)] + [(SCHEDULE_INTERLEAVED, v) for v in options.virtual_stages]
                      if pipeline_problem(model.num_layers, pp, s, v, m) is None]
+        zeros = runnable_zero_stages(options.zero_stages, pp, ep)
+        kept = [z for z in zeros if keep is None or keep(Config(meshes[0], mbs, m, z, "none"))]
+        total += len(schedules) * len(zeros) * len(options.recompute) * len(meshes)
         for schedule, v in schedules:
-            for zero in runnable_zero_stages(options.zero_stages, pp, ep):
+            for zero in kept:
                 for recompute in options.recompute:
                     configs.extend(Config(mesh, mbs, m, zero, recompute, schedule, v) for mesh in meshes)
-    return configs
+    return configs, total
 
 
 def _dominated_by_ep_as_dp(global_batch: int, dp: int, ep: int, mbs: int, ep_as: str) -> bool:
@@ -291,19 +314,6 @@ def memory_lower_bound(model: ModelConfig, cfg: Config, seq_len: int, dtype: str
     # mbs / C as a float (= float(cfg.rank_microbatch), both correctly rounded) without making the Fraction
     a_min = cfg.microbatch_size / cfg.context_parallel * seq_len * model.hidden * ITEMSIZE[dtype] / cfg.tp
     return states + model.num_layers * a_min / cfg.pp
-
-
-def memory_lower_bounds(model: ModelConfig, configs: list[Config], seq_len: int, dtype: str) -> list[float]:
-    """`memory_lower_bound` of each configuration, found once per (mesh, microbatch size, ZeRO stage): the
-    rest of a configuration (recompute, schedule) does not enter it, and a search enumerates each mesh's
-    configurations as one object (`_mesh_configs`), so its id keys them."""
-    sizes, found, bounds = parameter_split(model), {}, []
-    for cfg in configs:
-        key = (id(cfg.mesh), cfg.microbatch_size, cfg.zero_stage)
-        if key not in found:
-            found[key] = memory_lower_bound(model, cfg, seq_len, dtype, sizes)
-        bounds.append(found[key])
-    return bounds
 
 
 def parameter_split(model: ModelConfig) -> tuple[int, int]:
