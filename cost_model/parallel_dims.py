@@ -53,6 +53,8 @@ sequence by tp x cp (`etp_problem`).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from autoplan.cluster import ClusterSpec
@@ -64,9 +66,16 @@ from autoplan.mesh import MeshShape
 
 def axes_group(mesh: MeshShape, axes: tuple[str, ...], gpus_per_node: int) -> AxisGroup:
     """The network shape of one group spanning several mesh axes (e.g. dp x ep x cp for gradients)."""
+    return _group_shape(tuple((mesh.degree(axis), mesh.stride(axis)) for axis in axes), gpus_per_node)
+
+
+@functools.lru_cache(maxsize=4096)  # a pure function of a few ints, asked for every mesh the search enumerates
+def _group_shape(spans: tuple[tuple[int, int], ...], gpus_per_node: int) -> AxisGroup:
+    """The group of the ranks sum_a i_a stride_a (0 <= i_a < degree_a, spans = ((degree_a, stride_a), ...)):
+    its size, the nodes it touches and the most of its ranks on one node."""
     ranks = np.zeros(1, dtype=np.int64)
-    for axis in axes:
-        ranks = (ranks[:, None] + np.arange(mesh.degree(axis)) * mesh.stride(axis)).ravel()
+    for degree, stride in spans:
+        ranks = (ranks[:, None] + np.arange(degree) * stride).ravel()
     per_node = np.unique(ranks // gpus_per_node, return_counts=True)[1]
     return AxisGroup(int(ranks.size), int(per_node.size), int(per_node.max()))
 

@@ -250,22 +250,26 @@ def _placements(graph: CapturedGraph, strategies: Mapping[str, Strategy], cfg: C
                 ) -> tuple[tuple[ParamPlacement, ...], tuple[OpPlacement, ...]]:
     """Per parameter: tp placement, dp (ZeRO-3 shards), ep (experts split); per op: its output's."""
     dp_param = Shard(0) if cfg.zero_stage == 3 else Replicate()
+    # a batched output: the batch over dp, the sequence dim over the context axes (cp, and ep where its ranks are
+    # context-parallel ones); the same for every op of the configuration
+    batched = (("dp", Shard(0)),) + tuple((axis, Shard(1)) for axis in cfg.mesh.context_axes
+                                          if cfg.mesh.degree(axis) > 1)
     params: dict[str, ParamPlacement] = {}
     ops = []
     for node in graph.nodes:
         strategy = strategies[node.name]
         for name, _, placement in param_placements(node, strategy):
+            if name in params:  # a shared parameter: its first user's placement
+                continue
             where = (("tp", placement), ("dp", dp_param))
             if cfg.ep > 1 and node.op_kind == "moe" and is_expert_weight(name):
                 where += (("ep", Shard(0)),)
-            params.setdefault(name, ParamPlacement(name, where))
+            params[name] = ParamPlacement(name, where)
         output = ()
         if node.output is not None:
             output = (("tp", strategy.output),)
             if is_batched(node.output, graph.batch_size):
-                # the sequence dim over the context axes: cp, and ep where its ranks are context-parallel ones
-                output += (("dp", Shard(0)),) + tuple((axis, Shard(1)) for axis in cfg.mesh.context_axes
-                                                      if cfg.mesh.degree(axis) > 1)
+                output += batched
         ops.append(OpPlacement(node.name, strategy.name, output, node.module_path, strategy))
     return tuple(params.values()), tuple(ops)
 
