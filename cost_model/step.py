@@ -146,6 +146,19 @@ def _prefix(values: np.ndarray) -> np.ndarray:
     return np.concatenate(([0.0], np.cumsum(values)))
 
 
+def _flat(values: np.ndarray) -> float | None:
+    """The value every layer shares (no layer re-run: 0), or None."""
+    return float(values[0]) if values.size and values.min() == values.max() else None
+
+
+def _range_peak(values: np.ndarray, ranges: list[tuple[int, int]], flat: float | None) -> float:
+    """max(values[a:b]) over the non-empty ranges (values >= 0; 0.0 when none is): `flat` where every layer
+    holds the same, without a pass per range (a deep pipeline's stage has up to 8 chunks)."""
+    if flat is not None:
+        return flat if any(b > a for a, b in ranges) else 0.0
+    return max([float(values[a:b].max()) for a, b in ranges if b > a] + [0.0])
+
+
 @dataclass
 class _Times:
     """Per-layer seconds for one (solution, recompute, cp, ep, ep_as), with prefix sums, and the two ends."""
@@ -158,6 +171,7 @@ class _Times:
     transient: np.ndarray  # per layer: held while backward re-runs it (0 where it is not recomputed)
     ends_bytes: tuple[float, float]  # activations of the parts before and after the layers
     mean_transient: np.ndarray  # `transient` with MoE routed rows at the ep group's mean (no imbalance margin)
+    flat: tuple[float | None, float | None] = (None, None)  # the value all of transient / mean_transient share
 
 
 @dataclass
@@ -240,7 +254,8 @@ class StepModel:
                       "backward": _prefix(a["backward"]), "activation": _prefix(held["activation"]),
                       "imbalance": _prefix(held["activation"] - mean["activation"])}
             self._times[key] = _Times(time, prefix, ends[0], ends[1], float(time.sum()) + sum(ends),
-                                      held["transient"], (held["pre"], held["post"]), mean["transient"])
+                                      held["transient"], (held["pre"], held["post"]), mean["transient"],
+                                      (_flat(held["transient"]), _flat(mean["transient"])))
         return self._times[key]
 
     def _split_states(self, dense, expert, cfg: Config):
@@ -386,8 +401,8 @@ class StepModel:
             sums["compute"] += p.compute_s()
             sums["forward"] += p.fwd_compute_s
             sums["backward"] += p.backward_s()
-        transient = max([float(problem.layer_transient_bytes[a:b].max()) for a, b in ranges if b > a] + [0.0])
-        mean_transient = max([float(t.mean_transient[a:b].max()) for a, b in ranges if b > a] + [0.0])
+        transient = _range_peak(problem.layer_transient_bytes, ranges, t.flat[0])
+        mean_transient = _range_peak(t.mean_transient, ranges, t.flat[1])
         in_flight = float(problem.in_flight[stage])
         imbalance = in_flight * sums["imbalance"] + transient - mean_transient  # the ep margin's bytes
         activations = in_flight * sums["activation"] + transient - imbalance
