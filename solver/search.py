@@ -145,6 +145,11 @@ def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Best, report: Pr
                 # tp's links follow the order; with tp inside a node the same strategies cost no more, so that
                 # block's bound prunes first, without pricing the spread one, where that holds for every size
                 block, spread = ctx.block(tp, microbatch, variant, etp=etp), ctx.tp_spread(cfg.mesh)
+                if variant != VARIANT_ILP and _over_floor(ctx, block, cfg):
+                    # a retry is for memory: one that cannot fit ends here, before its time bounds, whose
+                    # verdict would change nothing but this count (the order's links move no byte)
+                    unpriced.append((block, cfg))
+                    continue
                 if ((spread is None or ctx.costs_no_less(spread)) and
                         ctx.steps.lower_bound_s(block, cfg) > ranking.threshold_s()):
                     pruned += variant == VARIANT_ILP
@@ -179,12 +184,17 @@ def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Best, report: Pr
     return pruned, priced_count, len(unpriced), smallest
 
 
+def _over_floor(ctx: SearchContext, block, cfg: Config) -> bool:
+    """Whether the floor under the busiest rank's memory (`StepModel.memory_floor_bytes`) exceeds the device."""
+    return ctx.steps.memory_floor_bytes(block, cfg) > ctx.cluster.device.memory_bytes * (1 + MEMORY_RTOL)
+
+
 def _cannot_fit(ctx: SearchContext, block, cfg: Config) -> bool:
     """Whether no partition of `cfg` into stages fits the memory: pricing would find the same, at the cost
     of a stage DP. First the O(1) floor under the busiest rank (`StepModel.memory_floor_bytes`, sound for
     every partition), then the exact check (`stages.partition_fits`, O(pp L)). Interleaved ranks of unequal
     layers hold other layers than the contiguous ranges the exact check tries, so those are priced."""
-    if ctx.steps.memory_floor_bytes(block, cfg) > ctx.cluster.device.memory_bytes * (1 + MEMORY_RTOL):
+    if _over_floor(ctx, block, cfg):
         return True
     if cfg.virtual_stages > 1 and len(block.distinct) > 1:
         return False
