@@ -1,7 +1,8 @@
 """The outer search: every parallel dimension, priced by one step model, as a branch and bound.
 
-    1. enumerate the configurations (`solver.space`); drop those whose memory lower bound exceeds
-       the device before anything is solved or priced;
+    1. enumerate the configurations (`solver.space.fitting_configs`); drop those whose memory lower bound
+       exceeds the device before anything is solved or priced (the bound reads the mesh, the microbatch and
+       the ZeRO stage only: such groups are counted, never made);
     2. price the baselines (`baselines`: Megatron-style, FSDP): their step times seed the bound;
     3. group the rest by intra-op key (tp, sequences per rank per microbatch = mbs / cp, or mbs / (cp ep) when
        the ep ranks split the sequence too (ep_as = "cp"), etp: the MoE
@@ -17,11 +18,15 @@
        (bisection over k: memory falls and time grows with k)
        (each mesh comes in each order of its axes over ranks that changes its links, `solver.space.mesh_orders`;
        the roofline bound does not depend on the order, the exact per-layer bound does, through the links);
-       a configuration whose stages fit no partition (`stages.partition_fits`, exact and O(pp L)) counts
-       as not fitting without being priced: most of a deep model's configurations are such
+       a configuration whose stages fit no partition counts as not fitting without being priced: most of a
+       deep model's configurations are such. First an O(1) floor under the busiest rank's memory, sound for
+       every partition (`StepModel.memory_floor_bytes`: the ranks' states, temporaries and activations held
+       the fewest times, over pp), then the exact check (`stages.partition_fits`, O(pp L)); a Megatron retry,
+       made for memory alone, meets the floor before its time bounds (pruned by time or not, one that cannot
+       fit is never ranked)
     5. the K best configurations that fit, by (step time, simpler configuration first), become Plans.
 
-Both bounds and the fit check are sound, so the result equals pricing everything; the order of visits only changes how
+The bounds, the floor and the fit check are sound, so the result equals pricing everything; the order of visits only changes how
 much is pruned. Same inputs, same plans.
 """
 
