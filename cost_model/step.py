@@ -189,7 +189,7 @@ class StepModel:
     """Prices configurations of one model on one cluster (module docstring); caches what configurations share."""
 
     def __init__(self, env: StepEnv, partition: Partition) -> None:
-        """`partition`: the stage DP (`autoplan.solver.stages.partition_stages`), which the solver passes in:
+        """`partition`: the stage DP (`autoplan.solver.stages.partition_bounds`), which the solver passes in:
         the step model prices a partition, the solver finds it."""
         self.env, self.partition = env, partition
         self.state = state_bytes_for(env.dtype)

@@ -33,7 +33,7 @@ from autoplan.plan import ModelRef, OpPlacement, ParamPlacement, Plan, Predicted
 from autoplan.solver.intra_op import megatron_assignment, solve_assignment
 from autoplan.cost_model.step_config import Config
 from autoplan.solver.space import FlopsPerSequence
-from autoplan.solver.stages import partition_stages
+from autoplan.solver.stages import partition_bounds
 from autoplan.strategies import Strategy, StrategyRegistry, default_registry, is_expert_weight, strategy_info
 
 GraphSource = CapturedGraph | Callable[[], CapturedGraph]  # a graph, or what captures it on first need
@@ -74,7 +74,7 @@ class SearchContext:
         self.head_dim = attention_head_dim(self.graph)
         self.fold_map = fold_graph(self.graph) if fold else None
         self._layer_runs: LayerRuns | None = None
-        self.steps = StepModel(StepEnv(config, cluster, seq_len, dtype, self.efficiency), partition_stages)
+        self.steps = StepModel(StepEnv(config, cluster, seq_len, dtype, self.efficiency), partition_bounds)
         self._blocks: dict[tuple, BlockCosts] = {}
         self._solutions: dict[tuple, SolutionParts] = {}
         self._by_assignment: dict[tuple, SolutionParts] = {}  # (tp, etp, assignment): `_parts`

@@ -27,7 +27,8 @@ over the starts and ends that leave every stage its least layers; the range maxi
     best[s][j] = min_{i <= j - n_min[s]} max(best[s-1][i], time(s, i, j))   over i where memory(s, i, j) fits
 
 Memory is compared with a relative tolerance of MEMORY_RTOL. The answer is best[pp-1][L]; ties go to the smallest start layer of each stage, walking back from the
-last, so the result is deterministic. `partition_brute_force` tries every composition (tests only).
+last, so the result is deterministic (`partition_bounds`: the bounds alone, as the search reads them).
+`partition_brute_force` tries every composition (tests only).
 `partition_fits` says, in O(pp L), whether any partition meets the memory limit: the search asks it
 before pricing a configuration, so that one that cannot fit costs no DP and no pricing.
 """
@@ -42,6 +43,17 @@ import numpy as np
 
 from autoplan.cost_model.pipeline import MEMORY_RTOL, StageProblem
 from autoplan.errors import AutoplanError
+
+@dataclass(frozen=True)
+class StageBounds:
+    """Stage s holds layers [bounds[s], bounds[s + 1])."""
+
+    bounds: tuple[int, ...]
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        return tuple(zip(self.bounds[:-1], self.bounds[1:]))
+
 
 @dataclass(frozen=True)
 class StagePartition:
@@ -107,8 +119,13 @@ def _range_peaks(values: np.ndarray) -> np.ndarray:
 
 def _with_ends(problem: StageProblem, s: int, time_s, memory, transient):
     """Stage s's seconds, memory before its activations, and transient bytes: its ranges' sums and peak
-    plus what the stage adds itself (sends, temporaries, the embedding on the first, the head on the last)."""
-    time_s, memory, flight = time_s + problem.overhead_s[s], memory + problem.extra_bytes[s], problem.in_flight[s]
+    plus what the stage adds itself (sends, temporaries, the embedding on the first, the head on the last;
+    nothing is added where that is 0, which would leave every sum, all >= 0, as it is)."""
+    flight = problem.in_flight[s]
+    if problem.overhead_s[s]:
+        time_s = time_s + problem.overhead_s[s]
+    if problem.extra_bytes[s]:
+        memory = memory + problem.extra_bytes[s]
     for part, here in ((problem.first, s == 0), (problem.last, s == problem.num_stages - 1)):
         if here:
             time_s = time_s + part.time_s
@@ -120,6 +137,13 @@ def _with_ends(problem: StageProblem, s: int, time_s, memory, transient):
 def partition_stages(problem: StageProblem) -> StagePartition | None:
     """The partition minimising the slowest stage under the memory limit (module docstring), or None
     when no partition fits (or there are fewer layers than the stages' minimums)."""
+    found = partition_bounds(problem)
+    return None if found is None else evaluate_partition(problem, found.bounds)
+
+
+def partition_bounds(problem: StageProblem) -> StageBounds | None:
+    """`partition_stages`' partition, its bounds alone: the step model sums its stages from prefix sums
+    itself, so the search skips the pp slices per stage that `evaluate_partition` takes."""
     pp, L = problem.num_stages, problem.num_layers
     if problem.min_layers.sum() > L:
         return None
@@ -129,13 +153,14 @@ def partition_stages(problem: StageProblem) -> StagePartition | None:
     best[0] = 0.0
     choice = np.zeros((pp, L + 1), dtype=np.int64)
     before = np.concatenate(([0], np.cumsum(problem.min_layers))).astype(int)  # least layers of stages < s
+    long_enough = {n: span >= n for n in set(problem.min_layers.tolist())}  # [i, j]: j - i >= n, per least n
     for s in range(pp):
         # stage s starts where stages < s can end and ends where stages > s can still hold their least: the
         # rest of the [i, j] table is unfit or unreachable (inf), so its rows and columns are left out
         rows = slice(before[s], L - (before[pp] - before[s]) + 1)
         cols = slice(before[s + 1], L - (before[pp] - before[s + 1]) + 1)
         candidate = _candidates(problem, s, [t[rows, cols] if t is not None else 0.0 for t in tables],
-                                span[rows, cols], best[rows])
+                                long_enough[problem.min_layers[s]][rows, cols], best[rows])
         picked = np.argmin(candidate, axis=0)
         choice[s, cols] = picked + rows.start
         best = np.full(L + 1, np.inf)
@@ -145,17 +170,19 @@ def partition_stages(problem: StageProblem) -> StagePartition | None:
     bounds = [L]
     for s in range(pp - 1, -1, -1):
         bounds.append(int(choice[s][bounds[-1]]))
-    return evaluate_partition(problem, bounds[::-1])
+    return StageBounds(tuple(bounds[::-1]))
 
 
-def _candidates(problem: StageProblem, s: int, tables: list, span: np.ndarray, best: np.ndarray) -> np.ndarray:
+def _candidates(problem: StageProblem, s: int, tables: list, long_enough: np.ndarray, best: np.ndarray) -> np.ndarray:
     """max(best[i], time(s, i, j)) over a band of starts i (rows) and ends j (columns), inf where stage s
-    cannot hold [i, j): fewer layers than its least, or (under a finite limit) more memory than the limit."""
+    cannot hold [i, j): fewer layers than its least (`long_enough` False), or (under a finite limit) more
+    memory than the limit."""
     times, static, act, peak = tables
     time_s, memory, transient = _with_ends(problem, s, times, static, peak)
-    fits = span >= problem.min_layers[s]
+    fits = long_enough
     if np.isfinite(problem.memory_limit_bytes):  # without a limit (the fastest partition) every range fits
-        fits &= memory + problem.in_flight[s] * act + transient <= problem.memory_limit_bytes * (1 + MEMORY_RTOL)
+        fits = fits & (memory + problem.in_flight[s] * act + transient
+                       <= problem.memory_limit_bytes * (1 + MEMORY_RTOL))
     return np.where(fits, np.maximum(best[:, None], time_s), np.inf)
 
 
