@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from autoplan.errors import PlanError
+from autoplan.errors import ConfigError, PlanError
 from autoplan.plan import Plan
 from autoplan.runtime.context import cp_heads, cp_positions, cp_sequence, kv_repeat
 from autoplan.runtime.groups import RankGroup
@@ -64,8 +64,8 @@ class ContextParallel:
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of the sequence dim (1) of (B, T) tokens or targets."""
         if x.shape[1] % self.size:
-            raise PlanError(f"sequence length {x.shape[1]} is not divisible by cp={self.size}: each "
-                            f"context-parallel rank holds an equal chunk; use a multiple of {self.size}")
+            raise ConfigError(f"sequence length {x.shape[1]} is not divisible by cp={self.size}: each "
+                              f"context-parallel rank holds an equal chunk; use a multiple of {self.size}")
         return x.chunk(self.size, dim=1)[self.group.index]
 
     def positions(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Context parallelism in the runtime for the user's own module (runtime.module_context), against
 transformers in one process.
 
-Tiny Llama (GQA: 4 heads, 2 kv heads) and Qwen2 (q/k/v biases) configs, built locally and saved with
+Tiny Llama (GQA: 4 heads, 2 kv heads), Qwen2 (q/k/v biases) and Mixtral configs, built locally and saved with
 save_pretrained into a temporary directory. Each configuration below trains 3 AdamW steps from the
 same weights as the one-process reference, whose loss is transformers' own
 (`model(input_ids, labels=input_ids).loss`), and compares the losses (relative 1e-5), the first
@@ -9,11 +9,12 @@ step's gradients and the final parameters (1e-5). Each cp rank holds T/cp tokens
 and its targets, with its global position ids; around each attention core the Ulysses all-to-alls.
 
     cp2            alone (two microbatches); with recompute (the all-to-alls re-run in backward)
-    cp2 x dp2      and ZeRO 3 (FSDP2 over dp x cp)
+    cp2 x dp2      with ZeRO 3 (FSDP2 over dp x cp)
     cp2 x tp2      with sequence parallelism: one kv head per tp rank, repeated to 2 for the cp group
     pp2 x cp2      pipeline stages, each with its positions
-    all-to-alls    in the second step of each case: 4 per layer and microbatch forward (q, k, v, the
-                   output) and 4 backward, of the sizes the cost model prices (cost_model.step:
+    ep2 x cp2      Mixtral: experts over ep (their gradients summed over cp), attention over cp
+    all-to-alls    on the cp group in the second step of each case: 4 per layer and microbatch
+                   forward (q, k, v, the output) and 4 backward, of the sizes the cost model prices (cost_model.step:
                    q_width and max(kv_width, cp head_dim) per tp rank)
     forward        program.forward(gather=True) gives the whole logits of the new tokens
 Pure checks: a hand-written module and a sliding window shorter than the sequence are refused with
@@ -38,7 +39,8 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.gloo
 
-B, T, STEPS, LR, SEED, LAYERS, HEAD_DIM = 4, 16, 3, 1e-3, 0, 2, 16
+B, T, STEPS, LR, SEED, LAYERS = 4, 16, 3, 1e-3, 0, 2
+HEAD_DIMS = {"llama": 16, "qwen2": 16, "mixtral": 8}  # hidden / 4 heads (_hf_configs)
 EPS = 1e-6  # AdamW's eps above the noise of gradients that are zero in exact arithmetic (test_runtime_modules)
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -46,9 +48,10 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    model: str  # "llama" | "qwen2"
+    model: str  # "llama" | "qwen2" | "mixtral"
     cp: int = 2
     dp: int = 1
+    ep: int = 1
     tp: int = 1
     pp: int = 1
     sp: bool = False
@@ -59,24 +62,26 @@ class Case:
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp * self.tp * self.cp
+        return self.pp * self.dp * self.ep * self.tp * self.cp
 
 
 CASES = [
     Case("llama-cp2", "llama", microbatches=2),
     Case("qwen2-cp2", "qwen2", weights="meta"),
     Case("llama-cp2-full", "llama", recompute="full"),
-    Case("llama-cp2dp2", "llama", dp=2),
-    Case("qwen2-cp2dp2-zero3", "qwen2", dp=2, zero=3, weights="meta"),
+    Case("llama-cp2dp2-zero3", "llama", dp=2, zero=3, weights="meta"),
     Case("llama-cp2tp2-sp", "llama", tp=2, sp=True),
     Case("llama-pp2cp2", "llama", pp=2, microbatches=2, weights="meta"),
+    Case("mixtral-ep2cp2", "mixtral", ep=2),
 ]
 
 
 def _hf_configs() -> dict:
     common = dict(num_hidden_layers=LAYERS, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False)
-    return {"llama": transformers.LlamaConfig(**common), "qwen2": transformers.Qwen2Config(**common)}
+    mixtral = transformers.MixtralConfig(**common | dict(hidden_size=32, intermediate_size=48), num_local_experts=4,
+                                         num_experts_per_tok=2)
+    return {"llama": transformers.LlamaConfig(**common), "qwen2": transformers.Qwen2Config(**common), "mixtral": mixtral}
 
 
 def _reference(model, tokens: torch.Tensor) -> dict:
@@ -106,8 +111,8 @@ def _plan(case: Case, graph, summary, world: int | None = None):
 
     registry, info = hf_registry(), strategy_info(summary.rule_info(), case.tp, case.tp)
     assignment = megatron_assignment(graph, registry, case.tp, info, case.sp) if case.tp > 1 else {}
-    mesh = MeshShape(pp=case.pp, dp=case.dp, tp=case.tp, cp=case.cp)
-    batch = (B // case.dp // case.microbatches, case.microbatches, case.zero, case.recompute)
+    mesh = MeshShape(pp=case.pp, dp=case.dp, ep=case.ep, tp=case.tp, cp=case.cp)
+    batch = (B // (case.dp * case.ep * case.microbatches), case.microbatches, case.zero, case.recompute)
     return plan_from_assignment(graph, summary, parse_cluster(f"1x{world or case.world}xcpu"), mesh, assignment,
                                 *batch, registry=registry, dtype="float32")
 
@@ -133,7 +138,10 @@ def _build(case: Case, dirs: dict):
 
 
 class _AllToAlls:
-    """Records the element count of every all_to_all_single this rank issues while open."""
+    """Records the element count of every all_to_all_single this rank issues on `group` while open."""
+
+    def __init__(self, group) -> None:
+        self.group = group
 
     def __enter__(self):
         import torch.distributed as dist
@@ -141,7 +149,8 @@ class _AllToAlls:
         self.sizes, self._original = [], dist.all_to_all_single
 
         def recording(output, input, *args, **kwargs):
-            self.sizes.append(input.numel())
+            if kwargs.get("group") is self.group:
+                self.sizes.append(input.numel())
             return self._original(output, input, *args, **kwargs)
         dist.all_to_all_single = recording
         return self
@@ -158,7 +167,7 @@ def _train(program, tokens: torch.Tensor, keep: bool) -> dict:
     for step in range(STEPS):
         targets = tokens[step].roll(-1, dims=1)
         targets[:, -1] = -100  # transformers' loss: T - 1 targets per row
-        with _AllToAlls() as seen:
+        with _AllToAlls(program.context.group.group) as seen:
             losses.append(program.train_step(tokens[step], targets, optimizer))
         if step == 0:
             grads, norm = program.full_gradients(), program.grad_norm
@@ -219,12 +228,15 @@ def test_matches_transformers_in_one_process(setup, runs, case):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_all_to_alls_are_the_priced_ones(runs, case):
     """Per layer and microbatch: q and the output at q_width, k and v at the priced kv width
-    (max(kv_width, cp head_dim): kv heads repeated up to the group), forward and backward, each
-    rank sending its (B / microbatches, T / cp) tokens; nothing else all-to-all (no ep). A
-    recomputed layer runs its forward's four again in backward."""
-    rows = B // case.dp // case.microbatches
-    q_width = 4 // case.tp * HEAD_DIM
-    kv_width = max(2 // case.tp * HEAD_DIM, case.cp * HEAD_DIM)
+    (`validity.ulysses_kv_heads`, which cost_model.step prices: kv heads repeated until cp divides
+    them), forward and backward, each rank sending its (B / microbatches, T / cp) tokens. A recomputed layer runs its forward's four again in backward, which
+    the step model does not price (it prices recompute's tp collectives only)."""
+    from autoplan.validity import ulysses_kv_heads
+
+    rows = B // (case.dp * case.ep * case.microbatches)
+    head_dim = HEAD_DIMS[case.model]
+    q_width = 4 // case.tp * head_dim
+    kv_width = ulysses_kv_heads(4 // case.tp, 2 // case.tp, case.cp) * head_dim
     forwards = 2 if case.recompute == "full" else 1
     layers = LAYERS // case.pp
     one = sorted([rows * T // case.cp * w for w in (q_width, kv_width, kv_width, q_width)] * (forwards + 1))
