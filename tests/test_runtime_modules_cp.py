@@ -277,8 +277,19 @@ def test_refuses_what_context_parallelism_does_not_run(setup):
         check_module_plan(setup["plans"]["qwen2-cp2"], windowed)  # refused before the plan's fingerprint
 
 
-def test_search_for_a_module_tries_context_parallelism():
-    from autoplan.api import module_search_options
+def test_search_for_a_module_picks_context_parallelism_for_a_long_sequence():
+    """One sequence of 32k tokens on 8 H100s: dp cannot split it, and the module runtime's search
+    (module_search_options: cp searched) finds that Ulysses cp 8 is fastest; check_module_plan
+    accepted the plans it returns."""
+    from autoplan.api import module_search_options, search_module_plans
 
-    options = module_search_options()
-    assert options.context_parallel and not options.ep_over_cp
+    assert not module_search_options().ep_over_cp  # the module runtime runs ep on data-parallel ranks
+    config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=1024, num_attention_heads=16,
+                                      num_key_value_heads=8, intermediate_size=2816, vocab_size=32000,
+                                      max_position_embeddings=32768, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = search_module_plans(model, "1x8xh100", 1, 32768, top=1, dtype="bfloat16")
+    assert found.plans[0].mesh.cp == 8 and "cp, ZeRO" in found.plans[0].provenance.notes[-1]
