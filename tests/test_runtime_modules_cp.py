@@ -17,6 +17,8 @@ and its targets, with its global position ids; around each attention core the Ul
                    forward (q, k, v, the output) and 4 backward, of the sizes the cost model prices (cost_model.step:
                    q_width and max(kv_width, cp head_dim) per tp rank)
     forward        program.forward(gather=True) gives the whole logits of the new tokens
+    export         save_hf of a cp x dp ZeRO 3 program loads back into transformers (its config
+                   names transformers' own attention, not this program's)
 Pure checks: a hand-written module and a sliding window shorter than the sequence are refused with
 the module named; a cp plan of a Llama passes the checks.
 """
@@ -74,6 +76,7 @@ CASES = [
     Case("llama-pp2cp2", "llama", pp=2, microbatches=2, weights="meta"),
     Case("mixtral-ep2cp2", "mixtral", ep=2),
 ]
+EXPORTED = "llama-cp2dp2-zero3"
 
 
 def _hf_configs() -> dict:
@@ -123,7 +126,7 @@ def setup(tmp_path_factory) -> dict:
     tokens = torch.randint(0, 128, (STEPS + 1, B, T), generator=torch.Generator().manual_seed(SEED))
     dirs, refs, graphs = save_and_capture(_hf_configs(), root, tokens, _reference, T, SEED)
     plans = {c.name: _plan(c, *graphs[c.model]) for c in CASES}
-    return {"dirs": dirs, "tokens": tokens, "refs": refs, "plans": plans, "graphs": graphs}
+    return {"root": root, "dirs": dirs, "tokens": tokens, "refs": refs, "plans": plans, "graphs": graphs}
 
 
 # ------------------------------------------------------------------------------- in the ranks
@@ -196,13 +199,17 @@ def _ranks(rank: int, world: int, names: list[str], setup_: dict) -> dict:
         model, checkpoint = _build(cases[name], setup_["dirs"])
         program = autoplan.parallelize(model, f"1x{world}xcpu", setup_["plans"][name], checkpoint=checkpoint)
         found[name] = _train(program, setup_["tokens"], keep=rank == 0) | _evaluate(program, setup_["tokens"][STEPS])
+        if name == EXPORTED:
+            from autoplan.runtime.hf_export import save_hf
+
+            save_hf(program, setup_["root"] / f"export-{name}")
     return found
 
 
 @pytest.fixture(scope="module")
 def runs(setup) -> dict:
     """Every case's results on each rank: {world: [rank 0's dict, rank 1's, ...]}."""
-    shared = {k: setup[k] for k in ("dirs", "tokens", "plans")}
+    shared = {k: setup[k] for k in ("root", "dirs", "tokens", "plans")}
     return {world: spawn(_ranks, world, [c.name for c in CASES if c.world == world], shared) for world in (2, 4)}
 
 
@@ -249,6 +256,17 @@ def test_forward_gathers_the_whole_logits(setup, runs, case):
     ref = setup["refs"][case.model]["logits"]
     for ranks in runs[case.world]:
         torch.testing.assert_close(ranks[case.name]["logits"], ref, **TOL)
+
+
+def test_export_loads_back_into_transformers(setup, runs):
+    model = transformers.AutoModelForCausalLM.from_pretrained(setup["root"] / f"export-{EXPORTED}")
+    assert model.config._attn_implementation == "sdpa"
+    got = runs[4][0][EXPORTED]
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), got["params"][n], rtol=0, atol=0)
+    with torch.no_grad():
+        loss = model(input_ids=setup["tokens"][STEPS], labels=setup["tokens"][STEPS]).loss.item()
+    assert loss == pytest.approx(got["eval"], rel=1e-5)
 
 
 def test_refuses_what_context_parallelism_does_not_run(setup):
