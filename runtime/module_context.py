@@ -27,7 +27,8 @@ cross-entropies; the program scales it and averages gradients over dp x ep x cp
 What cannot run so is refused by `check_context_model` (PlanError naming the module and what to
 change): a model whose attention does not go through transformers' attention interface (a
 hand-written module), an attention implementation other than sdpa or eager, attention-logit
-softcapping, sliding windows shorter than the sequence; and, at call time, an attention mask (the
+softcapping, sliding windows shorter than the sequence, rotary tables rescaled from the positions a
+forward sees (dynamic NTK, longrope); and, at call time, an attention mask (the
 program passes none: padding is a target of -100).
 """
 
@@ -138,12 +139,26 @@ def check_context_model(plan: Plan, model: nn.Module) -> None:
     if getattr(config, "attn_logit_softcapping", None) is not None:
         raise PlanError(f"cp={cp}: config.attn_logit_softcapping={config.attn_logit_softcapping} (softcapped "
                         f"attention logits), which SDPA does not compute: plan cp=1 for this model")
+    _check_rope(model, cp)
     for path, module in model.named_modules():
         window = getattr(module, "sliding_window", None)
         if isinstance(window, int) and window < plan.seq_len:
             raise PlanError(f"module {path!r}: a sliding window of {window} tokens, shorter than the plan's "
                             f"sequence of {plan.seq_len}; context parallelism runs full causal attention: "
                             f"plan cp=1, or a sequence of at most {window} tokens")
+
+
+def _check_rope(model: nn.Module, cp: int) -> None:
+    """Rotary tables that transformers rescales from the largest position id a forward sees
+    ("dynamic" NTK scaling, "longrope") would differ between the cp ranks, which see different ones."""
+    for path, module in model.named_modules():
+        kinds = getattr(module, "rope_type", None)
+        kinds = kinds.values() if isinstance(kinds, dict) else [kinds]
+        found = [k for k in kinds if isinstance(k, str) and ("dynamic" in k or k == "longrope")]
+        if found:
+            raise PlanError(f"module {path!r}: rope_type {found[0]!r} rescales its frequencies from the largest "
+                            f"position id each forward sees, which differs between the cp={cp} ranks (each "
+                            f"holds a chunk of the sequence): plan cp=1, or a rope_type without it")
 
 
 def _attention_named(model: nn.Module) -> str:

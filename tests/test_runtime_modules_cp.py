@@ -293,6 +293,12 @@ def test_refuses_what_context_parallelism_does_not_run(setup):
     with pytest.raises(PlanError, match=r"module 'model.layers.0.self_attn': a sliding window of 8 tokens, "
                                         r"shorter than the plan's sequence of 16.*plan cp=1"):
         check_module_plan(setup["plans"]["qwen2-cp2"], windowed)  # refused before the plan's fingerprint
+    config = _hf_configs()["llama"]
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    with torch.device("meta"):
+        dynamic = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with pytest.raises(PlanError, match=r"module 'model.rotary_emb': rope_type 'dynamic' rescales .* plan cp=1"):
+        check_module_plan(llama, dynamic)
 
 
 def test_search_for_a_module_picks_context_parallelism_for_a_long_sequence():
