@@ -315,10 +315,12 @@ def _parallelize_zoo(model, cluster: ClusterSpec, plan: "Plan | None", config: "
 
 def module_search_options(max_microbatch_size: int = 16) -> SearchOptions:
     """The part of the space the runtime for your own module runs (`autoplan.runtime.module_launch`):
-    pp (its schedules), dp and tp (with sequence parallelism), ZeRO 0-3, microbatching, every recompute
-    policy, ep (transformers' MoE experts); plans it does not run (ep with ZeRO over dp, dropout under
-    tp, ...) are refused by `check_module_plan` and skipped; no cp yet."""
-    return SearchOptions(max_microbatch_size=max_microbatch_size, context_parallel=False, expert_parallel=True)
+    pp (its schedules), dp and tp (with sequence parallelism), cp (Ulysses, `runtime.module_context`),
+    ZeRO 0-3, microbatching, every recompute policy, ep (transformers' MoE experts) on data-parallel
+    ranks (not folded over cp: ep_over_cp off); plans it does not run (ep with ZeRO over dp, dropout
+    under tp, cp on a hand-written module, ...) are refused by `check_module_plan` and skipped."""
+    return SearchOptions(max_microbatch_size=max_microbatch_size, context_parallel=True, expert_parallel=True,
+                         ep_over_cp=False)
 
 
 def search_module_plans(model, cluster: ClusterSpec | str, global_batch: int, seq_len: int, *, top: int = 1,
@@ -353,7 +355,7 @@ def search_module_plans(model, cluster: ClusterSpec | str, global_batch: int, se
 
 
 MODULE_SPACE_NOTE = ("searched the space the runtime for your own module runs: pp, dp and tp (sequence parallel "
-                     "variants), ZeRO 0-3, microbatching, recompute, ep; cp is not searched (not run yet)")
+                     "variants), cp, ZeRO 0-3, microbatching, recompute, ep (over data-parallel ranks)")
 
 
 def _noted(plan: Plan, note: str) -> Plan:

@@ -79,6 +79,20 @@ def cp_problem(heads: int, tp: int, cp: int, seq_len: int, name: str = "cp") -> 
     return None
 
 
+def ulysses_kv_heads(q_heads: int, kv_heads: int, cp: int) -> int:
+    """The kv heads (per tp rank) that each Ulysses all-to-all of k and v carries over a context group
+    of `cp`: kv_heads when cp divides them, else the smallest multiple of kv_heads that cp divides and
+    that divides q_heads (Ulysses repeats kv heads of grouped-query attention). The runtimes send it
+    (`runtime.context.kv_repeat`) and the step model prices it; PlanError when no multiple works."""
+    for sent in range(kv_heads, q_heads + 1, kv_heads):
+        if sent % cp == 0 and q_heads % sent == 0:
+            return sent
+    if kv_heads % cp == 0:
+        return kv_heads
+    raise PlanError(f"no repetition of {kv_heads} kv heads is divisible by cp={cp} and divides "
+                    f"{q_heads} q heads")
+
+
 def ep_problem(experts: int, ep: int, data_parallel: int) -> str | None:
     """Why `ep` cannot split the experts over the data-parallel ranks, or None."""
     if ep == 1:

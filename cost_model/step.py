@@ -75,6 +75,7 @@ import numpy as np
 
 from autoplan.cluster import ClusterSpec
 from autoplan.grad_buckets import bucket_count
+from autoplan.validity import ulysses_kv_heads
 from autoplan.cost_model.comm import AxisGroup
 from autoplan.cost_model.compute import Efficiency, op_time_s
 from autoplan.cost_model.memory import model_state_bytes, state_bytes_for, temporary_bytes
@@ -223,7 +224,8 @@ class StepModel:
         env, itemsize, total = self.env, ITEMSIZE[self.env.dtype], 0.0
         context = cfg.context_parallel  # the Ulysses group: cp, or ep x cp under ep_as = "cp"
         if context > 1 and part.q_width:
-            kv_width = max(part.kv_width, context * env.model.head_dim)  # kv heads repeated up to the group's size
+            head_dim = env.model.head_dim  # kv heads repeated as the runtimes send them (validity.ulysses_kv_heads)
+            kv_width = ulysses_kv_heads(round(part.q_width / head_dim), round(part.kv_width / head_dim), context) * head_dim
             total += ulysses_all_to_all_s(cfg.microbatch_size * env.seq_len, part.q_width, kv_width, itemsize,
                                           env.cluster, self.group(cfg, cfg.mesh.context_axes),
                                           env.efficiency)

@@ -34,6 +34,7 @@ from autoplan.placement import Shard
 from autoplan.runtime.collectives import all_to_all_dims
 from autoplan.runtime.groups import RankGroup
 from autoplan.strategies import Strategy
+from autoplan.validity import ulysses_kv_heads
 
 
 def cp_heads(x: torch.Tensor, head_dim: int, repeat: int, cp: RankGroup) -> torch.Tensor:
@@ -56,12 +57,9 @@ def cp_positions(positions: torch.Tensor, cp: RankGroup) -> torch.Tensor:
 
 
 def kv_repeat(q_heads: int, kv_heads: int, cp: int) -> int:
-    """The smallest r with cp | kv_heads r and kv_heads r | q_heads."""
-    for r in range(1, q_heads // kv_heads + 1):
-        if (kv_heads * r) % cp == 0 and q_heads % (kv_heads * r) == 0:
-            return r
-    raise PlanError(f"no repetition of {kv_heads} kv heads is divisible by cp={cp} and divides "
-                    f"{q_heads} q heads")
+    """The smallest r with cp | kv_heads r and kv_heads r | q_heads (`validity.ulysses_kv_heads`, the
+    heads the step model prices)."""
+    return ulysses_kv_heads(q_heads, kv_heads, cp) // kv_heads
 
 
 def apply_context_parallel(gm: fx.GraphModule, infos: dict[str, NodeInfo],

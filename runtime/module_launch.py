@@ -1,12 +1,12 @@
 """Checks and assembly of a `ModuleProgram` (`runtime.module_program`): the user's own module under
 a Plan. The order matters:
 
-    1. checks without communication: the mesh axes this runtime runs (pp, dp, tp, ep), the recompute
-       policy against the model's blocks (`runtime.module_recompute`), the plan against the model
-       (fingerprint of a transformers config, parameter names), a forward that pipeline stages can
-       cut (`runtime.module_stages`), dropout under tp, tied weights under tp (held alike by every
-       holder), experts under ep, where the weights come from
-    2. the process group and the ("dp", "ep", "tp") DeviceMesh (("pp", "dp", "ep", "tp") with a pipeline)
+    1. checks without communication: the recompute policy against the model's blocks
+       (`runtime.module_recompute`), the plan against the model (fingerprint of a transformers
+       config, parameter names), a forward that pipeline stages can cut (`runtime.module_stages`),
+       dropout under tp, tied weights under tp (held alike by every holder), experts under ep,
+       attention under cp (`runtime.module_context`), where the weights come from
+    2. the process group and the ("dp", "ep", "cp", "tp") DeviceMesh (with "pp" first with a pipeline)
     3. weights: a model with weights is broadcast from rank 0 (so every rank distributes the
        same tensors); a model on meta is loaded after step 4. With a pipeline, the model then
        keeps only this rank's stages' modules (`runtime.module_pipeline`), so that step 4 distributes
@@ -14,10 +14,11 @@ a Plan. The order matters:
     4. tp styles (`runtime.module_styles`), parameters becoming DTensors on the tp mesh; expert
        weights this rank's experts, DTensors on the ("ep", "tp") mesh (`runtime.module_experts`)
     5. a meta model's parameters read from the checkpoint, each rank its slices (`runtime.weights`)
-    6. recompute: each block the policy names runs as one checkpointed region (`runtime.module_recompute`;
+    6. cp: the model's attention goes through this program's Ulysses function (`runtime.module_context`)
+    7. recompute: each block the policy names runs as one checkpointed region (`runtime.module_recompute`;
        with a pipeline, those of the blocks this rank holds, by the model's layer indices)
-    7. ZeRO 3: FSDP2 over dp (`runtime.module_program`), outside the recomputed regions; ZeRO 1/2 are
-       `runtime.grad_sync`'s distributed optimizer
+    8. ZeRO 3: FSDP2 over dp x cp (`runtime.module_program`), outside the recomputed regions; ZeRO 1/2
+       are `runtime.grad_sync`'s distributed optimizer
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from autoplan.plan import Plan
 from autoplan.recompute_policy import recompute_policy
 from autoplan.runtime.launch import (_check_backend, check_cluster, _device, _device_for, _init_process_group, _timeout,
                                      _launched_world_size, check_memory_fits)
+from autoplan.runtime.module_context import check_context_model, install
 from autoplan.runtime.module_experts import distribute_experts, expert_weight_names, experts_modules
 from autoplan.runtime.module_pipeline import PipelinedModuleProgram, held_module_plan, pipeline_mesh
 from autoplan.runtime.module_plan import ModulePlan, module_plan
@@ -45,18 +47,12 @@ from autoplan.runtime.module_styles import apply_module_plan, tied_groups, weigh
 from autoplan.runtime.pipeline import rank_stages
 from autoplan.runtime.weights import load_checkpoint
 
-RUNS_AXES = ("pp", "dp", "tp", "ep")
-
-
 def check_module_plan(plan: Plan, model: nn.Module, cluster: ClusterSpec | str | None = None) -> ModulePlan:
     """Every check that needs no communication (module docstring, step 1); the module plan."""
     check_cluster(plan, cluster)
-    other = {a: d for a, d in plan.mesh.degrees().items() if a not in RUNS_AXES and d > 1}
-    if other:
-        raise PlanError(f"the plan uses {other}; the runtime for your own module runs pp, dp, tp and ep "
-                        f"(with ZeRO and sequence parallelism) so far: plan with context parallelism "
-                        f"off (SearchOptions(context_parallel=False))")
     _check_experts(plan, model)
+    if plan.mesh.cp > 1:
+        check_context_model(plan, model)
     check_recompute_blocks(plan.recompute, model, plan.model.num_layers)
     _check_model(plan, model)
     mplan = module_plan(plan, model)
@@ -75,9 +71,10 @@ def _check_experts(plan: Plan, model: nn.Module) -> None:
     if plan.mesh.ep_as != "dp":
         raise PlanError(f"ep={plan.mesh.ep} over context-parallel ranks (ep_as={plan.mesh.ep_as!r}): the runtime "
                         f"for your own module runs ep on data-parallel ranks; plan ep_as='dp'")
-    if plan.zero_stage > 0 and plan.mesh.dp > 1:
-        raise PlanError(f"ep={plan.mesh.ep} with ZeRO {plan.zero_stage} over dp={plan.mesh.dp}: the runtime for "
-                        f"your own module shards no expert weight with FSDP2 yet; plan zero_stage=0 with ep")
+    if plan.zero_stage > 0 and plan.mesh.dp * plan.mesh.cp > 1:
+        raise PlanError(f"ep={plan.mesh.ep} with ZeRO {plan.zero_stage} over dp x cp = {plan.mesh.dp} x "
+                        f"{plan.mesh.cp}: the runtime for your own module shards no expert weight with FSDP2 "
+                        f"yet; plan zero_stage=0 with ep")
     if plan.mesh.tp > 1 and plan.mesh.etp not in (None, plan.mesh.tp):
         raise PlanError(f"etp={plan.mesh.etp} < tp={plan.mesh.tp}: the runtime for your own module does not fold "
                         f"tp ranks into expert parallelism; plan etp = tp")
@@ -210,17 +207,19 @@ def parallelize_module_program(model: nn.Module, plan: Plan, *, cluster: Cluster
         load_checkpoint(model, checkpoint, device)
     program = (PipelinedModuleProgram(model, plan, mesh, mplan, device, check_finite, cut) if pipelined
                else ModuleProgram(model, plan, mesh, mplan, device, check_finite))
+    if program.context is not None:
+        install(model, program.context)
     program.recomputed_layers = apply_module_recompute(  # checked in step 1
         model, recompute_policy(plan.recompute), cut.held_blocks() if pipelined else None)
     if program.fsdp:
         roots = program.stage_modules if pipelined else [model]
-        _shard_over_dp(model, roots, program.mesh["dp"], plan.zero_stage)
+        _shard_over_dp(model, roots, program.replica_mesh, plan.zero_stage)
     return program
 
 
 def _shard_over_dp(model: nn.Module, roots: list[nn.Module], dp_mesh, zero_stage: int) -> None:
-    """FSDP2 on every block and the roots: the model, or its pipeline stages (ZeRO 3; module_program
-    docstring)."""
+    """FSDP2 over `dp_mesh` (dp x cp) on every block and the roots: the model, or its pipeline stages
+    (ZeRO 3; module_program docstring)."""
     from torch.distributed.fsdp import fully_shard
 
     reshard = zero_stage == 3

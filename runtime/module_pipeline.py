@@ -2,9 +2,10 @@
 whose steps run the plan's stages (`runtime.module_stages`) under a schedule of
 torch.distributed.pipelining.
 
-    mesh       a DeviceMesh ("pp", "dp", "ep", "tp") laid out as the plan's MeshShape; each pipeline
-               rank runs its stages on its ("dp", "ep", "tp") sub-mesh, as a program without pp
-               would (ep: the experts of its stages' MoE blocks, `runtime.module_experts`)
+    mesh       a DeviceMesh ("pp", "dp", "ep", "cp", "tp") laid out as the plan's MeshShape; each
+               pipeline rank runs its stages on its ("dp", "ep", "cp", "tp") sub-mesh, as a program
+               without pp would (ep: the experts of its stages' MoE blocks, `runtime.module_experts`;
+               cp: each stage's attention over the cp ranks, `runtime.module_context`)
     stages     global stage g = chunk * pp + stage holds the layers of the plan's StageSpec; pipeline
                rank p runs stages p, p + pp, ... (`runtime.pipeline.rank_stages`, the placement
                ScheduleInterleaved1F1B expects). The model keeps only this rank's modules, under
@@ -13,16 +14,17 @@ torch.distributed.pipelining.
     schedule   "1f1b" Schedule1F1B, "gpipe" ScheduleGPipe, "interleaved-1f1b"
                ScheduleInterleaved1F1B, over the plan's num_microbatches microbatches of this
                dp rank's rows; the token ids reach every stage as a keyword argument (each stage
-               derives positions and masks from them), the activation flows between stages
+               derives positions and masks from them: under cp the global positions of its chunk),
+               the activation flows between stages
     ZeRO       0, 1: `runtime.grad_sync` over this rank's stage parameters, as without a pipeline:
                buckets all-reduced (1: reduce-scattered for the distributed optimizer) from the
                gradient hooks of the last microbatch's backward; 2, 3 with pp are refused by
                `autoplan.validity`
 
 The loss is the one of `ModuleProgram.train_step`: the schedule's loss function on the last stage
-returns, per microbatch m, sum of token cross-entropies of m * dp ep / N (`scale_grads=False`: no
+returns, per microbatch m, sum of token cross-entropies of m * dp ep cp / N (`scale_grads=False`: no
 further division by the microbatch count), and adds the sum to this step's total; the global loss
-is that total summed over pp (only the last stage has one) and dp x ep, / N.
+is that total summed over pp (only the last stage has one) and dp x ep x cp, / N.
 
 `forward` (logits) is refused: the logits exist on the last stage only, one microbatch at a time.
 `eval_loss` runs the schedule forward only. `full_state_dict` / `full_parameters` /
@@ -40,7 +42,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from autoplan.errors import PlanError
 from autoplan.plan import Plan
 from autoplan.runtime.module_plan import ModulePlan
-from autoplan.runtime.module_program import ModuleProgram
+from autoplan.runtime.module_context import ContextParallel
+from autoplan.runtime.module_program import MESH_DIMS, ModuleProgram, axes_mesh
 from autoplan.runtime.module_stages import Elsewhere, StageCut, StageOutput, run_model
 from autoplan.runtime.module_styles import torch_placement
 from autoplan.runtime.pipeline import SCHEDULES, rank_stages
@@ -48,14 +51,10 @@ from autoplan.validity import SCHEDULE_INTERLEAVED
 
 
 def pipeline_mesh(plan: Plan, device_type: str) -> DeviceMesh:
-    """The ("pp", "dp", "ep", "tp") DeviceMesh of `plan`: entry [p][d][e][t] is the rank at those mesh
-    coordinates (the MeshShape's order of axes over ranks); each pipeline rank's ("dp", "ep", "tp")
-    sub-mesh is the mesh of a program without pp (`module_program.plan_mesh`)."""
-    shape = plan.mesh
-    base = {a: 0 for a in shape.degrees()}
-    ranks = [[[[shape.rank_of({**base, "pp": p, "dp": d, "ep": e, "tp": t}) for t in range(shape.tp)]
-               for e in range(shape.ep)] for d in range(shape.dp)] for p in range(shape.pp)]
-    return DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=("pp", "dp", "ep", "tp"))
+    """The ("pp", "dp", "ep", "cp", "tp") DeviceMesh of `plan`: entry [p][d][e][c][t] is the rank at
+    those mesh coordinates (the MeshShape's order of axes over ranks); each pipeline rank's
+    ("dp", "ep", "cp", "tp") sub-mesh is the mesh of a program without pp (`module_program.plan_mesh`)."""
+    return axes_mesh(plan, device_type, ("pp", *MESH_DIMS))
 
 
 def held_module_plan(mplan: ModulePlan, model: nn.Module) -> ModulePlan:
@@ -82,21 +81,23 @@ class StageModule(nn.Module):
     the previous stage's activation (none on the first) and the token ids; returns the activation
     for the next stage (this rank's local tensor in `boundary`), or the logits on the last."""
 
-    def __init__(self, model: nn.Module, cut: StageCut, stage: int, boundary, tp_mesh: DeviceMesh) -> None:
+    def __init__(self, model: nn.Module, cut: StageCut, stage: int, boundary, tp_mesh: DeviceMesh,
+                 context: ContextParallel | None) -> None:
         super().__init__()
         # the stage's own modules as children (its parameters: what ZeRO shards with this stage as
         # root, disjoint from the other stages of this rank); the model as a plain attribute
         self.parts = nn.ModuleList(p.module for p in cut.held(stage))
         object.__setattr__(self, "model", model)
         self.cut, self.stage = cut, stage
-        self.boundary, self.tp_mesh = boundary, tp_mesh
+        self.boundary, self.tp_mesh, self.context = boundary, tp_mesh, context
         self.last = stage == cut.count - 1
 
     def forward(self, *received: torch.Tensor, input_ids: torch.Tensor):
         x = self._arrived(received[0]) if received else None
+        positions = None if self.context is None else self.context.positions(input_ids)
         with self.cut.view(self.stage, x):
             try:
-                logits = run_model(self.model, input_ids)
+                logits = run_model(self.model, input_ids, positions)
             except StageOutput as end:
                 return self._leaving(end.value)
         if not self.last:
@@ -118,12 +119,12 @@ class PipelinedModuleProgram(ModuleProgram):
 
     def __init__(self, model: nn.Module, plan: Plan, mesh: DeviceMesh, mplan: ModulePlan,
                  device: torch.device, check_finite: bool, cut: StageCut) -> None:
-        super().__init__(model, plan, mesh["dp", "ep", "tp"], mplan, device, check_finite)
+        super().__init__(model, plan, mesh[MESH_DIMS], mplan, device, check_finite)
         self.cut, self.pp_group = cut, mesh.get_group("pp")
         self.param_names = cut.param_names
         boundary = boundary_placement(mplan, cut)
         local = rank_stages(plan, mesh.get_local_rank("pp"))
-        self.stage_modules = [StageModule(model, cut, g, boundary, self.mesh["tp"]) for g in local]
+        self.stage_modules = [StageModule(model, cut, g, boundary, self.mesh["tp"], self.context) for g in local]
         self._scale = 1.0  # of the loss function: dp ep / N of the running step
         self._schedule = None
 
@@ -168,7 +169,7 @@ class PipelinedModuleProgram(ModuleProgram):
         was = self.model.training
         self.model.eval()
         try:
-            total = self._run(self._rows(tokens), self._rows(targets), count, train=False)
+            total = self._run(self._share(tokens), self._share(targets), count, train=False)
         finally:
             self.model.train(was)
         return self._global_loss(total, count)

@@ -1,7 +1,7 @@
 """ModuleProgram: the user's own module (a transformers causal LM, or any nn.Module whose
 `forward(input_ids)` returns logits) run under a Plan with the PyTorch-native stack.
 
-    mesh      a DeviceMesh ("dp", "ep", "tp") over the plan's ranks, laid out as the plan's MeshShape
+    mesh      a DeviceMesh ("dp", "ep", "cp", "tp") over the plan's ranks, laid out as the plan's MeshShape
     tp        `parallelize_module` with the styles of `runtime.module_plan` (`runtime.module_styles`)
     weights   the module's own tensors (rank 0's: a model with weights is first broadcast, then
               each rank keeps its shards), or, for a model on meta, this rank's slices of a
@@ -12,19 +12,23 @@
                  this rank's fp32 slice of them and all-gathers the parameters
                  (`grad_sync.ShardedOptimizer`, made by `make_optimizer`)
               3: FSDP2 `fully_shard(reshard_after_forward=True)` on every block of the model's
-                 layer lists and on the root: parameters gathered again in backward
+                 layer lists and on the root, over dp x cp: parameters gathered again in backward
+    cp        each sequence split over the cp ranks, Ulysses all-to-alls around attention
+              (`runtime.module_context`)
 
 One step on a global batch of G sequences of T tokens (`train_step`, the contract of the zoo's
 RankProgram):
 
-    the D = dp x ep data-parallel ranks (ep ranks are data-parallel to the dense layers): the rank at
-    data coordinate d = dp coordinate x ep + ep coordinate takes rows [d G/D, (d+1) G/D); its tp
-    ranks take the same rows
-    N = the targets != -100 (ignore_index) over the global batch
-    per microbatch m of its rows:  loss_m = sum of token cross-entropies over its targets * D / N;
-      loss_m.backward()  (summing gradients over the ranks holding the same parameter, dp x ep for
-      dense ones and dp for experts (`runtime.module_experts`), / D then gives the gradient of sum / N)
-    the global loss, all-reduce(sum of token losses) / N, and the gradient norm
+    the S = dp x ep batch shards (ep ranks are data-parallel to the dense layers): the rank at
+    batch coordinate s = dp coordinate x ep + ep coordinate takes rows [s G/S, (s+1) G/S), and of
+    them, at cp coordinate c, tokens and targets [c T/cp, (c+1) T/cp); its tp ranks take the same
+    N = the targets != -100 (ignore_index) over the global batch; D = dp x ep x cp, the ranks that
+      hold the same dense parameters and see different tokens
+    per microbatch m of its share:  loss_m = sum of token cross-entropies over its targets * D / N;
+      loss_m.backward()  (summing gradients over the ranks holding the same parameter, dp x ep x cp
+      for dense ones and dp x cp for experts (`runtime.module_experts`), / D then gives the gradient
+      of sum / N)
+    the global loss, all-reduce over dp x ep x cp (sum of token losses) / N, and the gradient norm
       ||g||^2 = sum over ranks of sum over their gradient shards of ||g_shard||^2 / copies
       (copies = world / the number of distinct shards of that gradient: the ranks that hold the
       same values after synchronisation); a non-finite loss or norm raises TrainingDivergedError
@@ -40,6 +44,7 @@ says (`runtime.module_plan`): vocab-parallel under `loss_parallel`, on sequence 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 
 import torch
@@ -55,6 +60,7 @@ from autoplan.plan import Plan
 from autoplan.runtime.grad_sync import GradSync, Replica, ShardedOptimizer, check_optimizer
 from autoplan.runtime.health import check_token_range
 from autoplan.runtime.module_checkpoint import module_state_dict, parameter_shapes
+from autoplan.runtime.module_context import ContextParallel
 from autoplan.runtime.module_experts import expert_weight_names
 from autoplan.runtime.module_plan import ModulePlan
 from autoplan.runtime.module_stages import run_model
@@ -62,14 +68,32 @@ from autoplan.runtime.module_stages import run_model
 IGNORE_INDEX = -100
 
 
-def plan_mesh(plan: Plan, device_type: str, global_rank_of=lambda r: r) -> DeviceMesh:
-    """The ("dp", "ep", "tp") DeviceMesh of `plan`: entry [d][e][t] is the rank at mesh coordinates
-    dp = d, ep = e, tp = t (the MeshShape's order of axes over ranks)."""
+MESH_DIMS = ("dp", "ep", "cp", "tp")  # the DeviceMesh's dims without a pipeline (pipeline_mesh adds "pp")
+
+
+def plan_mesh(plan: Plan, device_type: str) -> DeviceMesh:
+    """The ("dp", "ep", "cp", "tp") DeviceMesh of `plan`: entry [d][e][c][t] is the rank at mesh
+    coordinates dp = d, ep = e, cp = c, tp = t (the MeshShape's order of axes over ranks)."""
+    return axes_mesh(plan, device_type, MESH_DIMS)
+
+
+def axes_mesh(plan: Plan, device_type: str, dims: tuple[str, ...]) -> DeviceMesh:
+    """The DeviceMesh over the plan's mesh axes `dims`, outermost first, each entry the rank at those
+    coordinates (the others 0)."""
     shape = plan.mesh
     zero = {a: 0 for a in shape.degrees()}
-    ranks = [[[global_rank_of(shape.rank_of({**zero, "dp": d, "ep": e, "tp": t})) for t in range(shape.tp)]
-              for e in range(shape.ep)] for d in range(shape.dp)]
-    return DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=("dp", "ep", "tp"))
+    sizes = [shape.degree(a) for a in dims]
+    ranks = [shape.rank_of({**zero, **dict(zip(dims, coords))}) for coords in itertools.product(*map(range, sizes))]
+    return DeviceMesh(device_type, torch.tensor(ranks).view(sizes), mesh_dim_names=dims)
+
+
+def sub_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+    """The 1-D mesh over `dims` of `mesh` (row-major: the first dim outermost), flattened as `name`
+    where more than one of them has more than one rank."""
+    wide = tuple(d for d in dims if mesh.size(mesh.mesh_dim_names.index(d)) > 1)
+    if len(wide) > 1:
+        return mesh[wide]._flatten(name)
+    return mesh[wide[0] if wide else dims[0]]
 
 
 def block_lists(model: nn.Module) -> list[nn.Module]:
@@ -95,11 +119,15 @@ class ModuleProgram(nn.Module):
         super().__init__()
         self.model, self.plan, self.mesh, self.module_plan, self.device = model, plan, mesh, mplan, device
         self.dp, self.tp = plan.mesh.dp, plan.mesh.tp
-        # the dense layers are data-parallel over dp x ep, the experts over dp (runtime.module_experts)
-        self.data = plan.mesh.dp * plan.mesh.ep
-        self.data_mesh = mesh["dp", "ep"]._flatten("data") if plan.mesh.ep > 1 else mesh["dp"]
+        # rows split over dp x ep; the dense layers are data-parallel over dp x ep x cp, the experts
+        # over dp x cp (runtime.module_experts)
+        self.batch_shards, self.data = plan.mesh.dp * plan.mesh.ep, plan.mesh.dp * plan.mesh.ep * plan.mesh.cp
+        self.batch_mesh = sub_mesh(mesh, ("dp", "ep"), "batch")
+        self.data_mesh = sub_mesh(mesh, ("dp", "ep", "cp"), "data")
+        self.replica_mesh = sub_mesh(mesh, ("dp", "cp"), "replicas")  # ZeRO's ranks; the experts' data ranks
+        self.context = ContextParallel(mesh.get_group("cp")) if plan.mesh.cp > 1 else None
         self.experts = frozenset(expert_weight_names(plan))
-        self.fsdp = plan.zero_stage == 3 and self.dp > 1
+        self.fsdp = plan.zero_stage == 3 and self.replica_mesh.size() > 1
         self.hf = hasattr(getattr(model, "config", None), "use_cache")
         self.vocab = getattr(getattr(model, "config", None), "vocab_size", None)  # None: not checked
         self.check_finite = check_finite
@@ -113,14 +141,16 @@ class ModuleProgram(nn.Module):
     # ------------------------------------------------------------ parameters
     def _grad_sync(self) -> GradSync:
         """Gradients averaged over the data-parallel ranks in buckets during backward, each tp shard
-        over its replicas: dense ones over dp x ep, expert ones over dp (`runtime.module_experts`),
-        both divided by dp x ep (under ZeRO 1/2 reduce-scattered for `ShardedOptimizer`); with one
-        data-parallel rank only the Partial gradients settled."""
+        over its replicas: dense ones over dp x ep x cp, expert ones over dp x cp
+        (`runtime.module_experts`), both divided by dp x ep x cp (under ZeRO 1/2 reduce-scattered for
+        `ShardedOptimizer`; ep with ZeRO is refused by module_launch); with one data-parallel rank only
+        the Partial gradients settled."""
         dense = self.data_mesh.get_group() if self.data > 1 else None
-        experts = self.mesh.get_group("dp") if self.dp > 1 else None
-        replicas = [Replica(p, experts, self.dp) if name in self.experts else Replica(p, dense, self.data)
-                    for name, p in self.model.named_parameters()]
-        return GradSync(replicas, 1.0 / self.data, shard=self.plan.zero_stage in (1, 2) and self.dp > 1)
+        replicas = self.replica_mesh.size()
+        experts = self.replica_mesh.get_group() if replicas > 1 else None
+        held = [Replica(p, experts, replicas) if name in self.experts else Replica(p, dense, self.data)
+                for name, p in self.model.named_parameters()]
+        return GradSync(held, 1.0 / self.data, shard=self.plan.zero_stage in (1, 2) and replicas > 1)
 
     def make_optimizer(self, cls: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
         """`cls` over the parameters; under ZeRO 1/2 over this rank's slices of them
@@ -185,14 +215,23 @@ class ModuleProgram(nn.Module):
 
     # ------------------------------------------------------------ running
     def _rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        d = self.data_mesh.get_local_rank()
-        rows = tokens.shape[0] // self.data
-        return tokens[d * rows:(d + 1) * rows]
+        """This rank's rows of the global (G, T) tokens or targets (its batch shard's)."""
+        s = self.batch_mesh.get_local_rank()
+        rows = tokens.shape[0] // self.batch_shards
+        return tokens[s * rows:(s + 1) * rows]
+
+    def _share(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's rows and, under cp, its chunk of their sequence (module docstring)."""
+        rows = self._rows(tokens)
+        return rows if self.context is None else self.context.shard(rows)
 
     def _logits(self, tokens: torch.Tensor):
-        """The model's logits (B, T, V) for (B, T) tokens: a DTensor under tp, else a tensor."""
+        """The model's logits (B, T', V) for this rank's (B, T') tokens (T' = T / cp, at their global
+        positions under cp): a DTensor under tp, else a tensor."""
+        tokens = tokens.to(self.device)
+        positions = None if self.context is None else self.context.positions(tokens)
         with self._autocast():
-            return run_model(self.model, tokens.to(self.device))
+            return run_model(self.model, tokens, positions)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         dtype = getattr(torch, self.plan.dtype)
@@ -204,22 +243,20 @@ class ModuleProgram(nn.Module):
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, gather: bool = False) -> torch.Tensor:
         """Logits of the global (G, T) tokens for evaluation (eval mode, no_grad): this rank's rows
-        and its tp shard of them (the vocabulary's, under a vocab-parallel head), or with
-        `gather` the whole (G, T, V) on every rank (a collective)."""
+        (under cp its chunk of their sequence) and its tp shard of them (the vocabulary's, under a
+        vocab-parallel head), or with `gather` the whole (G, T, V) on every rank (a collective)."""
         was = self.model.training
         self.model.eval()
         try:
-            logits = self._logits(self._rows(tokens))
+            logits = self._logits(self._share(tokens))
         finally:
             self.model.train(was)
         if not gather:
             return logits.to_local() if isinstance(logits, DTensor) else logits
         whole = logits.full_tensor() if isinstance(logits, DTensor) else logits
-        if self.data == 1:
-            return whole
-        parts = [torch.empty_like(whole) for _ in range(self.data)]
-        dist.all_gather(parts, whole.contiguous(), group=self.data_mesh.get_group())
-        return torch.cat(parts)
+        if self.context is not None:
+            whole = _gathered(whole, self.mesh["cp"], dim=1)
+        return whole if self.batch_shards == 1 else _gathered(whole, self.batch_mesh, dim=0)
 
     def _token_loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of the token cross-entropies of these rows (targets == -100 skipped), as the plan's
@@ -276,7 +313,7 @@ class ModuleProgram(nn.Module):
         optimizer.zero_grad(set_to_none=True)
         if self.grad_sync is not None:
             self.grad_sync.begin_step(self.plan.num_microbatches)
-        total = self._forward_backward(self._rows(tokens), self._rows(targets), count)
+        total = self._forward_backward(self._share(tokens), self._share(targets), count)
         if self.grad_sync is not None:
             self.grad_sync.finish()
         loss = self._global_loss(total, count)
@@ -307,13 +344,13 @@ class ModuleProgram(nn.Module):
         self.model.eval()
         try:
             with self._loss_context():
-                total = self._token_loss_sum(self._rows(tokens), self._rows(targets)).float()
+                total = self._token_loss_sum(self._share(tokens), self._share(targets)).float()
         finally:
             self.model.train(was)
         return self._global_loss(total, count)
 
     def _global_loss(self, total: torch.Tensor, count: int) -> float:
-        """all-reduce over dp x ep of this rank's sum of token losses, / N (equal over tp already)."""
+        """all-reduce over dp x ep x cp of this rank's sum of token losses, / N (equal over tp already)."""
         if self.data > 1:
             dist.all_reduce(total, group=self.data_mesh.get_group())
         return total.item() / count
@@ -342,6 +379,13 @@ class ModuleProgram(nn.Module):
         first = torch.tensor(mine, device=self.device)
         dist.all_reduce(first, op=dist.ReduceOp.MIN)
         return names[int(first)] if int(first) < len(names) else None
+
+
+def _gathered(t: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    """Every rank's `t` of the 1-D `mesh`, concatenated along `dim` in its order (a collective)."""
+    parts = [torch.empty_like(t) for _ in range(mesh.size())]
+    dist.all_gather(parts, t.contiguous(), group=mesh.get_group())
+    return torch.cat(parts, dim=dim)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -221,11 +221,13 @@ def _positions(model: nn.Module, list_path: str) -> tuple[list[Position], list[P
     return blocks, pieces
 
 
-def run_model(model: nn.Module, tokens: torch.Tensor):
+def run_model(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None):
     """The model's logits for (B, T) token ids: a transformers model called with input_ids and
-    use_cache=False (its output's .logits), any other module with the ids alone."""
+    use_cache=False (its output's .logits), and with `positions` as its position_ids when given
+    (context parallelism: a chunk of the sequence); any other module with the ids alone."""
     hf = hasattr(getattr(model, "config", None), "use_cache")
-    out = model(input_ids=tokens, use_cache=False) if hf else model(tokens)
+    given = {} if positions is None else {"position_ids": positions}
+    out = model(input_ids=tokens, use_cache=False, **given) if hf else model(tokens)
     out = getattr(out, "logits", out)
     return out[0] if isinstance(out, (tuple, list)) else out
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -206,7 +207,14 @@ def test_estimate_hf_model_prices_any_configuration_and_says_what_cannot_run(tin
     assert main(argv + ["--pp", "2", "--dp", "1"]) == 0
     assert "cannot run" not in capsys.readouterr().err  # pipelines run too
     assert main(argv + ["--cp", "2", "--dp", "1"]) == 0
-    assert "`autoplan.train --hf-model` cannot run this plan yet" in capsys.readouterr().err
+    assert "cannot run" not in capsys.readouterr().err  # context parallelism too (runtime.module_context)
+    dropout = tmp_path / "dropout"  # the same checkpoint with attention dropout, which tp refuses
+    shutil.copytree(tiny_checkpoint, dropout)
+    config = json.loads((dropout / "config.json").read_text())
+    (dropout / "config.json").write_text(json.dumps(config | {"attention_dropout": 0.1}))
+    assert main(["estimate", "--hf-model", str(dropout), *argv[3:]]) == 0
+    assert ("`autoplan.train --hf-model` cannot run this plan yet: dropout under tensor parallelism"
+            in capsys.readouterr().err)
     config_only = ["estimate", "--hf-config", str(tiny_checkpoint / "config.json"), *argv[3:], "-o", str(out)]
     assert main(config_only) == 0 and Plan.load(out).model.fingerprint == plan.model.fingerprint
 

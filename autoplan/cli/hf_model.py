@@ -71,7 +71,7 @@ def estimate_inputs(args) -> dict:
 
 def warn_if_not_runnable(plan, directory: str) -> None:
     """Say on stderr why `autoplan.train --hf-model` would refuse `plan` (an estimate prices any
-    configuration; the runtime for your own module runs pp, dp and tp so far)."""
+    configuration; the runtime for your own module refuses some, `check_module_plan`)."""
     from autoplan.api import hf_model_on_meta
     from autoplan.errors import PlanError
     from autoplan.runtime.module_launch import check_module_plan
