@@ -117,6 +117,9 @@ class CapturedGraph:
     dtype: str
     nodes: tuple[NodeInfo, ...]
     graph_module: fx.GraphModule = field(compare=False, repr=False)
+    # the model runs its own forward op by op (`capture_hf`: a transformers or hand-written module, which
+    # the module runtime runs as it is), not the zoo's with autoplan's fused kernels (runtime.kernel_ops)
+    own_forward: bool = False
     @functools.cached_property
     def _label_table(self) -> tuple[tuple[int, ...], tuple[tuple, ...]]:
         ids: dict[tuple, int] = {}

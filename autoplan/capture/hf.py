@@ -263,7 +263,7 @@ def _capture_module(model: nn.Module, config, batch_size: int, seq_len: int, dty
     nodes = GraphConverter(program, model, layout).nodes()
     return CapturedGraph(_model_name(config) if config is not None else type(model).__name__,
                          _fingerprint(config) if config is not None else "", batch_size, seq_len,
-                         str(dtype).removeprefix("torch."), nodes, program.graph_module)
+                         str(dtype).removeprefix("torch."), nodes, program.graph_module, own_forward=True)
 
 
 def capture_hf_for_planner(path_or_config, seq_len: int, dtype: str = "bfloat16"
