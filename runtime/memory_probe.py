@@ -107,6 +107,8 @@ class _StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.is_view:  # a view allocates nothing (a DTensor's detach may wrap its bytes in a new storage object)
+            return out
         phase = self.phase()
         inputs = {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         derived = bool(inputs) and inputs <= self.from_params
