@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
+from autoplan.capture.graph import COMPOSITE
 from autoplan.placement import Placement, Replicate, Shard
 from autoplan.strategies import Strategy, expert_dims
 from autoplan.cost_model.storages import Activations, Storage
@@ -303,6 +304,13 @@ class _Walk:
         target, floats = node.target, [i for i, m in enumerate(node.input_metas) if _is_float(m)]
         if target in CASTS and node.inputs and self.itemsize.get(node.inputs[0]) == self.itemsize.get(node.name):
             self.out[node.name] = self.seen(node, 0)  # a cast to its input's own dtype returns the input
+            return
+        if target == "gelu" + COMPOSITE:  # transformers' tanh GELU op by op: its input, tanh's output,
+            # 1 + tanh and 0.5 x (the last two kept by their product, the output)
+            made = self.output(node, "other")
+            self.keep(self.seen(node, 0), node)
+            for i in range(3):
+                self.keep(self.make(f"{made}:{i}", self.storages[made].nbytes, node, "other"), node)
             return
         if target == "silu" and self.fused_silu(node):
             self.out[node.name] = self.seen(node, 0)  # runtime.kernel_ops fuses it into the mul

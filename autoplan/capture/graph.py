@@ -38,6 +38,7 @@ OP_KINDS = ("placeholder", "output", "embedding", "linear", "norm", "attention",
 MATMUL_KINDS = ("linear", "attention", "moe")
 _LAYER_PREFIX = re.compile(r"^layers\.\d+")
 _BLOCK_PREFIX = re.compile(r"^(?:[^.]+\.)*?\d+(?=\.|$)")  # up to the first numeric part: "encoder.layers.3"
+COMPOSITE = "_composite"  # the target suffix of an activation module captured as one node of several ops
 ELEMENTWISE_TARGETS = frozenset({
     "add", "iadd", "add_", "sub", "isub", "sub_", "mul", "imul", "mul_", "truediv", "div", "neg",
     "gelu", "silu", "relu", "tanh", "sigmoid", "exp", "pow", "rsqrt", "sqrt", "float", "to"})

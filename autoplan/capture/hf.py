@@ -20,7 +20,7 @@ ones (`autoplan.models`) and the default strategy rules apply:
     norm       every op inside a module whose class ends in RMSNorm / LayerNorm, as one node.
     moe        a MoE block's router and fused experts, as one node (`autoplan.capture.hf_moe`).
     activation every op inside a parameter-free activation module (NewGELUActivation, ...) as one
-               elementwise node named after it ("gelu").
+               elementwise node named after it with `graph.COMPOSITE` ("gelu_composite").
     tuples     an op returning several tensors (split, chunk, topk, sort) is represented by its
                getitem nodes; each reads the op's inputs (split pieces are slices of the input).
     Parameter and buffer placeholders, and views or casts of them, are not nodes: they are the
