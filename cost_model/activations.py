@@ -39,7 +39,7 @@ attributed to the first part (pre, layers in order, post) that holds them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Mapping
 
 from autoplan.capture.graph import COMPOSITE
@@ -274,9 +274,9 @@ class _Walk:
             self.keep(self.make(f"{node.name}:ids", ids * INT64, node, "other"), node)
             self.keep(self.make(f"{node.name}:mask", ids * BOOL, node, "other"), node)
             made = self.output(node, "collective")
-            if self.graph.own_forward:  # DTensor's reduction: the functional collective's output and
-                # the autograd wrapper of it, both alive until backward (measured, runtime.memory_probe)
-                self.keep(self.make(f"{node.name}:wrapped", self.storages[made].nbytes, node, "collective"), node)
+            if self.graph.own_forward:  # DTensor's reduction: the functional collective's output and the
+                # autograd wrapper of it, alive together (measured, runtime.memory_probe): twice the bytes
+                self.storages[made] = replace(self.storages[made], nbytes=2 * self.storages[made].nbytes)
             return
         self.keep(self.seen(node, 0), node)
         self.output(node, "other")
