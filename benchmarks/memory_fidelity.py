@@ -23,6 +23,14 @@ parameters) x recompute none, selective, matmul-only, full, full:2. Plans come f
                prediction at the mean (no margin) against the mean of the ranks, and the margins the
                ep cases needed (the routed rows their busiest rank held over the mean's)
 
+    python benchmarks/memory_fidelity.py --module             # the module runtime's grid
+
+The module runtime (`--module`): transformers' Llama (GQA) and GPT-2 (its tanh GELU op by op, Conv1D
+projections), 2 layers, hidden 128, 256 tokens, microbatch 2, float32, built from one seed and run by
+`autoplan.parallelize` as they are, x dp (one rank), tp = 2 (Megatron; GPT-2 with its tied head
+vocab-parallel and its attention replicated), tp = 2 with sequence parallelism (Llama) x the policies;
+predicted over the graph `capture_hf` records (`CapturedGraph.own_forward`: the model's own ops).
+
 Every case runs in fresh processes (one, or two gloo ranks), one forward and backward each.
 Writes benchmarks/out/memory_fidelity.json and benchmarks/out/memory_fidelity.png (predicted
 against measured, and the error by policy).
@@ -240,7 +248,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
-    for strategy in STRATEGIES:
+    for strategy in dict.fromkeys(r["strategy"] for r in rows):
         points = [(b / 1e6, r["predicted_bytes"] / 1e6) for r in rows if r["strategy"] == strategy
                   for b in r["measured_bytes"]]
         if points:
@@ -259,30 +267,155 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+# ------------------------------------------------------------------------------ the module runtime
+
+MODULE_SEQ, MODULE_BATCH = 256, 2
+MODULE_STRATEGIES = ("dp", "tp2", "tp2-sp")  # GPT-2 under tp: tied vocab-parallel head, attention replicated
+
+
+def hf_configs() -> dict:
+    """transformers' Llama (GQA) and GPT-2 (tanh GELU op by op, Conv1D), 2 layers, hidden 128."""
+    import transformers
+
+    llama = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                                     num_key_value_heads=2, intermediate_size=256, vocab_size=256,
+                                     max_position_embeddings=MODULE_SEQ, tie_word_embeddings=False)
+    gpt2 = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=256, n_positions=MODULE_SEQ,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
+                                   bos_token_id=0, eos_token_id=0)
+    return {"llama": llama, "gpt2": gpt2}
+
+
+def module_cases(words: list[str]) -> list[tuple[str, str, str, str]]:
+    """(id, model, strategy, policy) of the module runtime's grid, the ids holding every word."""
+    return [(cid, model, strategy, policy) for model in ("llama", "gpt2") for strategy in MODULE_STRATEGIES
+            for policy in POLICIES if not (model == "gpt2" and strategy == "tp2-sp")
+            for cid in [f"module {model} {strategy} {policy}"] if all(w in cid.split() for w in words)]
+
+
+def module_plan(model: str, strategy: str, policy: str):
+    """(plan, (held, re-run) predicted bytes) over the graph `capture_hf` records (`own_forward`)."""
+    from autoplan.api import plan_from_assignment
+    from autoplan.capture.hf import capture_hf_for_planner
+    from autoplan.capture.hf_rules import hf_registry
+    from autoplan.cluster import parse_cluster
+    from autoplan.cost_model.memory import plan_activation_bytes
+    from autoplan.mesh import MeshShape
+    from autoplan.solver.intra_op import megatron_assignment
+    from autoplan.strategies import strategy_info
+
+    tp = 2 if strategy.startswith("tp2") else 1
+    summary, graph, _ = capture_hf_for_planner(hf_configs()[model], MODULE_SEQ, "float32")
+    registry, info = hf_registry(), strategy_info(summary.rule_info(), tp, tp)
+    chosen = {}
+    if tp > 1:
+        chosen = (_gpt2_tied_head(graph, registry, tp, info) if model == "gpt2"
+                  else megatron_assignment(graph, registry, tp, info, strategy.endswith("sp")))
+    plan = plan_from_assignment(graph, summary, parse_cluster(f"1x{tp}xcpu"), MeshShape(dp=1, tp=tp), chosen,
+                                MODULE_BATCH, 1, 0, policy, registry=registry, dtype="float32")
+    return plan, plan_activation_bytes(plan, graph, summary.rule_info())
+
+
+def _gpt2_tied_head(graph, registry, tp: int, info: dict) -> dict[str, str]:
+    """GPT-2 under tp (as tests/test_runtime_modules.py runs it): the tied embedding vocab-parallel and
+    the lm_head column over the vocabulary, each MLP column then row, the attention replicated."""
+    from autoplan.placement import Shard
+
+    found = {n.name: {"embedding": "vocab", "cross_entropy": "vocab"}[n.op_kind] for n in graph.nodes
+             if n.op_kind in ("embedding", "cross_entropy") and n.module_path != "transformer.wpe"}
+    between = False
+    for n in graph.nodes:
+        if n.op_kind == "linear" and (n.module_path == "lm_head" or n.module_path.endswith(".mlp.c_fc")):
+            found[n.name], between = "column", n.module_path != "lm_head"
+        elif n.op_kind == "linear" and n.module_path.endswith(".mlp.c_proj"):
+            found[n.name], between = "row", False
+        elif between:
+            last = Shard(len(n.output.shape) - 1)
+            found[n.name] = next(s.name for s in registry.strategies(n, tp, info) if s.output == last)
+    return found
+
+
+def _module_rank(rank: int, world: int, port: int, model: str, plan, out: str) -> None:
+    """One rank of the module runtime: the model's own module under `autoplan.parallelize`, one
+    microbatch's forward and backward under the probe."""
+    import warnings
+
+    import transformers
+
+    import autoplan
+    from autoplan.runtime.memory_probe import measure_saved_bytes
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        module = transformers.AutoModelForCausalLM.from_config(hf_configs()[model], attn_implementation="sdpa")
+        program = autoplan.parallelize(module, f"1x{world}xcpu", plan)
+        tokens = torch.randint(0, 256, (MODULE_BATCH, MODULE_SEQ), generator=torch.Generator().manual_seed(0))
+        rows = program._rows(tokens)[:plan.microbatch_size]
+        targets = rows.roll(-1, dims=1)
+        targets[:, -1] = -100
+        with program._loss_context():
+            _, measured = measure_saved_bytes(lambda: program._token_loss_sum(rows, targets), program.model)
+        torch.save([measured.saved_bytes, measured.recompute_bytes], Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_module_case(case: tuple) -> dict:
+    cid, model, strategy, policy = case
+    plan, (held, transient) = module_plan(model, strategy, policy)
+    world = plan.mesh.world_size
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_module_rank, args=(world, _free_port(), model, plan, out), nprocs=world, join=True,
+                           start_method="spawn")
+        ranks = [tuple(torch.load(Path(out) / f"rank{r}.pt")) for r in range(world)]
+    return {"id": cid, "family": model, "strategy": strategy, "dtype": "float32", "policy": policy,
+            "predicted_bytes": held, "predicted_recompute_bytes": transient, "predicted_mean_bytes": held,
+            "predicted_mean_recompute_bytes": transient, "measured_bytes": [r[0] for r in ranks],
+            "measured_recompute_bytes": [r[1] for r in ranks], "errors": [_error(held, r[0]) for r in ranks],
+            "recompute_errors": [_error(transient, r[1]) for r in ranks],
+            "checked_recompute_bytes": [r[1] for r in ranks],
+            "mean_error": _error(held, statistics.mean(r[0] for r in ranks)), "needed_margin": [None, None]}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", default=[], help="run the cases whose id holds every word")
     parser.add_argument("--from-json", metavar="FILE", help="print the table, summary and plot of a saved run")
+    parser.add_argument("--module", action="store_true", help="the module runtime's grid (transformers' Llama and "
+                        "GPT-2 under dp, tp2, tp2 with sp) instead of the zoo's")
     args = parser.parse_args(argv)
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
         report(saved["rows"], saved["command"])
         return
-    models, rows = bench_models(), []
-    for case in cases(args.cases):
-        rows.append(run_case(models, case))
-        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    rows = []
+    if args.module:
+        for case in module_cases(args.cases):
+            rows.append(run_module_case(case))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    else:
+        models = bench_models()
+        for case in cases(args.cases):
+            rows.append(run_case(models, case))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
     if not rows:
         sys.exit(f"no case id holds every word of {args.cases}")
-    report(rows, " ".join(["python benchmarks/memory_fidelity.py", *(["--cases", *args.cases] if args.cases else [])]))
+    report(rows, " ".join(["python benchmarks/memory_fidelity.py", *(["--module"] if args.module else []),
+                           *(["--cases", *args.cases] if args.cases else [])]))
 
 
 def report(rows: list[dict], command: str) -> None:
-    """Write benchmarks/out/memory_fidelity.{json,png} and print the table and the summary."""
+    """Write benchmarks/out/memory_fidelity.{json,png} (the module runtime's: memory_fidelity_module.*)
+    and print the table and the summary."""
     OUT.mkdir(exist_ok=True)
     result = {"summary": summary(rows), "rows": rows, "command": command}
-    (OUT / "memory_fidelity.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(rows, OUT / "memory_fidelity.png")
+    name = "memory_fidelity_module" if "--module" in command else "memory_fidelity"
+    (OUT / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(rows, OUT / f"{name}.png")
     print()
     print(table(rows))
     print()

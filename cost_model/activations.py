@@ -39,9 +39,10 @@ attributed to the first part (pre, layers in order, post) that holds them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Mapping
 
+from autoplan.capture.graph import COMPOSITE
 from autoplan.placement import Placement, Replicate, Shard
 from autoplan.strategies import Strategy, expert_dims
 from autoplan.cost_model.storages import Activations, Storage
@@ -56,6 +57,7 @@ VIEW_TARGETS = frozenset({"view", "reshape", "unsqueeze", "squeeze", "expand", "
                           "flatten", "contiguous", "getitem", "chunk", "split", "t"})
 NO_SAVE_POINTWISE = frozenset({"add", "iadd", "add_", "sub", "isub", "sub_", "neg", "float", "to"})
 SAVE_ALL_POINTWISE = frozenset({"mul", "imul", "mul_", "truediv", "div"})
+CASTS = frozenset({"to", "float", "type_as"})
 SAVE_OUTPUT_POINTWISE = frozenset({"tanh", "sigmoid", "exp", "relu", "rsqrt", "sqrt"})
 MOE_ROUTER_INTS = 2  # top-k indices and softmax weights kept per routed slot (int64 + fp32 below)
 # The ep routing imbalance margins: with experts spread over a group, the rows a rank's experts receive
@@ -157,6 +159,7 @@ class _Walk:
         self.part = {n.name: n.layer if n.layer is not None else ("pre" if k < first else "post")
                      for k, n in enumerate(graph.nodes)}
         self.readers = _linear_readers(self)
+        self.grads = _requiring_grad(graph)
 
     def result(self) -> Activations:
         layers = tuple(sorted({n.layer for n in self.graph.nodes if n.layer is not None}))
@@ -177,7 +180,7 @@ class _Walk:
         return key
 
     def keep(self, key: str, node: "NodeInfo") -> None:
-        if self.storages[key].nbytes:
+        if self.storages[key].nbytes and node.name in self.grads:  # autograd records no op outside it
             self.saved.append((key, self.part[node.name]))
 
     def output(self, node: "NodeInfo", family: str, key: str | None = None) -> str:
@@ -270,7 +273,10 @@ class _Walk:
             ids = node.input_metas[0].numel
             self.keep(self.make(f"{node.name}:ids", ids * INT64, node, "other"), node)
             self.keep(self.make(f"{node.name}:mask", ids * BOOL, node, "other"), node)
-            self.output(node, "collective")
+            made = self.output(node, "collective")
+            if self.graph.own_forward:  # DTensor's reduction: the functional collective's output and the
+                # autograd wrapper of it, alive together (measured, runtime.memory_probe): twice the bytes
+                self.storages[made] = replace(self.storages[made], nbytes=2 * self.storages[made].nbytes)
             return
         self.keep(self.seen(node, 0), node)
         self.output(node, "other")
@@ -287,12 +293,25 @@ class _Walk:
     def _norm(self, node: "NodeInfo") -> None:
         self.keep(self.seen(node, 0), node)
         rows = self.rows(node.output, self.strategies[node.name].output)
-        stats = 1 if node.target == "RMSNorm" else 2  # 1/rms; LayerNorm's mean and 1/std
+        stats = 1 if node.target.endswith("RMSNorm") else 2  # 1/rms; LayerNorm's mean and 1/std
         self.keep(self.make(f"{node.name}:stats", rows * stats * FP32, node, "other"), node)
+        if self.graph.own_forward and stats == 1:  # x * rsqrt, kept by the weight's product (no fused kernel)
+            normed = self.local(self.bytes_of(node.name), self.strategies[node.name].output)
+            self.keep(self.make(f"{node.name}:normed", normed, node, "other"), node)
         self.output(node, "other")
 
     def _elementwise(self, node: "NodeInfo") -> None:
         target, floats = node.target, [i for i, m in enumerate(node.input_metas) if _is_float(m)]
+        if target in CASTS and node.inputs and self.itemsize.get(node.inputs[0]) == self.itemsize.get(node.name):
+            self.out[node.name] = self.seen(node, 0)  # a cast to its input's own dtype returns the input
+            return
+        if target == "gelu" + COMPOSITE:  # transformers' tanh GELU op by op: its input, tanh's output,
+            # 1 + tanh and 0.5 x (the last two kept by their product, the output)
+            made = self.output(node, "other")
+            self.keep(self.seen(node, 0), node)
+            for i in range(3):
+                self.keep(self.make(f"{made}:{i}", self.storages[made].nbytes, node, "other"), node)
+            return
         if target == "silu" and self.fused_silu(node):
             self.out[node.name] = self.seen(node, 0)  # runtime.kernel_ops fuses it into the mul
             return
@@ -311,7 +330,7 @@ class _Walk:
     def fused_silu(self, node: "NodeInfo") -> bool:
         """A silu whose only user is a mul, which runtime.kernel_ops makes one silu_mul kernel."""
         users = self.users.get(node.name, ())
-        return (node.op_kind == "elementwise" and node.target == "silu" and len(users) == 1
+        return (not self.graph.own_forward and node.op_kind == "elementwise" and node.target == "silu" and len(users) == 1
                 and self.nodes[users[0]].target in ("mul", "imul"))
 
     def _attention(self, node: "NodeInfo") -> None:
@@ -429,6 +448,16 @@ class _Walk:
 def _batched(meta: "TensorMeta | None", batch: int) -> bool:
     """Whether a tensor's leading dim is the batch (its size then scales with the microbatch)."""
     return meta is not None and len(meta.shape) >= 2 and meta.shape[0] == batch
+
+
+def _requiring_grad(graph: "CapturedGraph") -> set[str]:
+    """The nodes whose output requires grad (made from a parameter): only their ops keep anything
+    for backward (RoPE's tables, masks and positions, made from inputs and buffers, keep nothing)."""
+    found: set[str] = set()
+    for node in graph.nodes:
+        if node.params or any(p in found for p in node.inputs):
+            found.add(node.name)
+    return found
 
 
 def _users(graph: "CapturedGraph") -> dict[str, list[str]]:

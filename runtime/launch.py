@@ -129,10 +129,12 @@ def check_memory_fits(plan: Plan, device: torch.device) -> None:
     have, what = device_memory_bytes(device)
     if need > have:
         m = plan.predicted.memory
+        margin = (f", ep routing imbalance margin {m.ep_imbalance_bytes / GIB:.2f}"  # as `autoplan explain`
+                  if m.ep_imbalance_bytes else "")
         raise PlanError(
             f"plan predicts a peak of {need / GIB:.2f} GiB per rank (parameters "
             f"{m.parameters_bytes / GIB:.2f}, gradients {m.gradients_bytes / GIB:.2f}, optimizer "
-            f"{m.optimizer_bytes / GIB:.2f}, activations {m.activations_bytes / GIB:.2f} GiB) but "
+            f"{m.optimizer_bytes / GIB:.2f}, activations {m.activations_bytes / GIB:.2f}{margin} GiB) but "
             f"this rank's device {what} has {have / GIB:.2f} GiB: it would not fit. Plan for this "
             f"device (autoplan search --cluster ...), or pass check_memory=False to try anyway")
 

@@ -17,9 +17,9 @@ and while `backward` runs,
     recompute_bytes  the most bytes made by re-running one recomputed region that are alive when its
                      re-run ends (what the region's backward then holds besides the saved bytes).
 
-An op runs in a recomputed region's re-run when it runs during backward inside a call of one of the
-program's region modules (runtime.recompute: `recompute_<layer>_<i>`); the re-run ends when that
-call returns.
+An op runs in a recomputed region's re-run when it runs during backward inside a run of a recomputed
+region (`runtime.recompute.watch_regions`: the zoo's `recompute_<layer>_<i>` modules and the module
+runtime's blocks alike); the re-run ends when that run returns.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from autoplan.runtime.recompute import watch_regions
 
 
 # gloo's worker threads drop their references to a collective's tensors a moment after the call
@@ -90,10 +92,10 @@ class _StorageTracker(TorchDispatchMode):
         before its forward, so a cast of them is a weight copy, left out as on an unsharded model."""
         self.from_params.update(_key(p) for p in module.parameters(recurse=False))
 
-    def enter_region(self, *_) -> None:
+    def enter_region(self) -> None:
         self.regions += 1
 
-    def exit_region(self, module, args, output) -> None:
+    def exit_region(self, output) -> None:
         self.regions -= 1
         if self.backward:  # a re-run ends: what it made and still holds (but the outputs the
             # re-run drops on return) is the region's backward's
@@ -105,6 +107,8 @@ class _StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.is_view:  # a view allocates nothing (a DTensor's detach may wrap its bytes in a new storage object)
+            return out
         phase = self.phase()
         inputs = {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         derived = bool(inputs) and inputs <= self.from_params
@@ -131,15 +135,12 @@ class _StorageTracker(TorchDispatchMode):
 
 @contextlib.contextmanager
 def _watch_regions(tracker: _StorageTracker, module: nn.Module | None) -> Iterator[None]:
-    handles = []
-    for name, sub in (module.named_modules() if module is not None else ()):
-        if any(True for _ in sub.parameters(recurse=False)):
-            handles.append(sub.register_forward_pre_hook(tracker.note_parameters))
-        if name.rsplit(".", 1)[-1].startswith("recompute_"):
-            handles += [sub.register_forward_pre_hook(tracker.enter_region),
-                        sub.register_forward_hook(tracker.exit_region)]
+    handles = [sub.register_forward_pre_hook(tracker.note_parameters)
+               for sub in (module.modules() if module is not None else ())
+               if any(True for _ in sub.parameters(recurse=False))]
     try:
-        yield
+        with watch_regions(tracker):  # the runs of both runtimes' recomputed regions (runtime.recompute)
+            yield
     finally:
         for handle in handles:
             handle.remove()

@@ -22,6 +22,7 @@ code), R for an embedding's token ids.
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 
 import torch
@@ -120,12 +121,21 @@ def _partition(placements: dict):
     return partition
 
 
-def _bring_first_input(placement):
-    """A forward pre-hook that redistributes a DTensor first input to `placement`."""
+def _bring_first_input(placement, made: dict):
+    """A forward pre-hook that redistributes a DTensor first input to `placement`, once per tensor:
+    the modules reading one activation (q, k and v of a norm's output; gate and up) share `made`, so
+    under sequence parallelism one all-gather makes one whole-sequence copy, which their backward
+    keeps once (as the zoo's runtime and the cost model's conversions have it), not one per reader."""
     def hook(_module, args):
-        if args and isinstance(args[0], DTensor) and tuple(args[0].placements) != (placement,):
-            return (args[0].redistribute(placements=[placement]), *args[1:])
-        return None
+        if not (args and isinstance(args[0], DTensor) and tuple(args[0].placements) != (placement,)):
+            return None
+        given, key = args[0], (id(args[0]), placement)
+        ref, version, brought = made.get(key, (None, None, None))
+        if ref is None or ref() is not given or version != given._version:  # new, or changed in place
+            brought = given.redistribute(placements=[placement])
+            ref = weakref.ref(given, lambda _, key=key: made.pop(key, None))  # dropped with the input
+            made[key] = (ref, given._version, brought)
+        return (brought, *args[1:])
     return hook
 
 
@@ -177,10 +187,11 @@ def apply_module_plan(model: nn.Module, mplan: ModulePlan, tp_mesh: DeviceMesh) 
     style replaces its module's parameters, so tied weights (which `module_launch` checks are held
     alike by every style) are tied again to the first name's new parameter."""
     tied = tied_groups(model)
+    made: dict = {}  # (id of an input, placement) -> (weakref to it, its version, its redistribution)
     for path, style in mplan.styles:
         module = model.get_submodule(path)
         if style.kind == "colwise":
-            module.register_forward_pre_hook(_bring_first_input(Replicate()))
+            module.register_forward_pre_hook(_bring_first_input(Replicate(), made))
         parallelize_module(module, tp_mesh, torch_style(style, module))
     for first, *aliases in tied:
         for alias in aliases:

@@ -61,6 +61,32 @@ def observe_recompute() -> Iterator[Counter]:
         _OBSERVED.reset(token)
 
 
+# The open watch of region runs: an object with enter_region() and exit_region(output); None when none.
+_WATCHER: contextvars.ContextVar[object | None] = contextvars.ContextVar("autoplan_recompute_watcher", default=None)
+
+
+@contextlib.contextmanager
+def watch_regions(watcher) -> Iterator[None]:
+    """Call `watcher.enter_region()` and `watcher.exit_region(output)` around every run of a recomputed
+    region inside the block (both runtimes'): its forward, and its re-run while backward runs on this
+    thread (runtime.memory_probe measures what a re-run holds)."""
+    token = _WATCHER.set(watcher)
+    try:
+        yield
+    finally:
+        _WATCHER.reset(token)
+
+
+def _run_region(region: Callable, *args, **kwargs):
+    watcher = _WATCHER.get()
+    if watcher is None:
+        return region(*args, **kwargs)
+    watcher.enter_region()
+    output = region(*args, **kwargs)
+    watcher.exit_region(output)
+    return output
+
+
 class SavePolicy:
     """The policy function of torch's selective checkpointing: save the outputs of the ops whose
     family is in `saves`, recompute the rest (`PREFER_RECOMPUTE`, as plain checkpointing does)."""
@@ -106,7 +132,8 @@ def recompute(region: Callable, *args, saves: tuple[str, ...] = (), **kwargs):
     the cost model prices it and as runtime.counting predicts its collectives."""
     contexts = functools.partial(save_contexts, frozenset(saves))
     with set_checkpoint_early_stop(False):  # the context manager exists in every torch we support
-        return checkpoint(region, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+        return checkpoint(functools.partial(_run_region, region), *args, use_reentrant=False, context_fn=contexts,
+                          **kwargs)
 
 
 def node_layer(node: fx.Node, infos: dict[str, NodeInfo]) -> int | None:

@@ -52,13 +52,14 @@ def test_a_missing_backend_names_what_is_available(launched, backend):
     assert not dist.is_initialized()
 
 
-def test_a_plan_that_does_not_fit_is_refused_before_any_allocation(launched, monkeypatch):
+@pytest.mark.parametrize("ep_margin", [0.0, 5e14])
+def test_a_plan_that_does_not_fit_is_refused_before_any_allocation(launched, monkeypatch, ep_margin):
     from autoplan.errors import PlanError
     from autoplan.plan import MemoryBreakdown
     from autoplan.runtime import launch
 
     plan = make_plan("tiny-gpt", 2, 1)
-    memory = MemoryBreakdown(3e15, 1e15, 2e15, 4e15)
+    memory = MemoryBreakdown(3e15, 1e15, 2e15, 4e15, 0.0, ep_margin)
     plan = dataclasses.replace(plan, predicted=dataclasses.replace(
         plan.predicted, peak_memory_bytes=memory.total_bytes(), memory=memory))
     monkeypatch.setattr(launch, "rewrite", lambda *a, **k: pytest.fail("rewrote the model"))
@@ -66,8 +67,10 @@ def test_a_plan_that_does_not_fit_is_refused_before_any_allocation(launched, mon
     with pytest.raises(PlanError) as info:
         _parallelize(plan)
     message = str(info.value)
-    assert f"plan predicts a peak of {1e16 / 2**30:.2f} GiB per rank" in message
+    assert f"plan predicts a peak of {(1e16 + ep_margin) / 2**30:.2f} GiB per rank" in message
     assert f"parameters {3e15 / 2**30:.2f}" in message and "activations" in message
+    # the busiest ep rank's margin as its own line, as `autoplan explain` shows it; none without ep
+    assert (f"ep routing imbalance margin {ep_margin / 2**30:.2f}" in message) == bool(ep_margin)
     assert f"has {have / 2**30:.2f} GiB: it would not fit" in message
     assert not dist.is_initialized()
 

@@ -38,6 +38,7 @@ OP_KINDS = ("placeholder", "output", "embedding", "linear", "norm", "attention",
 MATMUL_KINDS = ("linear", "attention", "moe")
 _LAYER_PREFIX = re.compile(r"^layers\.\d+")
 _BLOCK_PREFIX = re.compile(r"^(?:[^.]+\.)*?\d+(?=\.|$)")  # up to the first numeric part: "encoder.layers.3"
+COMPOSITE = "_composite"  # the target suffix of an activation module captured as one node of several ops
 ELEMENTWISE_TARGETS = frozenset({
     "add", "iadd", "add_", "sub", "isub", "sub_", "mul", "imul", "mul_", "truediv", "div", "neg",
     "gelu", "silu", "relu", "tanh", "sigmoid", "exp", "pow", "rsqrt", "sqrt", "float", "to"})
@@ -117,6 +118,9 @@ class CapturedGraph:
     dtype: str
     nodes: tuple[NodeInfo, ...]
     graph_module: fx.GraphModule = field(compare=False, repr=False)
+    # the model runs its own forward op by op (`capture_hf`: a transformers or hand-written module, which
+    # the module runtime runs as it is), not the zoo's with autoplan's fused kernels (runtime.kernel_ops)
+    own_forward: bool = False
     @functools.cached_property
     def _label_table(self) -> tuple[tuple[int, ...], tuple[tuple, ...]]:
         ids: dict[tuple, int] = {}

@@ -20,7 +20,7 @@ ones (`autoplan.models`) and the default strategy rules apply:
     norm       every op inside a module whose class ends in RMSNorm / LayerNorm, as one node.
     moe        a MoE block's router and fused experts, as one node (`autoplan.capture.hf_moe`).
     activation every op inside a parameter-free activation module (NewGELUActivation, ...) as one
-               elementwise node named after it ("gelu").
+               elementwise node named after it with `graph.COMPOSITE` ("gelu_composite").
     tuples     an op returning several tensors (split, chunk, topk, sort) is represented by its
                getitem nodes; each reads the op's inputs (split pieces are slices of the input).
     Parameter and buffer placeholders, and views or casts of them, are not nodes: they are the
@@ -263,7 +263,7 @@ def _capture_module(model: nn.Module, config, batch_size: int, seq_len: int, dty
     nodes = GraphConverter(program, model, layout).nodes()
     return CapturedGraph(_model_name(config) if config is not None else type(model).__name__,
                          _fingerprint(config) if config is not None else "", batch_size, seq_len,
-                         str(dtype).removeprefix("torch."), nodes, program.graph_module)
+                         str(dtype).removeprefix("torch."), nodes, program.graph_module, own_forward=True)
 
 
 def capture_hf_for_planner(path_or_config, seq_len: int, dtype: str = "bfloat16"

@@ -21,6 +21,7 @@ from torch import nn
 from autoplan.capture import NodeInfo, TensorMeta
 from autoplan.capture.hf_moe import MoeBlock, moe_blocks, moe_forward_flops, moe_region
 from autoplan.capture.hf_attention import attention_flops, fused_widths, in_attention, key_window
+from autoplan.capture.graph import COMPOSITE
 from autoplan.capture.hf_ops import (ACTIVATION_CLASS, ATTENTION_TARGETS, COPIES, EXTRA_ELEMENTWISE, FLOAT_DTYPES, HfLayout, LOSS_TARGETS, MATMUL_TARGETS, NLL_TARGETS, NORM_CLASS, NORM_TARGETS, PERMUTES, RESHAPES, SKIPPED, SOFTMAX, SPLITS, VIEW_OTHERS, _canonical_perm, _costs, _elementwise_name, _first_getitem, _is_pointwise, _is_tuple, _meta, _module_path, _ordered_unique, _permutation, _readable_names, _swaps_last_two, _target_name, _zero_dead, layer_of)
 
 
@@ -120,7 +121,8 @@ class GraphConverter:
                 self._add(self._module_group(members, "norm", cls, path))
             elif len(members) > 1:
                 target = next((a for a in ("gelu", "silu", "relu", "tanh", "mish") if a in cls.lower()), cls.lower())
-                self._add(self._module_group(members, "elementwise", target, path))
+                # several ops (transformers' NewGELUActivation: 0.5 x (1 + tanh(...))), not one kernel
+                self._add(self._module_group(members, "elementwise", f"{target}{COMPOSITE}", path))
 
     def _add(self, group: _Group | None) -> None:
         if group is not None:
@@ -406,6 +408,8 @@ class GraphConverter:
             return "other", f"{target}[{n.args[1]}]"
         if target in RESHAPES | COPIES | PERMUTES | SPLITS | VIEW_OTHERS:
             return "view", self._view_target(n, target)
+        if target == "dropout" and len(n.args) > 1 and n.args[1] == 0:
+            return "view", "copy"  # torch's dropout with p = 0 returns its input: nothing made, nothing kept
         if _is_pointwise(n) or target in EXTRA_ELEMENTWISE:
             return "elementwise", _elementwise_name(target)
         return "other", target
