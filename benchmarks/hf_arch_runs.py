@@ -250,7 +250,10 @@ def runs_cell(row: dict) -> str:
     """The README's "runs" cell of a row: "yes (dp2, tp2)" (with the regions tp2 kept replicated), or each
     failing case's first line."""
     ok = [c + _replicated_note(row.get(f"{c}_replicated", ())) for c in CASES if row.get(c) == "ok"]
-    failed = [f"{c}: {row[c]}" for c in CASES if c in row and row[c] != "ok"]
+    errors = {row[c] for c in CASES if c in row and row[c] != "ok"}
+    if not ok and len(errors) == 1:  # refused before any case ran (the config)
+        return f"no: {errors.pop()[:160]}"
+    failed = [f"{c}: {row[c][:160]}" for c in CASES if c in row and row[c] != "ok"]
     return "; ".join(([f"yes ({', '.join(ok)})"] if ok else []) + (["no " + f for f in failed]))
 
 
