@@ -288,15 +288,13 @@ def is_zoo_model(model) -> bool:
 
 def hf_model_on_meta(directory: "str | Path"):
     """The transformers causal LM of a checkpoint directory's config.json, built on meta (float32,
-    SDPA attention) for `parallelize` to load with `checkpoint=directory`."""
+    SDPA attention, or eager where the architecture has no SDPA path) for `parallelize` to load with
+    `checkpoint=directory`."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from autoplan.capture.hf import load_hf_config
+    from autoplan.capture.hf import build_hf_model, load_hf_config
 
-    config = load_hf_config(directory)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return build_hf_model(load_hf_config(directory), torch.float32, experts=None)
 
 
 def _parallelize_zoo(model, cluster: ClusterSpec, plan: "Plan | None", config: "ModelConfig | None",

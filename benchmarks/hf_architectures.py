@@ -214,9 +214,23 @@ def measure(name: str, seq: int, time_limit: float) -> dict:
     return row
 
 
+def measure_row(name: str, args) -> dict:
+    """`measure`'s row (none with --runs-only), with the tiny runs of `hf_arch_runs` under "runs" (--runs)."""
+    row = {"architecture": name} if args.runs_only else measure(name, args.seq, args.time_limit)
+    if args.runs or args.runs_only:
+        import tempfile
+
+        from hf_arch_runs import run_architecture
+
+        with tempfile.TemporaryDirectory() as root:
+            row["runs"] = run_architecture(name, Path(root))
+    return row
+
+
 def markdown(rows: list[dict]) -> str:
     """The README table: architecture, planned, parameter count error, attention sharded, window, runs."""
-    runs = {"Llama 3 8B": "yes", "Qwen2.5 7B": "yes"}  # tests/test_runtime_modules.py: transformers Llama, Qwen2
+    from hf_arch_runs import runs_cell
+
     lines = ["| architecture | planned | param count error | attention sharded (tp) | window priced | "
              "replicated FLOPs | runs |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -229,7 +243,7 @@ def markdown(rows: list[dict]) -> str:
             if "window_priced" in r else "n/a"
         repl = f"{r['replicated_flops_share']:.1%}" if "replicated_flops_share" in r else "-"
         lines.append(f"| {r['architecture']} | {planned} | {err} | {attn} | {window} | {repl} | "
-                     f"{runs.get(r['architecture'], 'not yet')} |")
+                     f"{runs_cell(r['runs']) if 'runs' in r else 'not measured'} |")
     return "\n".join(lines)
 
 
@@ -239,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=5.0, help="search seconds per architecture")
     parser.add_argument("--only", default="", help="comma-separated substrings of architecture names")
     parser.add_argument("--json", default="", help="write the rows to this file")
+    parser.add_argument("--runs", action="store_true",
+                        help="also run each at tiny size on 2 gloo ranks against transformers (hf_arch_runs.py)")
+    parser.add_argument("--runs-only", action="store_true", help="the tiny runs alone, no real-size planning")
     parser.add_argument("--from-json", default="", help="print the table of rows saved by --json, measuring nothing")
     args = parser.parse_args(argv)
     if args.from_json:
@@ -247,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in ARCHITECTURES if not args.only or any(s.lower() in n.lower() for s in args.only.split(","))]
     rows = []
     for name in names:
-        rows.append(measure(name, args.seq, args.time_limit))
+        rows.append(measure_row(name, args))
         print(json.dumps(rows[-1], default=str), file=sys.stderr, flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -144,10 +144,11 @@ def module_plan(plan: Plan, model: nn.Module) -> ModulePlan:
     modules = dict(model.named_modules())
     by_module = _ops_by_module(plan)
     moe = _moe_styles(plan, modules)
+    members = _core_members(plan, modules)
     owners = {path: _speaking_ops(path, m, by_module) for path, m in modules.items()
-              if path not in moe and any(True for _ in m.parameters(recurse=False))}
+              if path not in moe and path not in members and any(True for _ in m.parameters(recurse=False))}
     linears = {p for p in owners if _kind(modules[p]) in ("linear", "conv1d")}
-    styles: dict[str, ModuleStyle] = dict(moe)
+    styles: dict[str, ModuleStyle] = dict(moe) | _member_styles(members, modules)
     regions = defaultdict(list)
     for path in linears:
         parent = path.rpartition(".")[0]
@@ -185,6 +186,38 @@ def _moe_styles(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, ModuleSt
             if path in modules:
                 found[path] = ModuleStyle("replicated_region", R, R, False, "replicate", (op.node,))
     return found
+
+
+def _core_members(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, OpPlacement]:
+    """{submodule: op} for the submodules whose parameters an op of an enclosing module uses: the
+    per-head q / k norms fused into an attention core (`autoplan.capture.hf_attention`), whose module is
+    the attention module and whose parameters are named "q_norm.weight" under it."""
+    found: dict[str, OpPlacement] = {}
+    for op in plan.ops:
+        if op.resolved is None:
+            continue
+        for name in (p.name for p in op.resolved.params if "." in p.name and not is_expert_weight(p.name)):
+            path = f"{op.module}.{name.rpartition('.')[0]}" if op.module else name.rpartition(".")[0]
+            if path in modules and _kind(modules[path]) == "other":
+                found[path] = op
+    return found
+
+
+def _member_styles(members: dict[str, OpPlacement], modules: dict[str, nn.Module]) -> dict[str, ModuleStyle]:
+    """A core member of a split core (heads) runs on the core's local heads with its weights R
+    ("on_shards": the norm's input taken as this rank's heads, its output given back as them); one of a
+    replicated core needs no style (its weights plain inside the replicated region). PlanError for a
+    norm over all heads' features together (OLMo 2's q_norm / k_norm), which no head split computes."""
+    split = {path: op for path, op in members.items() if op.strategy != "replicate"}
+    for path, op in split.items():
+        head_dim = getattr(modules[path.rpartition(".")[0]], "head_dim", None)
+        width = next((p.shape[-1] for p in modules[path].parameters(recurse=False)), None)
+        if width != head_dim:
+            raise PlanError(f"module {path!r} ({type(modules[path]).__name__}, width {width}) normalizes "
+                            f"all heads' features together, not each head's {head_dim}; the module runtime "
+                            f"splits the attention core {op.node!r} on heads only where its norms are "
+                            f"per head: plan {op.module!r} 'replicate'")
+    return {path: ModuleStyle("on_shards", None, LAST, True, op.strategy, (op.node,)) for path, op in split.items()}
 
 
 def _moe_block_linears(parent: str, members: list[str], owners, modules) -> dict[str, ModuleStyle]:
@@ -312,7 +345,7 @@ def _check_unfused(path: str, members: list[str], owners, modules) -> None:
 
 def _check_split(parent, members, owners, others, modules) -> None:
     inner = [p for p in modules if p.startswith(parent + ".") and p not in members
-             and any(True for _ in modules[p].parameters(recurse=False))]
+             and p in owners]  # not a core member (a per-head norm of the split core: `_core_members`)
     if inner:
         raise PlanError(f"module {parent!r} is tensor-parallel (column/row) but also holds "
                         f"parameters in {inner}, which the module runtime does not split inside "

@@ -91,6 +91,21 @@ class ReplicatedRegion(ParallelStyle):
         return module
 
 
+class OnShards(ParallelStyle):
+    """A module inside a split region that takes the region's local heads (the per-head q / k norms of a
+    head-parallel attention core: `module_plan` admits no other): weights R (DTensor settles their
+    gradients, partial sums over each rank's heads); its plain (..., heads, head_dim) input taken as this
+    rank's shard of the heads, S(-2); its output given back as the local heads, a plain tensor."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_shard(_mod, inputs, mesh):
+            return (DTensor.from_local(inputs[0], mesh, [Shard(inputs[0].dim() - 2)], run_check=False), *inputs[1:])
+
+        def to_local(_mod, output, _mesh):
+            return output.to_local()
+        return distribute_module(module, device_mesh, None, to_shard, to_local)
+
+
 class Conv1DColwise(ColwiseParallel):
     """ColwiseParallel for transformers' Conv1D (y = x @ weight + bias, weight (in, out)): the output
     features are the weight's dim 1, so weight S(1) and bias S(0)."""
@@ -139,6 +154,28 @@ def _bring_first_input(placement, made: dict):
     return hook
 
 
+class _GradAsOutput(torch.autograd.Function):
+    """The identity, whose backward brings a DTensor gradient to the placements of the forward's output:
+    a replicated activation read by a column projection gets a Partial gradient, which the vocab-parallel
+    embedding's own backward (from its MaskPartial output) cannot take unless it is summed first."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.placements = tuple(x.placements)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor) and tuple(grad.placements) != ctx.placements:
+            return grad.redistribute(placements=list(ctx.placements))
+        return grad
+
+
+def _settle_output_grad(_module, _inputs, output):
+    """A forward hook: the output's gradient as the output is laid out (`_GradAsOutput`)."""
+    return _GradAsOutput.apply(output) if isinstance(output, DTensor) else output
+
+
 def torch_style(style: ModuleStyle, module: nn.Module) -> ParallelStyle:
     """The torch ParallelStyle of one module's style (module docstring)."""
     out = torch_placement(style.output)
@@ -158,6 +195,8 @@ def torch_style(style: ModuleStyle, module: nn.Module) -> ParallelStyle:
         return Replicated()
     if style.kind == "replicated_region":
         return ReplicatedRegion()
+    if style.kind == "on_shards":
+        return OnShards()
     raise ValueError(f"module style kind {style.kind!r} is unknown")
 
 
@@ -167,7 +206,7 @@ def weight_layout(style: ModuleStyle | None, module: nn.Module) -> str:
     weight (out, in) on dim 0 colwise and 1 rowwise, an nn.Embedding's (vocab, hidden) the other way."""
     if style is None or style.kind == "replicated_region":
         return "plain"
-    if style.kind in ("replicated", "sequence"):
+    if style.kind in ("replicated", "sequence", "on_shards"):
         return "R"
     flipped = not isinstance(module, nn.Linear)  # nn.Embedding (vocab, hidden), Conv1D (in, out)
     return "S(1)" if (style.kind == "colwise") == flipped else "S(0)"
@@ -193,6 +232,8 @@ def apply_module_plan(model: nn.Module, mplan: ModulePlan, tp_mesh: DeviceMesh) 
         if style.kind == "colwise":
             module.register_forward_pre_hook(_bring_first_input(Replicate(), made))
         parallelize_module(module, tp_mesh, torch_style(style, module))
+        if isinstance(module, nn.Embedding) and style.kind == "rowwise":  # post-norm models (OLMo 2)
+            module.register_forward_hook(_settle_output_grad)
     for first, *aliases in tied:
         for alias in aliases:
             owner, _, attr = alias.rpartition(".")

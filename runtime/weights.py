@@ -190,10 +190,23 @@ def _load_buffers(model: nn.Module, path: str, module: nn.Module, files: Checkpo
         else:
             module._buffers[attr] = torch.empty_like(b, device=device)
             missing.append(name)
-    if missing and (not hasattr(model, "_init_weights") or module._parameters):
+    if missing and not hasattr(model, "_init_weights"):
         raise ConfigError(f"buffers {missing} of a model on meta are not saved in checkpoints "
                           f"(non-persistent) and this model has no transformers `_init_weights` "
-                          f"to recompute them apart from parameters; build the model on CPU, or "
-                          f"register them persistent")
+                          f"to recompute them; build the model on CPU, or register them persistent")
     if missing:
-        model._init_weights(module)  # recomputes rotary tables from the config; no parameters here
+        _init_buffers(model, module)
+
+
+def _init_buffers(model: nn.Module, module: nn.Module) -> None:
+    """transformers' `_init_weights` on `module` for its non-persistent buffers (rotary tables, Gemma's
+    embed_scale), its parameters (already loaded) marked initialised: transformers' init functions
+    leave a tensor so marked as it is."""
+    params = [p for p in module._parameters.values() if p is not None and not hasattr(p, "_is_hf_initialized")]
+    for p in params:
+        p._is_hf_initialized = True
+    try:
+        model._init_weights(module)
+    finally:
+        for p in params:
+            del p._is_hf_initialized

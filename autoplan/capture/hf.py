@@ -191,14 +191,14 @@ def _fingerprint(config) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def build_hf_model(config, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+def build_hf_model(config, dtype: torch.dtype = torch.bfloat16, experts: str | None = "grouped_mm") -> nn.Module:
     """`AutoModelForCausalLM.from_config` on the meta device, in `dtype`, with SDPA attention and
-    grouped-matmul experts (the implementations that export without data-dependent control flow); eager
-    attention for an architecture that has no SDPA path (BLOOM: its matmuls and softmax are then
-    captured one by one, and the plan's notes list what stays replicated)."""
+    `experts` as the experts' implementation (grouped matmuls: with SDPA, the implementations that export
+    without data-dependent control flow; None: transformers' default); eager attention for an
+    architecture that has no SDPA path (BLOOM, Gemma 2: captured as the same core)."""
     kwargs = {"attn_implementation": "sdpa"}
-    if _experts(config)[0]:
-        kwargs["experts_implementation"] = "grouped_mm"
+    if _experts(config)[0] and experts:
+        kwargs["experts_implementation"] = experts
     try:
         model = _from_config(config, kwargs)
     except ValueError as e:
