@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -221,13 +222,39 @@ def _positions(model: nn.Module, list_path: str) -> tuple[list[Position], list[P
     return blocks, pieces
 
 
+# torch's words for a tensor that is not the shape or kind the code expected (DTensor mixing, a view of a shard)
+_LAYOUT_FAILURE = re.compile(r"DTensor|shape|size|dimension")
+
+
+def _failing_module(model: nn.Module, exc: BaseException) -> tuple[str, str] | None:
+    """(path, class) of the innermost module of `model` whose own forward code was running when `exc`
+    was raised (the last traceback frame whose `self` is one of its modules), or None."""
+    names = {id(m): path for path, m in model.named_modules()}
+    found, tb = None, exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            found = (names[id(owner)] or "<root>", type(owner).__name__)
+        tb = tb.tb_next
+    return found
+
+
 def run_model(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None):
     """The model's logits for (B, T) token ids: a transformers model called with input_ids and
     use_cache=False (its output's .logits), and with `positions` as its position_ids when given
     (context parallelism: a chunk of the sequence); any other module with the ids alone."""
     hf = hasattr(getattr(model, "config", None), "use_cache")
     given = {} if positions is None else {"position_ids": positions}
-    out = model(input_ids=tokens, use_cache=False, **given) if hf else model(tokens)
+    try:
+        out = model(input_ids=tokens, use_cache=False, **given) if hf else model(tokens)
+    except RuntimeError as exc:
+        module = _failing_module(model, exc) if _LAYOUT_FAILURE.search(str(exc)) else None
+        if module is None:
+            raise
+        raise PlanError(f"{type(model).__name__}'s forward failed in module {module[0]!r} ({module[1]}) under "
+                        f"this plan: {str(exc).splitlines()[0]}. Its code does not run on the shards the plan "
+                        f"gives it (a head count or width of its own, a plain tensor meeting a DTensor): plan "
+                        f"{module[0]!r} (or the region around it) replicated") from exc
     out = getattr(out, "logits", out)
     return out[0] if isinstance(out, (tuple, list)) else out
 

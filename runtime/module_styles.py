@@ -58,18 +58,20 @@ def _map_tensors(value, fn):
 
 class Replicated(ParallelStyle):
     """Every tp rank runs the whole module on whole tensors: weights become DTensor R (their
-    gradients, equal on every rank, stay R), the first input is brought to R, the output is a
-    DTensor R."""
+    gradients, equal on every rank, stay R), every tensor input, positional or keyword, is brought to
+    R (OPT's learned positions take their ids as a keyword), the output is a DTensor R."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def to_replicate(_module, inputs, mesh):
-            first, rest = inputs[0], inputs[1:]
-            if isinstance(first, DTensor):
-                first = first.redistribute(placements=[Replicate()])
-            elif isinstance(first, torch.Tensor):
-                first = DTensor.from_local(first, mesh, [Replicate()], run_check=False)
-            return (first, *rest)
-        return distribute_module(module, device_mesh, None, to_replicate)
+        def replicate(t):
+            if isinstance(t, DTensor):
+                return t.redistribute(placements=[Replicate()])
+            return DTensor.from_local(t, device_mesh, [Replicate()], run_check=False)
+
+        def to_replicate(_module, args, kwargs):
+            return _map_tensors(args, replicate), _map_tensors(kwargs, replicate)
+        distribute_module(module, device_mesh)
+        module.register_forward_pre_hook(to_replicate, with_kwargs=True)
+        return module
 
 
 class ReplicatedRegion(ParallelStyle):
@@ -220,6 +222,30 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
     return [group for group in names.values() if len(group) > 1]
 
 
+def _replicate_keywords(mesh: DeviceMesh, _module, args, kwargs):
+    """A vocab-parallel embedding's plain tensor keywords taken as R, as torch's style takes its first
+    positional input (OPT's learned positions get their ids as `position_ids=`)."""
+    return args, {k: DTensor.from_local(v, mesh, [Replicate()], run_check=False)
+                  if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) else v for k, v in kwargs.items()}
+
+
+HEAD_COUNTS = ("num_heads", "num_key_value_heads", "num_attention_heads")
+
+
+def localise_head_counts(model: nn.Module, mplan: ModulePlan) -> None:
+    """A region whose column projections keep their local outputs runs its own code on this rank's
+    heads; the head counts such a module keeps as attributes (StableLM's
+    `q.view(b, t, self.num_heads, d)`) are set to the rank's counts, count / tp, where tp divides them
+    (a count it does not divide belongs to heads the plan keeps whole)."""
+    parents = {path.rpartition(".")[0] for path, s in mplan.styles if s.kind == "colwise" and s.local_output}
+    for parent in sorted(parents):
+        module = model.get_submodule(parent)
+        for attr in HEAD_COUNTS:
+            count = getattr(module, attr, None)
+            if type(count) is int and count % mplan.tp == 0:
+                setattr(module, attr, count // mplan.tp)
+
+
 def apply_module_plan(model: nn.Module, mplan: ModulePlan, tp_mesh: DeviceMesh) -> None:
     """Put every style of `mplan` on `model` (in place), parameters distributed over `tp_mesh`
     from the module's own tensors (rank 0's values: every rank must hold the same model). Each
@@ -234,6 +260,8 @@ def apply_module_plan(model: nn.Module, mplan: ModulePlan, tp_mesh: DeviceMesh) 
         parallelize_module(module, tp_mesh, torch_style(style, module))
         if isinstance(module, nn.Embedding) and style.kind == "rowwise":  # post-norm models (OLMo 2)
             module.register_forward_hook(_settle_output_grad)
+            module.register_forward_pre_hook(partial(_replicate_keywords, tp_mesh), with_kwargs=True)
+    localise_head_counts(model, mplan)
     for first, *aliases in tied:
         for alias in aliases:
             owner, _, attr = alias.rpartition(".")

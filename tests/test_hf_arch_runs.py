@@ -14,6 +14,7 @@ those architectures brought to the module runtime:
                    otherwise), no norm between the vocab-parallel embedding and a column projection
     BLOOM dp2      no SDPA path: the model built on meta with eager attention
     Phi-3 tp2      fused qkv_proj / gate_up_proj kept replicated, a sliding window shorter than T
+    StableLM tp2   head counts kept as attributes (q.view(b, t, self.num_heads, d)): set to the local counts
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ transformers = pytest.importorskip("transformers")
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 # (architecture, case, regions the tp2 plan keeps replicated (their last name component))
 PARITY = [("Qwen3 8B", "tp2", set()), ("Gemma 7B", "tp2", set()), ("OLMo 2 7B", "tp2", {"self_attn"}),
-          ("BLOOM 7B1", "dp2", set()), ("Phi-3 mini", "tp2", {"self_attn", "mlp"})]
+          ("BLOOM 7B1", "dp2", set()), ("Phi-3 mini", "tp2", {"self_attn", "mlp"}), ("StableLM 3B", "tp2", set())]
 # refused at tiny size, with the words their message must hold
 REFUSED = {"Gemma 2 9B": "soft", "BERT base": "encoder-only", "T5 base": "encoder-decoder"}
 

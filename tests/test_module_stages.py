@@ -157,3 +157,31 @@ def test_zero_2_and_3_with_a_pipeline_are_refused_by_the_planner():
     for zero in (2, 3):
         with pytest.raises(ConfigError, match=rf"zero_stage {zero} .*pp=2.*use zero_stage <= 1"):
             _plan(_hand(), (1, 2), zero_stage=zero)
+
+
+def test_a_forward_failing_on_its_shards_names_the_module():
+    """A shape error raised in a module's own code is given back as a PlanError naming the innermost
+    module that raised it (what a head count of its own under a tp plan gives), the cause chained."""
+    from torch import nn
+
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.proj(x).view(x.shape[0], x.shape[1], 3, -1)  # 8 features are not 3 heads
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.attn = nn.Embedding(16, 8), Heads()
+
+        def forward(self, tokens):
+            return self.attn(self.embed(tokens))
+
+    with pytest.raises(PlanError, match=r"failed in module 'attn' \(Heads\).*plan 'attn'") as info:
+        run_model(Tiny(), torch.zeros(2, 4, dtype=torch.long))
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(IndexError):  # not a layout failure: the error as it came
+        run_model(Tiny(), torch.full((2, 4), 99))
