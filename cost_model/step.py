@@ -22,7 +22,9 @@ sends (`cost_model.pipeline`). Per optimizer step:
     communication_s = m * (communication of the slowest stage, p2p included) + exposed data-parallel
                       sync (the largest over stages; ZeRO rules below)
     bubble_s        = (sum of stage times - slowest) / v
-    optimizer_s     = Adam over the stage's local parameters at HBM bandwidth (the largest stage)
+    optimizer_s     = torch's AdamW over the stage's local parameters (ZeRO 1-3: their 1 / data-parallel
+                      share), its passes over memory at HBM bandwidth (`compute.adamw_step_bytes`; the
+                      largest stage)
 
 Data-parallel sync per stage, over dp x ep x cp ranks for dense parameters and dp x cp for expert
 ones (whatever etp: the ranks holding the same experts differ only in dp and cp), as the runtime runs
@@ -76,7 +78,7 @@ import numpy as np
 from autoplan.cluster import ClusterSpec
 from autoplan.grad_buckets import bucket_count
 from autoplan.cost_model.comm import AxisGroup
-from autoplan.cost_model.compute import Efficiency, op_time_s
+from autoplan.cost_model.compute import Efficiency, adamw_step_bytes, op_time_s
 from autoplan.cost_model.memory import model_state_bytes, state_bytes_for, temporary_bytes
 from autoplan.cost_model.parallel_dims import (axes_group, expert_all_to_all_s, expert_tp_exchange_s,
                                                ulysses_all_to_all_s)
@@ -370,7 +372,7 @@ class StepModel:
         imbalance = in_flight * sums["imbalance"] + transient - mean_transient  # the ep margin's bytes
         activations = in_flight * sums["activation"] + transient - imbalance
         shard = cfg.data_ranks if cfg.zero_stage >= 1 else 1
-        opt_bytes = (2 * self.state.optimizer + self.state.grad + self.state.weight) * (sums["dense"] + sums["expert"]) / shard
+        opt_bytes = adamw_step_bytes(self.state.grad, self.state.weight) * (sums["dense"] + sums["expert"]) / shard
         time = sums["time"] + (t.pre_s if stage == 0 else 0.0) + (t.post_s if stage == cfg.pp - 1 else 0.0)
         temporary = float(problem.extra_bytes[stage])
         states = sums["weights"] + sums["grads"] + sums["optimizer"]
