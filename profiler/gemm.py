@@ -2,9 +2,17 @@
 
 For each shape: two warm-up calls (cuBLAS / oneDNN pick their kernels and allocate workspaces), one
 call timed alone to size the run, then `repeats` timed windows of `inner` back-to-back calls each.
-The sample is the median per-call time over the windows, and
+The sample is the fastest window's per-call time, and
 
     achieved FLOP/s = 2 * m * n * k / time_s.
+
+The fastest window, not the median (as for collectives, `profiler.collectives`): the noise of a
+window is one-sided (the thread descheduled, a cache shared with another job), and on a loaded CPU it
+swamps the shape's own cost: three sweeps of the CPU grid at a load average of 9 on the 2-core
+development machine (2026-11-25) spread 19.8% per shape in the median (half the shapes; a tenth
+beyond 65%) and 6.6% in the fastest window (a tenth beyond 44%), and a plan's predicted step follows
+its GEMMs' samples, so the planner ranked plans by that noise. Every timer of the profiler shares
+this one (`fastest_call_s`: GEMMs, the copy bandwidth, the launch floor, the fused kernels).
 
 Timers: on CUDA, `torch.cuda.Event(enable_timing=True)` pairs recorded on the current stream around
 each window, read after one final synchronize (no host round trip inside the timed region); on CPU,
@@ -20,7 +28,6 @@ Default sweeps (sized to the device):
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Iterable
 
@@ -97,22 +104,23 @@ def plan_windows(one_call_s: float, budget_s: float, min_repeats: int = 3, max_r
     return max(min_repeats, min(max_repeats, repeats)), inner
 
 
-def median_call_s(fn: Callable[[], object], device: torch.device, budget_s: float) -> float:
-    """Median per-call seconds of `fn` after warm-up, spending about `budget_s` on the timed windows."""
+def fastest_call_s(fn: Callable[[], object], device: torch.device, budget_s: float) -> float:
+    """The fastest window's per-call seconds of `fn` after warm-up (module docstring), spending about
+    `budget_s` on the timed windows."""
     for _ in range(WARMUP_CALLS):
         fn()
     (one_call_s,) = timed_windows_s(fn, device, repeats=1, inner=1)
     repeats, inner = plan_windows(one_call_s, budget_s)
-    return statistics.median(timed_windows_s(fn, device, repeats, inner))
+    return min(timed_windows_s(fn, device, repeats, inner))
 
 
 def time_gemm_s(m: int, n: int, k: int, dtype: str, device: torch.device, budget_s: float) -> float:
-    """Median seconds of torch.mm(A (m, k), B (k, n), out=C (m, n)) in `dtype` on `device`."""
+    """Seconds of torch.mm(A (m, k), B (k, n), out=C (m, n)) in `dtype` on `device` (`fastest_call_s`)."""
     torch_dtype = TORCH_DTYPES[dtype]
     a = torch.randn(m, k, device=device, dtype=torch_dtype)  # (m, k)
     b = torch.randn(k, n, device=device, dtype=torch_dtype)  # (k, n)
     c = torch.empty(m, n, device=device, dtype=torch_dtype)  # (m, n), preallocated: no allocator in the loop
-    return median_call_s(lambda: torch.mm(a, b, out=c), device, budget_s)
+    return fastest_call_s(lambda: torch.mm(a, b, out=c), device, budget_s)
 
 
 def sweep_gemms(device: torch.device, dtype: str | None = None, shapes: Iterable[tuple[int, int, int]] | None = None,
