@@ -46,7 +46,7 @@ def shard_over_dp(graph_module: fx.GraphModule, module_targets: tuple[str, ...],
     fully_shard(graph_module, mesh=mesh, reshard_after_forward=reshard)
 
 
-def layer_units(graph_module: fx.GraphModule, module_targets: tuple[str, ...],
+def layer_units(graph_module: nn.Module, module_targets: tuple[str, ...],
                 module_layers: tuple[int | None, ...]) -> list[list[nn.Module]]:
     """The parameter-owning modules of `module_targets` (the captured call_module targets, which
     recompute regions may have moved out of the top graph) grouped by their layer (`module_layers`,
