@@ -59,3 +59,25 @@ def test_fsdp_units_are_layers():
     root.emb, root.a, root.b, root.act, root.c = nn.Embedding(4, 2), nn.Linear(2, 2), nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)
     units = layer_units(root, ("emb", "a", "act", "b", "a", "c"), (None, 0, 0, 0, 0, 1))
     assert [[id(m) for m in unit] for unit in units] == [[id(root.a), id(root.b)], [id(root.c)]]
+
+
+def test_collectives_priced_from_the_profiles_samples():
+    """Between measured sizes: linear; beyond the largest: its last slope; below the smallest: the fit;
+    a larger message never cheaper (the samples' running maximum); another group size: the fit."""
+    from autoplan.cost_model.calibration import CollectiveCalibration, sampled_time_s
+    from autoplan.profiler.profile import CollectiveFit, CollectiveSample, GemmSample, HardwareProfile, MemorySample
+
+    MiB = 2**20
+    samples = (CollectiveSample("all_reduce", 2, 4 * MiB, 0.002), CollectiveSample("all_reduce", 2, 8 * MiB, 0.010),
+               CollectiveSample("all_reduce", 2, 16 * MiB, 0.009), CollectiveSample("all_reduce", 2, 32 * MiB, 0.040))
+    fit = CollectiveFit("all_reduce", 2, 1e-4, 1e9, 4, 0.5)
+    gemm = (GemmSample(64, 64, 64, "float32", 1e-5),)
+    profile = HardwareProfile("cpu", "cpu", 1, 1, "2.13.0", "now", gemm, MemorySample(2**20, 1e-4), "gloo", samples, (fit,))
+    measured = CollectiveCalibration(profile)
+    assert measured.samples("all_reduce", 2)[2] == (16 * MiB, 0.010)  # 0.009 after 0.010: raised to it
+    assert measured.time_s("all_reduce", 6 * MiB, 2) == pytest.approx(0.006)
+    assert measured.time_s("all_reduce", 64 * MiB, 2) == pytest.approx(0.040 + 0.030 * 2)
+    assert measured.time_s("all_reduce", 1 * MiB, 2) == pytest.approx(1e-4 + MiB / 1e9)  # below: the fit
+    assert measured.time_s("all_reduce", 1 * MiB, 4) == pytest.approx(1e-4 + 1.5 * MiB / 1e9)  # nearest fit
+    assert measured.time_s("all_gather", MiB, 2) is None
+    assert sampled_time_s(((1.0, 1.0),), 2.0) is None
