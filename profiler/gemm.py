@@ -16,7 +16,9 @@ this one (`fastest_call_s`: GEMMs, the copy bandwidth, the launch floor, the fus
 
 Timers: on CUDA, `torch.cuda.Event(enable_timing=True)` pairs recorded on the current stream around
 each window, read after one final synchronize (no host round trip inside the timed region); on CPU,
-`time.perf_counter` around each window. `inner` makes a window last at least `MIN_WINDOW_S`, so tiny
+the thread's CPU time (`time.thread_time`) around each window where torch runs on one thread, as each
+rank does under torchrun (`cpu_clock`: what the work costs the core, which other jobs on a shared
+machine do not stretch), else `time.perf_counter`. `inner` makes a window last at least `MIN_WINDOW_S`, so tiny
 GEMMs are not timed at the resolution of the clock or of a single launch.
 
 Default sweeps (sized to the device):
@@ -65,20 +67,22 @@ def synchronize(device: torch.device) -> None:
 
 
 def timed_windows_s(fn: Callable[[], object], device: torch.device, repeats: int, inner: int,
-                    before: Callable[[], None] | None = None) -> list[float]:
+                    before: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter
+                    ) -> list[float]:
     """Per-call seconds of `repeats` windows of `inner` calls: window time / inner.
 
     `before` (e.g. a barrier) runs before each window, outside it; the device is idle when a window
-    starts. CUDA windows are timed by events and read after one synchronize at the end."""
+    starts. CUDA windows are timed by events and read after one synchronize at the end; others by
+    `clock` (wall time unless the caller says otherwise: `cpu_clock`)."""
     if device.type != "cuda":
         times = []
         for _ in range(repeats):
             if before is not None:
                 before()
-            start = time.perf_counter()
+            start = clock()
             for _ in range(inner):
                 fn()
-            times.append((time.perf_counter() - start) / inner)
+            times.append((clock() - start) / inner)
         return times
     pairs = []
     for _ in range(repeats):
@@ -104,14 +108,27 @@ def plan_windows(one_call_s: float, budget_s: float, min_repeats: int = 3, max_r
     return max(min_repeats, min(max_repeats, repeats)), inner
 
 
+def cpu_clock(device: torch.device) -> Callable[[], float]:
+    """The clock a device's own work is timed by: on a CPU running torch on one thread (as each rank
+    under torchrun), that thread's CPU time, which a shared machine's other jobs do not stretch (on a
+    loaded machine a wall-clock window of many milliseconds is all but sure to be descheduled, one of
+    a millisecond often is not: under a load average of 13 on 2 cores, 1024-row GEMMs timed by wall
+    clock came out up to twice as slow per FLOP as 256-row ones, while a training step's CPU seconds
+    did not differ by a tenth); else wall time."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
 def fastest_call_s(fn: Callable[[], object], device: torch.device, budget_s: float) -> float:
     """The fastest window's per-call seconds of `fn` after warm-up (module docstring), spending about
-    `budget_s` on the timed windows."""
+    `budget_s` on the timed windows, by the device's `cpu_clock`."""
+    clock = cpu_clock(device)
     for _ in range(WARMUP_CALLS):
         fn()
-    (one_call_s,) = timed_windows_s(fn, device, repeats=1, inner=1)
+    (one_call_s,) = timed_windows_s(fn, device, repeats=1, inner=1, clock=clock)
     repeats, inner = plan_windows(one_call_s, budget_s)
-    return min(timed_windows_s(fn, device, repeats, inner))
+    return min(timed_windows_s(fn, device, repeats, inner, clock=clock))
 
 
 def time_gemm_s(m: int, n: int, k: int, dtype: str, device: torch.device, budget_s: float) -> float:

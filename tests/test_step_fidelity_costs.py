@@ -81,3 +81,21 @@ def test_collectives_priced_from_the_profiles_samples():
     assert measured.time_s("all_reduce", 1 * MiB, 4) == pytest.approx(1e-4 + 1.5 * MiB / 1e9)  # nearest fit
     assert measured.time_s("all_gather", MiB, 2) is None
     assert sampled_time_s(((1.0, 1.0),), 2.0) is None
+
+
+def test_cpu_profile_times_the_threads_work():
+    """One torch thread on a CPU (each rank under torchrun): its CPU time, which other jobs do not stretch."""
+    import time
+
+    import torch
+
+    from autoplan.profiler.gemm import cpu_clock
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert cpu_clock(torch.device("cpu")) is time.thread_time
+        torch.set_num_threads(2)
+        assert cpu_clock(torch.device("cpu")) is time.perf_counter
+    finally:
+        torch.set_num_threads(threads)
