@@ -204,14 +204,16 @@ def effective_link(profile: HardwareProfile, kind: str, group_size: int) -> tupl
 
 
 class CollectiveCalibration:
-    """Measured collective costs for groups inside one node: (kind, group size) -> the profile's fit
-    (`effective_link`), or None where the profile has no fit of that kind (the caller then prices the
-    datasheet link)."""
+    """Measured collective costs for groups inside one node, from the profile (`time_s`): its samples
+    where it measured the kind on a group of that size and the message lies in or above their range
+    (`sampled_time_s`), else its fit (`effective_link`); None where it has neither (the caller then
+    prices the datasheet link)."""
 
     def __init__(self, profile: HardwareProfile) -> None:
         self.source = f"collective fits of {profile.device_name!r} ({profile.created}, {profile.collective_backend})"
         self._profile = profile
         self._memo: dict[tuple[str, int], tuple[float, float] | None] = {}
+        self._samples: dict[tuple[str, int], tuple[tuple[float, float], ...]] = {}
 
     def link(self, kind: str, group_size: int) -> tuple[float, float] | None:
         """(bus bandwidth bytes/s, latency s) for t = latency + message bytes * ring factor / bandwidth."""
@@ -219,6 +221,51 @@ class CollectiveCalibration:
         if key not in self._memo:
             self._memo[key] = effective_link(self._profile, kind, group_size)
         return self._memo[key]
+
+    def samples(self, kind: str, group_size: int) -> tuple[tuple[float, float], ...]:
+        """(message bytes, seconds) of the profile's samples of `kind` on `group_size` ranks, by size,
+        each time at least that of every smaller message (a larger message is never cheaper)."""
+        key = (kind, group_size)
+        if key not in self._samples:
+            points = sorted((s.message_bytes, s.time_s) for s in self._profile.collectives
+                            if s.kind == kind and s.group_size == group_size)
+            slowest, rising = 0.0, []
+            for size, t in points:
+                slowest = max(slowest, t)
+                rising.append((float(size), slowest))
+            self._samples[key] = tuple(rising)
+        return self._samples[key]
+
+    def time_s(self, kind: str, message_bytes: float, group_size: int) -> float | None:
+        """Seconds of one collective of `message_bytes` (nccl-tests' message) on `group_size` ranks:
+        `sampled_time_s` where it applies, else the fit; None without either."""
+        sampled = sampled_time_s(self.samples(kind, group_size), message_bytes)
+        if sampled is not None:
+            return sampled
+        fit = self.link(kind, group_size)
+        if fit is None:
+            return None
+        factor = 2 * (group_size - 1) / group_size if kind == "all_reduce" else (group_size - 1) / group_size
+        return fit[1] + message_bytes * factor / fit[0]
+
+
+def sampled_time_s(samples: tuple[tuple[float, float], ...], message_bytes: float) -> float | None:
+    """A message's time read off measured (bytes, seconds) samples: linear between the two around it,
+    and beyond the largest at the slope of the last two (what one more byte cost there); None below
+    the smallest or with fewer than two samples (the fit prices latency-bound messages).
+
+    Why not the fit alone: one line through every size, weighed by relative error, follows the many
+    small messages and misses the large ones that data-parallel buckets are made of, where a CPU's
+    gloo slows down (loopback copies beyond its caches): on the 2-core development machine (2026-11-25,
+    load average about 10) 16 / 32 / 64 MiB all-reduces took 44 / 68 / 114 ms, the fit over 4 KiB ..
+    64 MiB said 9 / 18 / 35 ms."""
+    if len(samples) < 2 or message_bytes < samples[0][0]:
+        return None
+    for (x0, t0), (x1, t1) in zip(samples, samples[1:]):
+        if message_bytes <= x1:
+            return t0 + (t1 - t0) * (message_bytes - x0) / (x1 - x0)
+    (x0, t0), (x1, t1) = samples[-2:]
+    return t1 + (t1 - t0) * (message_bytes - x1) / (x1 - x0)
 
 
 def check_profile_device(profile: HardwareProfile, device: DeviceSpec) -> None:

@@ -27,11 +27,13 @@ own model (src/graph/tuning.cc) prices a call as baseLat + steps x hwLat + bytes
 6.6 us for a ring under the LL protocol that small messages use (8.4 us Simple): that base is the
 call cost. A point-to-point send pays it too.
 
-A hardware profile's collective fits (`calibration.CollectiveCalibration`), when given, replace the
-datasheet link for groups inside one node (their latency measured whole, the call cost in it):
-t = latency + message * ring_factor / bus bandwidth, with the message as nccl-tests counts it (B, or
-B / n per rank for an all-to-all); groups across nodes keep the ClusterSpec's links (a profile of one
-machine says nothing about its network).
+A hardware profile's collectives (`calibration.CollectiveCalibration`), when given, replace the
+datasheet link for groups inside one node (their latency measured whole, the call cost in it): its
+samples of that kind and group size read off at the message (linear between sizes, and beyond the
+largest at its last slope; `calibration.sampled_time_s`), else its fit t = latency + message *
+ring_factor / bus bandwidth, with the message as nccl-tests counts it (B, or B / n per rank for an
+all-to-all); groups across nodes keep the ClusterSpec's links (a profile of one machine says nothing
+about its network).
 
 Ignored (a profile measures them): protocol efficiency (NCCL reaches ~80-90% of link bandwidth
 on large messages), tree / NVLS / SHARP algorithms for small messages, contention between
@@ -128,13 +130,6 @@ def collective_time_s(kind: str, nbytes: float, cluster: ClusterSpec, mesh: Mesh
     return group_collective_time_s(kind, nbytes, cluster, group, measured, call_s)
 
 
-def measured_time_s(kind: str, nbytes: float, n: int, bandwidth_bytes_per_s: float, latency_s: float) -> float:
-    """A profile's fit for a group of n: latency + message * ring factor / bus bandwidth (nccl-tests' message)."""
-    message = nbytes / n if kind == "all_to_all" else nbytes
-    factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
-    return latency_s + message * factor / bandwidth_bytes_per_s
-
-
 def group_collective_time_s(kind: str, nbytes: float, cluster: ClusterSpec, group: AxisGroup,
                             measured: CollectiveCalibration | None = None, call_s: float = 0.0) -> float:
     """`collective_time_s` for a precomputed `AxisGroup` (the per-op pricing calls this in a loop);
@@ -145,9 +140,10 @@ def group_collective_time_s(kind: str, nbytes: float, cluster: ClusterSpec, grou
         return 0.0
     intra, inter = cluster.intra_node, cluster.inter_node
     if nodes == 1:
-        fit = measured.link(kind, n) if measured is not None else None
-        if fit is not None:
-            return measured_time_s(kind, nbytes, n, *fit)
+        message = nbytes / n if kind == "all_to_all" else nbytes  # nccl-tests' message, as the profile's
+        profiled = measured.time_s(kind, message, n) if measured is not None else None
+        if profiled is not None:
+            return profiled
         return call_s + formula(nbytes, n, intra.bandwidth_bytes_per_s, intra.latency_s)
     hops = (nodes - 1) * inter.latency_s + (per_node - 1) * intra.latency_s
     if kind == "all_to_all":

@@ -34,6 +34,22 @@ Memory-bound bytes per element of a tensor of the op (i = its itemsize), forward
     embedding       read the ids and the gathered rows, write the output / read dy, write the rows into
                     a zero-filled dense (V, h) gradient (the zero fill is bytes of the whole local table)
 
+The optimizer step, per local parameter, moves the bytes of torch's AdamW as it runs (single-tensor
+on CPU, foreach on CUDA: the same passes, `adamw_step_bytes`), its states (m, v, the fp32 weights or
+their fp32 master, one temporary for the denominator) 4 bytes each and its gradient g bytes:
+
+    decay w *= 1 - lr wd           read w, write w          8
+    m.lerp_(g, 1 - b1)             read m and g, write m    8 + g
+    v *= b2; v.addcmul_(g, g)      two passes over v        16 + g
+    d = sqrt(v) / c2 + eps         three passes into d      24
+    w.addcdiv_(m, d, -step)        read w, m, d, write w    16        -> 72 + 2 g
+    + the gradient norm the runtime takes before the step (`runtime.health`: g), and under mixed
+      precision the master cast into the weights (4 + weight bytes)
+
+(the plain fp32 step: 84 bytes per parameter, 3.5 times the 24 of one pass over weights, gradients,
+m and v; torch 2.13's AdamW on one CPU thread, over the 10M parameters of benchmarks/step_fidelity.py's
+models, took the time of 80 to 130 bytes per parameter at the profile's copy bandwidth).
+
 Every op with parameters also pays, in backward, autograd's accumulation of the microbatch's weight
 gradient into .grad (read both, write one: 3 x the gradient bytes per parameter; the first microbatch
 of a step could skip it, which is ignored).
@@ -349,6 +365,16 @@ def memory_op_bytes(node: "NodeInfo", local_param_bytes: float = 0.0) -> tuple[f
         ids = node.input_metas[0].nbytes
         return ids + 2 * out.nbytes, ids + 2 * out.nbytes + local_param_bytes
     return float(node.fwd_bytes), float(node.bwd_bytes)
+
+
+ADAM_STATE_BYTES = 4  # m, v, the master weights and the denominator's temporary: fp32 in torch's AdamW
+
+
+def adamw_step_bytes(grad_bytes: float, weight_bytes: float) -> float:
+    """Bytes the optimizer step moves per local parameter (module docstring): torch's AdamW passes
+    (72 + 2 g), the gradient norm before it (g), and the master's cast into weights narrower than fp32."""
+    cast = ADAM_STATE_BYTES + weight_bytes if weight_bytes < ADAM_STATE_BYTES else 0.0
+    return 18 * ADAM_STATE_BYTES + 3 * grad_bytes + cast
 
 
 def grad_accumulation_bytes(local_param_bytes: float) -> float:

@@ -22,7 +22,9 @@ sends (`cost_model.pipeline`). Per optimizer step:
     communication_s = m * (communication of the slowest stage, p2p included) + exposed data-parallel
                       sync (the largest over stages; ZeRO rules below)
     bubble_s        = (sum of stage times - slowest) / v
-    optimizer_s     = Adam over the stage's local parameters at HBM bandwidth (the largest stage)
+    optimizer_s     = torch's AdamW over the stage's local parameters (ZeRO 1-3: their 1 / data-parallel
+                      share), its passes over memory at HBM bandwidth (`compute.adamw_step_bytes`; the
+                      largest stage)
 
 Data-parallel sync per stage, over dp x ep x cp ranks for dense parameters and dp x cp for expert
 ones (whatever etp: the ranks holding the same experts differ only in dp and cp), as the runtime runs
@@ -41,7 +43,12 @@ and the embedding), which is ready only when the backward ends:
               step, exposed whole (Megatron's distributed optimizer without --overlap-param-gather;
               ZeRO 2 runs as ZeRO 1: gradients stay whole until the step, `memory.zero_as_run`)
     ZeRO 3:   m * ((all-gather against window_f) + (all-gather + reduce-scatter against window_b)), in
-              FSDP2's units (one per layer, one for the ends) instead of 25 MiB buckets
+              FSDP2's units (one per layer, one for the ends, as `runtime.zero` makes them) instead of
+              25 MiB buckets; + m * FSDP2's copies on the compute stream, which nothing hides: per
+              local parameter and microbatch, each all-gather's copy-in of the shard and copy-out into
+              the unsharded parameters (2 w / g + 2 w, forward and again in backward) and the
+              reduce-scatter's copy of the gradients into its input and of the reduced shard out
+              (2 gr + 2 gr / g); w, gr: weight and gradient bytes, g: the group's size
 
 `dp_sync_parts` names these parts (the all-reduce / reduce-scatter left after backward, the
 all-gather of the parameters).
@@ -77,7 +84,7 @@ from autoplan.cluster import ClusterSpec
 from autoplan.grad_buckets import bucket_count
 from autoplan.validity import ulysses_kv_heads
 from autoplan.cost_model.comm import AxisGroup
-from autoplan.cost_model.compute import Efficiency, op_time_s
+from autoplan.cost_model.compute import Efficiency, adamw_step_bytes, memory_time_s, op_time_s
 from autoplan.cost_model.memory import model_state_bytes, state_bytes_for, temporary_bytes
 from autoplan.cost_model.parallel_dims import (axes_group, expert_all_to_all_s, expert_tp_exchange_s,
                                                ulysses_all_to_all_s)
@@ -419,7 +426,7 @@ class StepModel:
         imbalance = in_flight * sums["imbalance"] + transient - mean_transient  # the ep margin's bytes
         activations = in_flight * sums["activation"] + transient - imbalance
         shard = cfg.data_ranks if cfg.zero_stage >= 1 else 1
-        opt_bytes = (2 * self.state.optimizer + self.state.grad + self.state.weight) * (sums["dense"] + sums["expert"]) / shard
+        opt_bytes = adamw_step_bytes(self.state.grad, self.state.weight) * (sums["dense"] + sums["expert"]) / shard
         time = sums["time"] + (t.pre_s if stage == 0 else 0.0) + (t.post_s if stage == cfg.pp - 1 else 0.0)
         temporary = float(problem.extra_bytes[stage])
         states = sums["weights"] + sums["grads"] + sums["optimizer"]
@@ -475,4 +482,12 @@ class StepModel:
                     "parameter all-gather after the step": ag[0]}
         return {"parameter all-gathers (FSDP2)": m * hidden_behind(ag, window_f),
                 "backward all-gathers and reduce-scatters (FSDP2)": m * hidden_behind(
-                    (ag[0] + rs[0], ag[1] + rs[1], ag[2]), window_b)}
+                    (ag[0] + rs[0], ag[1] + rs[1], ag[2]), window_b),
+                "all-gather and reduce-scatter copies (FSDP2)": m * self._fsdp_copies_s(groups)}
+
+    def _fsdp_copies_s(self, groups) -> float:
+        """Seconds of FSDP2's copies around one microbatch's collectives (module docstring, ZeRO 3)."""
+        w, gr = self.state.weight, self.state.grad
+        nbytes = sum(count * (2 * (2 * w / g.size + 2 * w) + 2 * gr + 2 * gr / g.size)
+                     for count, g in groups if count and g.size > 1)
+        return memory_time_s(nbytes, self.env.cluster.device, self.env.efficiency)

@@ -23,8 +23,10 @@ plugs into the same formula. Least squares on relative residuals, sum_i ((a + b 
 with x_i = message_bytes_i * ring_factor, so 4 KB and 64 MB samples weigh alike; a negative
 intercept is refitted as a = 0. Synthetic samples on the model are recovered exactly.
 
-Sizes: 4 KiB .. 64 MiB by powers of 2 on CUDA, 4 KiB .. 8 MiB on CPU (gloo over loopback),
-{4 KiB, 256 KiB, 4 MiB} with `quick`. Tensors are float32 (gloo has no bf16 reductions on every
+Sizes: 4 KiB .. 64 MiB by powers of 2, on CUDA and on CPU (gloo over loopback) alike: the sizes
+plans use, whose data-parallel buckets are 25 MiB (`autoplan.grad_buckets`) and whose FSDP2 units
+and tp activations can be larger (a CPU fit over 4 KiB .. 8 MiB priced an 84 MiB gloo all-reduce at
+49 ms that took 80 ms, issue 20); {4 KiB, 256 KiB, 4 MiB} with `quick`. Tensors are float32 (gloo has no bf16 reductions on every
 version); the element count is rounded down to a multiple of g.
 """
 
@@ -52,13 +54,12 @@ def ring_byte_factor(kind: str, group_size: int) -> float:
     return 2 * steps if kind == "all_reduce" else steps
 
 
-def default_message_sizes(kind: str, quick: bool = False) -> list[int]:
+def default_message_sizes(quick: bool = False) -> list[int]:
     """Message sizes in bytes, per the module docstring."""
     if quick:  # wide apart, so the byte term stands out of a noisy latency
         return [4 * KiB, 256 * KiB, 4 * MiB]
-    top = 64 * MiB if kind == "cuda" else 8 * MiB
     sizes, size = [], 4 * KiB
-    while size <= top:
+    while size <= 64 * MiB:
         sizes.append(size)
         size *= 2
     return sizes
@@ -173,7 +174,7 @@ def measure_collectives(device: torch.device, kinds: Sequence[str] = COLLECTIVE_
     """Samples and fits for every kind, group size and message size; every rank gets the same answer."""
     if not dist.is_available() or not dist.is_initialized():
         raise ProfileError("measure_collectives needs an initialised process group: run under torchrun or call init_process_group first")
-    sizes = list(sizes) if sizes is not None else default_message_sizes(device.type, quick)
+    sizes = list(sizes) if sizes is not None else default_message_sizes(quick)
     budget_s = budget_s if budget_s is not None else (0.01 if quick else 0.05)
     world, samples = _World(device), []
     for g in group_sizes(dist.get_world_size()):

@@ -2,13 +2,23 @@
 
 For each shape: two warm-up calls (cuBLAS / oneDNN pick their kernels and allocate workspaces), one
 call timed alone to size the run, then `repeats` timed windows of `inner` back-to-back calls each.
-The sample is the median per-call time over the windows, and
+The sample is the fastest window's per-call time, and
 
     achieved FLOP/s = 2 * m * n * k / time_s.
 
+The fastest window, not the median (as for collectives, `profiler.collectives`): the noise of a
+window is one-sided (the thread descheduled, a cache shared with another job), and on a loaded CPU it
+swamps the shape's own cost: three sweeps of the CPU grid at a load average of 9 on the 2-core
+development machine (2026-11-25) spread 19.8% per shape in the median (half the shapes; a tenth
+beyond 65%) and 6.6% in the fastest window (a tenth beyond 44%), and a plan's predicted step follows
+its GEMMs' samples, so the planner ranked plans by that noise. Every timer of the profiler shares
+this one (`fastest_call_s`: GEMMs, the copy bandwidth, the launch floor, the fused kernels).
+
 Timers: on CUDA, `torch.cuda.Event(enable_timing=True)` pairs recorded on the current stream around
 each window, read after one final synchronize (no host round trip inside the timed region); on CPU,
-`time.perf_counter` around each window. `inner` makes a window last at least `MIN_WINDOW_S`, so tiny
+the thread's CPU time (`time.thread_time`) around each window where torch runs on one thread, as each
+rank does under torchrun (`cpu_clock`: what the work costs the core, which other jobs on a shared
+machine do not stretch), else `time.perf_counter`. `inner` makes a window last at least `MIN_WINDOW_S`, so tiny
 GEMMs are not timed at the resolution of the clock or of a single launch.
 
 Default sweeps (sized to the device):
@@ -20,7 +30,6 @@ Default sweeps (sized to the device):
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Iterable
 
@@ -58,20 +67,22 @@ def synchronize(device: torch.device) -> None:
 
 
 def timed_windows_s(fn: Callable[[], object], device: torch.device, repeats: int, inner: int,
-                    before: Callable[[], None] | None = None) -> list[float]:
+                    before: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter
+                    ) -> list[float]:
     """Per-call seconds of `repeats` windows of `inner` calls: window time / inner.
 
     `before` (e.g. a barrier) runs before each window, outside it; the device is idle when a window
-    starts. CUDA windows are timed by events and read after one synchronize at the end."""
+    starts. CUDA windows are timed by events and read after one synchronize at the end; others by
+    `clock` (wall time unless the caller says otherwise: `cpu_clock`)."""
     if device.type != "cuda":
         times = []
         for _ in range(repeats):
             if before is not None:
                 before()
-            start = time.perf_counter()
+            start = clock()
             for _ in range(inner):
                 fn()
-            times.append((time.perf_counter() - start) / inner)
+            times.append((clock() - start) / inner)
         return times
     pairs = []
     for _ in range(repeats):
@@ -97,22 +108,37 @@ def plan_windows(one_call_s: float, budget_s: float, min_repeats: int = 3, max_r
     return max(min_repeats, min(max_repeats, repeats)), inner
 
 
-def median_call_s(fn: Callable[[], object], device: torch.device, budget_s: float) -> float:
-    """Median per-call seconds of `fn` after warm-up, spending about `budget_s` on the timed windows."""
+def cpu_clock(device: torch.device) -> Callable[[], float]:
+    """The clock a device's own work is timed by: on a CPU running torch on one thread (as each rank
+    under torchrun), that thread's CPU time, which a shared machine's other jobs do not stretch (on a
+    loaded machine a wall-clock window of many milliseconds is all but sure to be descheduled, one of
+    a millisecond often is not: under a load average of 13 on 2 cores, sweeps timed by wall clock
+    priced the 4-sequence microbatches of benchmarks/step_fidelity.py's models 1.4 to 3.9 times
+    slower than 1-sequence ones, sweeps by thread time 0.99 to 1.00 times, and the steps' CPU seconds
+    differed by 6% (0.72 against 0.68 s, 0.75 against 0.71 s)); else wall time."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
+def fastest_call_s(fn: Callable[[], object], device: torch.device, budget_s: float) -> float:
+    """The fastest window's per-call seconds of `fn` after warm-up (module docstring), spending about
+    `budget_s` on the timed windows, by the device's `cpu_clock`."""
+    clock = cpu_clock(device)
     for _ in range(WARMUP_CALLS):
         fn()
-    (one_call_s,) = timed_windows_s(fn, device, repeats=1, inner=1)
+    (one_call_s,) = timed_windows_s(fn, device, repeats=1, inner=1, clock=clock)
     repeats, inner = plan_windows(one_call_s, budget_s)
-    return statistics.median(timed_windows_s(fn, device, repeats, inner))
+    return min(timed_windows_s(fn, device, repeats, inner, clock=clock))
 
 
 def time_gemm_s(m: int, n: int, k: int, dtype: str, device: torch.device, budget_s: float) -> float:
-    """Median seconds of torch.mm(A (m, k), B (k, n), out=C (m, n)) in `dtype` on `device`."""
+    """Seconds of torch.mm(A (m, k), B (k, n), out=C (m, n)) in `dtype` on `device` (`fastest_call_s`)."""
     torch_dtype = TORCH_DTYPES[dtype]
     a = torch.randn(m, k, device=device, dtype=torch_dtype)  # (m, k)
     b = torch.randn(k, n, device=device, dtype=torch_dtype)  # (k, n)
     c = torch.empty(m, n, device=device, dtype=torch_dtype)  # (m, n), preallocated: no allocator in the loop
-    return median_call_s(lambda: torch.mm(a, b, out=c), device, budget_s)
+    return fastest_call_s(lambda: torch.mm(a, b, out=c), device, budget_s)
 
 
 def sweep_gemms(device: torch.device, dtype: str | None = None, shapes: Iterable[tuple[int, int, int]] | None = None,

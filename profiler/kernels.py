@@ -4,7 +4,7 @@ benchmarks/kernels.py (which adds torch eager and torch.compile beside them and 
 
 For each kernel, pass (fwd, bwd) and shape:
 
-    time_s   median of CUDA-event windows after warm-up (`profiler.gemm.median_call_s`); bwd is
+    time_s   the fastest CUDA-event window after warm-up (`profiler.gemm.fastest_call_s`); bwd is
              `torch.autograd.grad` of one forward's output, repeated
     bytes    the least HBM traffic the pass needs: every input read once and every output written
              once, per-row statistics included (`BYTES`); not what a variant does beyond that
@@ -80,7 +80,7 @@ BYTES: dict[str, Callable[[dict[str, int], int], tuple[int, int]]] = {
 
 @dataclass
 class Row:
-    """One (kernel, pass, shape): its least bytes and each variant's median seconds."""
+    """One (kernel, pass, shape): its least bytes and each variant's seconds (its fastest window)."""
 
     kernel: str
     pass_: str  # "fwd" or "bwd"
@@ -177,10 +177,10 @@ def _moe_variants(routing, with_compile: bool) -> dict[str, Callable]:
 
 
 def time_s(fn: Callable[[], object], device: torch.device, budget_s: float) -> float:
-    """Median seconds of fn() on CUDA; on CPU one call, only to exercise a dry run."""
+    """Seconds of fn() on CUDA (`fastest_call_s`); on CPU one call, only to exercise a dry run."""
     if device.type == "cuda":
-        from autoplan.profiler.gemm import median_call_s
-        return median_call_s(fn, device, budget_s)
+        from autoplan.profiler.gemm import fastest_call_s
+        return fastest_call_s(fn, device, budget_s)
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start

@@ -3,7 +3,7 @@
 A profile holds three kinds of measurement, each kept as raw samples so a reader can re-derive
 anything the cost model uses from them:
 
-- GEMMs: (m, n, k, dtype, median time_s); achieved FLOP/s = 2 * m * n * k / time_s.
+- GEMMs: (m, n, k, dtype, time_s of the fastest window); achieved FLOP/s = 2 * m * n * k / time_s.
 - memory: one device-to-device copy of `buffer_bytes`; bandwidth = 2 * buffer_bytes / time_s
   (every byte is read once and written once).
 - collectives: (kind, group_size, message_bytes, time_s), and per (kind, group_size) the alpha-beta

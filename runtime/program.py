@@ -90,8 +90,8 @@ class RankProgram(nn.Module):
         self.fsdp = plan.zero_stage == 3 and self.data.size > 1
         self.grad_sync = None
         if self.fsdp:
-            shard_over_dp(self.graph_module, rewritten.module_targets, self.data.group, device,
-                          plan.zero_stage)
+            shard_over_dp(self.graph_module, rewritten.module_targets, rewritten.module_layers,
+                          self.data.group, device, plan.zero_stage)
         else:
             self.grad_sync = GradSync(
                 [Replica(p, g.group if g.size > 1 else None, g.size)

@@ -145,9 +145,10 @@ class Rewritten:
     params: dict[str, ParamLayout]
     strategies: dict[str, Strategy]  # by node name
     infos: dict[str, NodeInfo] = field(default_factory=dict)  # the capture's, by node name
-    module_targets: tuple[str, ...] = ()  # call_module targets, in graph order (FSDP units)
+    module_targets: tuple[str, ...] = ()  # call_module targets, in graph order
     recompute: RecomputePolicy = RecomputePolicy("none")  # the policy applied (the plan's)
     recomputed_layers: tuple[int, ...] = ()  # the layers run as recomputed regions
+    module_layers: tuple[int | None, ...] = ()  # the layer of each target (None: embedding, head): FSDP units
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -174,10 +175,11 @@ def rewrite(model: nn.Module, config: ModelConfig, plan: Plan,
     strategies = resolve_strategies(plan, captured.nodes)
     params: dict[str, ParamLayout] = {}
     planned = {p.name: dict(p.placements) for p in plan.params}
-    targets, rope_tables = [], RopeTables()
+    targets, target_layers, rope_tables = [], [], RopeTables()
     for node in gm.graph.nodes:
         if node.op == "call_module":
             targets.append(node.target)
+            target_layers.append(infos[node.name].layer)
             current = gm.get_submodule(node.target)
             original = kernel_module(current, plan.kernels, rope_tables)
             expert = experts.size > 1 and infos[node.name].op_kind == "moe"
@@ -201,7 +203,7 @@ def rewrite(model: nn.Module, config: ModelConfig, plan: Plan,
     layers = apply_recompute(gm, policy, infos, config.num_layers)
     gm.graph.lint()
     gm.recompile()
-    return Rewritten(gm, params, strategies, infos, tuple(targets), policy, layers)
+    return Rewritten(gm, params, strategies, infos, tuple(targets), policy, layers, tuple(target_layers))
 
 
 def _complete(groups: dict[str, RankGroup] | RankGroup) -> dict[str, RankGroup]:
