@@ -266,7 +266,11 @@ class StepModel:
             mean = block.activations(cfg.recompute, cfg.context_parallel, spread, False)  # the ep margin's share
             comm = a["comm"]
             if cfg.context_parallel > 1 or cfg.mesh.expert_parallel > 1:
-                comm = comm + np.array([self._extra_comm_s(block, cfg, p) for p in block.distinct])[block.index]
+                extra = np.array([self._extra_comm_s(block, cfg, p) for p in block.distinct])[block.index]
+                kind, recomputed = block.recomputed(cfg.recompute)
+                # a recomputed layer re-runs its forward all-to-alls (half of forward + backward) in
+                # backward: collectives are never cached, as its tp collectives (PartCost.full_comm_s)
+                comm = comm + extra * np.where(recomputed & (kind != "none"), 1.5, 1.0)
             time = a["compute"] + comm
             ends = [p.compute_s() + p.comm_s() for p in (block.pre, block.post)]  # never recomputed
             prefix = {"time": _prefix(time), "compute": _prefix(a["compute"]), "forward": _prefix(a["forward"]),

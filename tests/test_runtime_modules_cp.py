@@ -236,8 +236,8 @@ def test_matches_transformers_in_one_process(setup, runs, case):
 def test_all_to_alls_are_the_priced_ones(runs, case):
     """Per layer and microbatch: q and the output at q_width, k and v at the priced kv width
     (`validity.ulysses_kv_heads`, which cost_model.step prices: kv heads repeated until cp divides
-    them), forward and backward, each rank sending its (B / microbatches, T / cp) tokens. A recomputed layer runs its forward's four again in backward, which
-    the step model does not price (it prices recompute's tp collectives only)."""
+    them), forward and backward, each rank sending its (B / microbatches, T / cp) tokens. A recomputed layer
+    runs its forward's four again in backward, as the step model prices it (tests/test_search.py)."""
     from autoplan.validity import ulysses_kv_heads
 
     rows = B // (case.dp * case.ep * case.microbatches)

@@ -179,6 +179,13 @@ def test_context_parallel_splits_the_sequence_and_pays_all_to_alls():
     block = ctx.block(2, Fraction(1, 2))
     extra = ctx.steps.times(block, two).time - (block.arrays("none")["compute"] + block.arrays("none")["comm"])
     assert extra == pytest.approx([per_layer] * MID.num_layers)
+    # a recomputed layer re-runs its forward all-to-alls in backward (tests/test_runtime_modules_cp.py counts
+    # 12 per layer and microbatch under full recompute): the first k layers of full:k pay half as much again
+    for recompute, layers in (("full", MID.num_layers), ("full:2", 2), ("selective", MID.num_layers)):
+        policy = two.replace(recompute=recompute)
+        arrays = block.arrays(recompute)
+        extra = ctx.steps.times(block, policy).time - (arrays["compute"] + arrays["comm"])
+        assert extra == pytest.approx([1.5 * per_layer] * layers + [per_layer] * (MID.num_layers - layers))
 
 
 def test_expert_parallel_divides_expert_weights_and_pays_dispatch():
