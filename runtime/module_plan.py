@@ -162,6 +162,9 @@ def module_plan(plan: Plan, model: nn.Module) -> ModulePlan:
     for path, ops in owners.items():  # outside regions every output stays a DTensor (the head's logits)
         if path not in styles and not _inside_replicated(path, styles):
             styles[path] = dataclasses.replace(_leaf_style(path, modules[path], ops), local_output=False)
+    # a region inside a replicated region (OPT's attention inside its replicated decoder layer) runs in
+    # the outer one's plain-tensor code: a style of its own would hand that code DTensors
+    styles = {p: s for p, s in styles.items() if not _inside_replicated(p, styles)}
     order = {p: i for i, p in enumerate(modules)}
     return ModulePlan(tp, tuple(sorted(styles.items(), key=lambda kv: order[kv[0]])), _loss(plan))
 
