@@ -147,7 +147,7 @@ def module_plan(plan: Plan, model: nn.Module) -> ModulePlan:
     members = _core_members(plan, modules)
     owners = {path: _speaking_ops(path, m, by_module) for path, m in modules.items()
               if path not in moe and path not in members and any(True for _ in m.parameters(recurse=False))}
-    linears = {p for p in owners if _kind(modules[p]) in ("linear", "conv1d")}
+    linears = [p for p in owners if _kind(modules[p]) in ("linear", "conv1d")]  # model order: refusals repeatable
     styles: dict[str, ModuleStyle] = dict(moe) | _member_styles(members, modules)
     regions = defaultdict(list)
     for path in linears:
