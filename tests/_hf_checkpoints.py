@@ -29,3 +29,40 @@ def save_and_capture(configs: dict, root: Path, tokens: torch.Tensor, reference:
         summary, graph, _ = capture_hf_for_planner(config, seq_len, "float32")
         graphs[name] = (graph, summary)
     return dirs, refs, graphs
+
+
+def adamw_reference(model, tokens: torch.Tensor, steps: int, lr: float, eps: float,
+                    loss: Callable | None = None) -> dict:
+    """One process: `steps` AdamW steps, step i on tokens[i] (the loss transformers' own with labels = the
+    tokens unless `loss(model, tokens)` is given): the losses, the first step's gradients, the final
+    parameters."""
+    loss = loss or (lambda m, t: m(input_ids=t, labels=t).loss)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
+    losses, grads = [], None
+    for step in range(steps):
+        optimizer.zero_grad()
+        value = loss(model, tokens[step])
+        value.backward()
+        grads = grads or {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(value.item())
+    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def assert_matches_reference(ranks: list[dict], ref: dict, tol: dict) -> None:
+    """Every rank's losses (rel 1e-5), loss after the steps (where it reports one), eval loss and gradient
+    norm are the reference's; the first rank's first gradients and final parameters too, within `tol`."""
+    import pytest
+
+    norm = torch.stack([g.double().square().sum() for g in ref["grads"].values()]).sum().sqrt().item()
+    for got in ranks:
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+        if "after" in got:
+            assert got["after"] == pytest.approx(ref["after"], rel=1e-5)
+        assert got["eval"] == pytest.approx(ref["after"], rel=1e-5)
+        assert got["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    first = ranks[0]
+    assert set(first["params"]) == set(ref["params"])
+    for name in ref["params"]:
+        torch.testing.assert_close(first["grads"][name], ref["grads"][name], **tol, msg=lambda m: f"grad {name}: {m}")
+        torch.testing.assert_close(first["params"][name], ref["params"][name], **tol, msg=lambda m: f"param {name}: {m}")

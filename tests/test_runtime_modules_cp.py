@@ -30,11 +30,10 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from _dist import spawn
 from _handmade import HandLM
-from _hf_checkpoints import save_and_capture
+from _hf_checkpoints import adamw_reference, assert_matches_reference, save_and_capture
 from autoplan.errors import PlanError
 
 transformers = pytest.importorskip("transformers")
@@ -89,19 +88,10 @@ def _hf_configs() -> dict:
 
 def _reference(model, tokens: torch.Tensor) -> dict:
     """One process: transformers' loss, 3 AdamW steps; then the logits and loss of new tokens."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses, grads = [], None
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        loss = model(input_ids=tokens[step], labels=tokens[step]).loss
-        loss.backward()
-        grads = grads or {n: p.grad.clone() for n, p in model.named_parameters()}
-        optimizer.step()
-        losses.append(loss.item())
+    ref = adamw_reference(model, tokens, STEPS, LR, EPS)
     with torch.no_grad():
         out = model(input_ids=tokens[STEPS], labels=tokens[STEPS])
-    return {"losses": losses, "grads": grads, "after": out.loss.item(), "logits": out.logits,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return ref | {"after": out.loss.item(), "logits": out.logits}
 
 
 def _plan(case: Case, graph, summary, world: int | None = None):
@@ -218,18 +208,7 @@ def runs(setup) -> dict:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_matches_transformers_in_one_process(setup, runs, case):
-    ref = setup["refs"][case.model]
-    ranks = [r[case.name] for r in runs[case.world]]
-    norm = torch.stack([g.double().square().sum() for g in ref["grads"].values()]).sum().sqrt().item()
-    for got in ranks:
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
-        assert got["eval"] == pytest.approx(ref["after"], rel=1e-5)
-        assert got["grad_norm"] == pytest.approx(norm, rel=1e-5)
-    first = ranks[0]
-    assert set(first["params"]) == set(ref["params"])
-    for name in ref["params"]:
-        torch.testing.assert_close(first["grads"][name], ref["grads"][name], **TOL, msg=lambda m: f"grad {name}: {m}")
-        torch.testing.assert_close(first["params"][name], ref["params"][name], **TOL, msg=lambda m: f"param {name}: {m}")
+    assert_matches_reference([r[case.name] for r in runs[case.world]], setup["refs"][case.model], TOL)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from _dist import spawn
-from _hf_checkpoints import save_and_capture
+from _hf_checkpoints import adamw_reference, save_and_capture
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,16 +71,7 @@ def _configs() -> dict:
 
 
 def _reference(model, tokens: torch.Tensor) -> dict:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses, grads = [], None
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        loss = model(input_ids=tokens[step], labels=tokens[step]).loss
-        loss.backward()
-        grads = grads or {n: p.grad.clone() for n, p in model.named_parameters()}
-        optimizer.step()
-        losses.append(loss.item())
-    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return adamw_reference(model, tokens, STEPS, LR, EPS)
 
 
 def _plan(case: Case, graph, summary):
