@@ -305,9 +305,20 @@ class StepModel:
         return self._states[key]
 
     def lower_bound_s(self, block: BlockCosts, cfg: Config) -> float:
-        """The pipeline formula at the mean stage with this solution's exact per-layer times (no sync)."""
+        """The pipeline formula at the mean stage with this solution's exact per-layer times (no sync), plus
+        the optimizer step of the mean stage: `price` adds the busiest stage's, which holds at least the
+        mean's parameters, and the step's time only grows with its bytes (`op_time_s`)."""
         total = self.times(block, cfg).total_s
-        return (cfg.num_microbatches + (cfg.pp - 1) / cfg.virtual_stages) * total / cfg.pp
+        return (cfg.num_microbatches + (cfg.pp - 1) / cfg.virtual_stages) * total / cfg.pp + self._optimizer_floor_s(
+            block, cfg)
+
+    def _optimizer_floor_s(self, block: BlockCosts, cfg: Config) -> float:
+        """AdamW's step over 1 / pp of every local parameter (the ends' too), as `_stage_sums` prices a stage's."""
+        st = self.states(block, cfg)
+        params = float(st.prefix["dense"][-1] + st.prefix["expert"][-1]) + sum(st.pre[:2]) + sum(st.post[:2])
+        shard = cfg.data_ranks if cfg.zero_stage >= 1 else 1
+        opt_bytes = adamw_step_bytes(self.state.grad, self.state.weight) * params / cfg.pp / shard
+        return op_time_s(0.0, opt_bytes, self.env.cluster.device, self.env.dtype, self.env.efficiency)
 
     def memory_floor_bytes(self, block: BlockCosts, cfg: Config) -> float:
         """A floor under the busiest pipeline rank's memory, whatever the partition (given or searched, ranks
