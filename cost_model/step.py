@@ -96,6 +96,7 @@ from autoplan.models.config import ModelConfig
 from autoplan.cost_model.parts import BlockCosts, PartCost
 from autoplan.plan import MemoryBreakdown, TimeBreakdown
 from autoplan.cost_model.step_config import ITEMSIZE, Config
+from autoplan.cost_model.step_sums import LayerStates, LayerTimes, flat_value, prefix_sums, range_peak
 
 
 class StagePartitionLike(Protocol):
@@ -150,59 +151,6 @@ class Priced:
         return (self.step_time_s, self.config.sort_key(), self.variant)
 
 
-def _prefix(values: np.ndarray) -> np.ndarray:
-    return np.concatenate(([0.0], np.cumsum(values)))
-
-
-def _flat(values: np.ndarray) -> float | None:
-    """The value every layer shares (no layer re-run: 0), or None."""
-    return float(values[0]) if values.size and values.min() == values.max() else None
-
-
-def _range_peak(values: np.ndarray, ranges: list[tuple[int, int]], flat: float | None) -> float:
-    """max(values[a:b]) over the non-empty ranges (values >= 0; 0.0 when none is): `flat` where every layer
-    holds the same, without a pass per range (a deep pipeline's stage has up to 8 chunks)."""
-    if flat is not None:
-        return flat if any(b > a for a, b in ranges) else 0.0
-    return max([float(values[a:b].max()) for a, b in ranges if b > a] + [0.0])
-
-
-@dataclass
-class _Times:
-    """Per-layer seconds for one (solution, recompute, cp, ep, ep_as), with prefix sums, and the two ends."""
-
-    time: np.ndarray
-    prefix: dict[str, np.ndarray]  # time, compute, forward, backward, activation, imbalance (its ep margin)
-    pre_s: float
-    post_s: float
-    total_s: float
-    transient: np.ndarray  # per layer: held while backward re-runs it (0 where it is not recomputed)
-    ends_bytes: tuple[float, float]  # activations of the parts before and after the layers
-    mean_transient: np.ndarray  # `transient` with MoE routed rows at the ep group's mean (no imbalance margin)
-    flat: tuple[float | None, float | None] = (None, None)  # the value all of transient / mean_transient share
-    _lists: dict | None = None
-
-    def lists(self) -> dict[str, list[float]]:
-        """`prefix` as Python floats, the same doubles: a stage's sums over a few ranges read them faster."""
-        if self._lists is None:
-            self._lists = {k: v.tolist() for k, v in self.prefix.items()}
-        return self._lists
-
-
-@dataclass
-class _States:
-    """Per-layer model-state bytes for one (solution, ZeRO, data-parallel ranks, ep), with prefix sums."""
-
-    static: np.ndarray
-    prefix: dict[str, np.ndarray]  # dense, expert, weights, grads, optimizer
-    pre: tuple[float, float, float, float, float]  # dense, expert, weights, grads, optimizer
-    post: tuple[float, float, float, float, float]
-    temporary: float
-    _lists: dict | None = None
-
-    lists = _Times.lists
-
-
 class StepModel:
     """Prices configurations of one model on one cluster (module docstring); caches what configurations share."""
 
@@ -213,8 +161,8 @@ class StepModel:
         self.state = state_bytes_for(env.dtype)
         self._groups: dict[tuple, AxisGroup] = {}
         self._partitions: dict[tuple, tuple[int, ...]] = {}
-        self._times: dict[tuple, _Times] = {}
-        self._states: dict[tuple, _States] = {}
+        self._times: dict[tuple, LayerTimes] = {}
+        self._states: dict[tuple, LayerStates] = {}
         self._links_of: dict[MeshShape, tuple[AxisGroup, ...]] = {}
         self._schedules: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._p2p: dict[tuple, float] = {}
@@ -257,7 +205,7 @@ class StepModel:
                                                 self.group(cfg, cfg.mesh.expert_tp_axes))
         return links
 
-    def times(self, block: BlockCosts, cfg: Config) -> _Times:
+    def times(self, block: BlockCosts, cfg: Config) -> LayerTimes:
         key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg))
         if key not in self._times:
             a = block.arrays(cfg.recompute)
@@ -273,12 +221,12 @@ class StepModel:
                 comm = comm + extra * np.where(recomputed & (kind != "none"), 1.5, 1.0)
             time = a["compute"] + comm
             ends = [p.compute_s() + p.comm_s() for p in (block.pre, block.post)]  # never recomputed
-            prefix = {"time": _prefix(time), "compute": _prefix(a["compute"]), "forward": _prefix(a["forward"]),
-                      "backward": _prefix(a["backward"]), "activation": _prefix(held["activation"]),
-                      "imbalance": _prefix(held["activation"] - mean["activation"])}
-            self._times[key] = _Times(time, prefix, ends[0], ends[1], float(time.sum()) + sum(ends),
+            prefix = {"time": prefix_sums(time), "compute": prefix_sums(a["compute"]), "forward": prefix_sums(a["forward"]),
+                      "backward": prefix_sums(a["backward"]), "activation": prefix_sums(held["activation"]),
+                      "imbalance": prefix_sums(held["activation"] - mean["activation"])}
+            self._times[key] = LayerTimes(time, prefix, ends[0], ends[1], float(time.sum()) + sum(ends),
                                       held["transient"], (held["pre"], held["post"]), mean["transient"],
-                                      (_flat(held["transient"]), _flat(mean["transient"])))
+                                      (flat_value(held["transient"]), flat_value(mean["transient"])))
         return self._times[key]
 
     def _split_states(self, dense, expert, cfg: Config):
@@ -287,7 +235,7 @@ class StepModel:
         we, ge, oe = model_state_bytes(expert, data // cfg.ep, cfg.zero_stage, self.state)
         return w + we, g + ge, o + oe
 
-    def states(self, block: BlockCosts, cfg: Config) -> _States:
+    def states(self, block: BlockCosts, cfg: Config) -> LayerStates:
         key = (id(block), cfg.zero_stage, cfg.data_ranks, cfg.ep)  # ep_as moves no parameter: not in the key
         if key not in self._states:
             a = block.arrays("none")
@@ -298,9 +246,9 @@ class StepModel:
                 e = part.expert_params / cfg.ep
                 ends.append((part.params, e, *self._split_states(part.params, e, cfg)))
             largest = float(np.max(dense + expert)) if dense.size else 0.0
-            prefix = {"dense": _prefix(dense), "expert": _prefix(expert), "weights": _prefix(w), "grads": _prefix(g),
-                      "optimizer": _prefix(o)}
-            self._states[key] = _States(w + g + o, prefix, ends[0], ends[1],
+            prefix = {"dense": prefix_sums(dense), "expert": prefix_sums(expert), "weights": prefix_sums(w), "grads": prefix_sums(g),
+                      "optimizer": prefix_sums(o)}
+            self._states[key] = LayerStates(w + g + o, prefix, ends[0], ends[1],
                                         temporary_bytes(block.comm_buffer_bytes, largest, cfg.zero_stage, self.state))
         return self._states[key]
 
@@ -313,11 +261,15 @@ class StepModel:
             block, cfg)
 
     def _optimizer_floor_s(self, block: BlockCosts, cfg: Config) -> float:
-        """AdamW's step over 1 / pp of every local parameter (the ends' too), as `_stage_sums` prices a stage's."""
+        """AdamW's step over 1 / pp of every parameter (the ends' too)."""
         st = self.states(block, cfg)
         params = float(st.prefix["dense"][-1] + st.prefix["expert"][-1]) + sum(st.pre[:2]) + sum(st.post[:2])
+        return self._optimizer_s(cfg, params / cfg.pp)
+
+    def _optimizer_s(self, cfg: Config, params: float) -> float:
+        """AdamW's step over a stage's `params` (ZeRO 1-3: this rank's 1 / data-ranks share of them)."""
         shard = cfg.data_ranks if cfg.zero_stage >= 1 else 1
-        opt_bytes = adamw_step_bytes(self.state.grad, self.state.weight) * params / cfg.pp / shard
+        opt_bytes = adamw_step_bytes(self.state.grad, self.state.weight) * params / shard
         return op_time_s(0.0, opt_bytes, self.env.cluster.device, self.env.dtype, self.env.efficiency)
 
     def memory_floor_bytes(self, block: BlockCosts, cfg: Config) -> float:
@@ -346,7 +298,7 @@ class StepModel:
         """The partition problem of `cfg` with the tp solution `block` (what `price` partitions)."""
         return self._problem(block, cfg, self.times(block, cfg), self.states(block, cfg))
 
-    def _problem(self, block: BlockCosts, cfg: Config, t: _Times, st: _States) -> StageProblem:
+    def _problem(self, block: BlockCosts, cfg: Config, t: LayerTimes, st: LayerStates) -> StageProblem:
         pp, v = cfg.pp, cfg.virtual_stages
         boundary = block.boundary_full_bytes / cfg.tp  # Megatron's scatter / gather: 1 / tp of it per rank
         if (cfg.mesh, v, boundary) not in self._p2p:  # the pp link's lookup, once per mesh
@@ -419,7 +371,7 @@ class StepModel:
                                                         max(x["optimizer"] for x in sums)),
                       breakdown, stages, times, memory, memory[heaviest] <= problem.memory_limit_bytes)
 
-    def _stage_sums(self, block: BlockCosts, cfg: Config, t: _Times, st: _States, problem: StageProblem, stage: int,
+    def _stage_sums(self, block: BlockCosts, cfg: Config, t: LayerTimes, st: LayerStates, problem: StageProblem, stage: int,
                     ranges: list[tuple[int, int]]) -> dict[str, float]:
         """Seconds, parameters and bytes of one stage, from prefix sums over its layer ranges and its ends."""
         ends = [(p, e, held) for p, e, held, here in ((block.pre, st.pre, t.ends_bytes[0], stage == 0),
@@ -435,13 +387,11 @@ class StepModel:
             sums["compute"] += p.compute_s()
             sums["forward"] += p.fwd_compute_s
             sums["backward"] += p.backward_s()
-        transient = _range_peak(problem.layer_transient_bytes, ranges, t.flat[0])
-        mean_transient = _range_peak(t.mean_transient, ranges, t.flat[1])
+        transient = range_peak(problem.layer_transient_bytes, ranges, t.flat[0])
+        mean_transient = range_peak(t.mean_transient, ranges, t.flat[1])
         in_flight = float(problem.in_flight[stage])
         imbalance = in_flight * sums["imbalance"] + transient - mean_transient  # the ep margin's bytes
         activations = in_flight * sums["activation"] + transient - imbalance
-        shard = cfg.data_ranks if cfg.zero_stage >= 1 else 1
-        opt_bytes = adamw_step_bytes(self.state.grad, self.state.weight) * (sums["dense"] + sums["expert"]) / shard
         time = sums["time"] + (t.pre_s if stage == 0 else 0.0) + (t.post_s if stage == cfg.pp - 1 else 0.0)
         temporary = float(problem.extra_bytes[stage])
         states = sums["weights"] + sums["grads"] + sums["optimizer"]
@@ -451,7 +401,7 @@ class StepModel:
             "buckets": sum(b - a for a, b in ranges) + 1, "weights": sums["weights"], "grads": sums["grads"],
             "optimizer_states": sums["optimizer"], "activations": activations, "temporary": temporary,
             "imbalance": imbalance, "memory": states + activations + imbalance + temporary,
-            "optimizer": op_time_s(0.0, opt_bytes, self.env.cluster.device, self.env.dtype, self.env.efficiency),
+            "optimizer": self._optimizer_s(cfg, sums["dense"] + sums["expert"]),
         }
 
     def _dp_exposed_s(self, cfg: Config, sums: dict[str, float], memo: dict[tuple, float]) -> float:

@@ -66,3 +66,18 @@ def assert_matches_reference(ranks: list[dict], ref: dict, tol: dict) -> None:
     for name in ref["params"]:
         torch.testing.assert_close(first["grads"][name], ref["grads"][name], **tol, msg=lambda m: f"grad {name}: {m}")
         torch.testing.assert_close(first["params"][name], ref["params"][name], **tol, msg=lambda m: f"param {name}: {m}")
+
+
+def count_checkpoint_reads(counter: list) -> Callable:
+    """Wrap `CheckpointFiles.read` in this process so each read appends its element count to `counter`;
+    the original read, to put back."""
+    from autoplan.runtime import weights
+
+    original = weights.CheckpointFiles.read
+
+    def read(self, name, index=()):
+        found = original(self, name, index)
+        counter.append(found.numel())
+        return found
+    weights.CheckpointFiles.read = read
+    return original

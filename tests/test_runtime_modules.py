@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from _dist import spawn
-from _hf_checkpoints import adamw_reference, assert_matches_reference, save_and_capture
+from _hf_checkpoints import adamw_reference, assert_matches_reference, count_checkpoint_reads, save_and_capture
 from _handmade import HandLM
 from autoplan.errors import PlanError
 
@@ -267,19 +267,6 @@ def _build(case: Case, dirs: dict):
     return transformers.AutoModelForCausalLM.from_pretrained(dirs[case.model], attn_implementation="sdpa"), None
 
 
-def _counting_reads(counter: list):
-    """Wrap CheckpointFiles.read to count the elements each rank reads."""
-    from autoplan.runtime import weights
-
-    original = weights.CheckpointFiles.read
-
-    def read(self, name, index=()):
-        found = original(self, name, index)
-        counter.append(found.numel())
-        return found
-    weights.CheckpointFiles.read = read
-
-
 def _local_numel(program) -> int:
     return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in program.model.parameters())
 
@@ -359,7 +346,7 @@ def _run_case(rank: int, case: Case, plan, setup_: dict) -> dict:
     from autoplan.runtime.hf_export import save_hf
 
     reads: list[int] = []
-    _counting_reads(reads)
+    count_checkpoint_reads(reads)
     model, checkpoint = _build(case, setup_["dirs"])
     if case.name == "llama-tp2":  # the checkpoint directory itself as the model
         model, checkpoint = str(setup_["dirs"]["llama"]), None

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from _dist import spawn
-from _hf_checkpoints import adamw_reference, save_and_capture
+from _hf_checkpoints import adamw_reference, count_checkpoint_reads, save_and_capture
 
 transformers = pytest.importorskip("transformers")
 
@@ -111,13 +111,7 @@ def _run_case(case: Case, plan, setup_: dict) -> dict:
     from autoplan.runtime import weights
 
     reads: list[int] = []
-    original = weights.CheckpointFiles.read
-
-    def counting(self, name, index=()):
-        found = original(self, name, index)
-        reads.append(found.numel())
-        return found
-    weights.CheckpointFiles.read = counting
+    original = count_checkpoint_reads(reads)
     directory = setup_["dirs"][case.model]
     if case.weights == "meta":
         config = transformers.AutoConfig.from_pretrained(directory)

@@ -15,7 +15,7 @@ import pytest
 
 from autoplan.api import capture_model, search_context, search_plans
 from autoplan.cluster import ClusterSpec, parse_cluster
-from autoplan.cost_model import step
+from autoplan.cost_model import step_sums
 from autoplan.cost_model.step import StepModel
 from autoplan.cost_model.step_config import Config
 from autoplan.errors import InfeasibleError
@@ -112,8 +112,8 @@ def test_a_stage_peak_reads_a_flat_array_once_and_others_range_by_range():
     ranges = [(0, 3), (5, 5), (7, 12)]
     for values in (np.zeros(12), np.full(12, 2.5), rng.uniform(0, 1, 12)):
         expected = max([float(values[a:b].max()) for a, b in ranges if b > a] + [0.0])
-        assert step._range_peak(values, ranges, step._flat(values)) == expected
-    assert step._flat(rng.uniform(0, 1, 12)) is None and step._range_peak(np.full(4, 3.0), [(2, 2)], 3.0) == 0.0
+        assert step_sums.range_peak(values, ranges, step_sums.flat_value(values)) == expected
+    assert step_sums.flat_value(rng.uniform(0, 1, 12)) is None and step_sums.range_peak(np.full(4, 3.0), [(2, 2)], 3.0) == 0.0
 
 
 def test_an_unfit_search_still_names_the_configuration_closest_to_fitting():

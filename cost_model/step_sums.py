@@ -1,0 +1,61 @@
+"""What the step model caches per (tp solution, knobs): per-layer seconds and bytes with their prefix sums, so
+a stage of layers a..b is priced by differences of them (`cost_model.step`), whatever the depth."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def prefix_sums(values: np.ndarray) -> np.ndarray:
+    return np.concatenate(([0.0], np.cumsum(values)))
+
+
+def flat_value(values: np.ndarray) -> float | None:
+    """The value every layer shares (no layer re-run: 0), or None."""
+    return float(values[0]) if values.size and values.min() == values.max() else None
+
+
+def range_peak(values: np.ndarray, ranges: list[tuple[int, int]], flat: float | None) -> float:
+    """max(values[a:b]) over the non-empty ranges (values >= 0; 0.0 when none is): `flat` where every layer
+    holds the same, without a pass per range (a deep pipeline's stage has up to 8 chunks)."""
+    if flat is not None:
+        return flat if any(b > a for a, b in ranges) else 0.0
+    return max([float(values[a:b].max()) for a, b in ranges if b > a] + [0.0])
+
+
+@dataclass
+class LayerTimes:
+    """Per-layer seconds for one (solution, recompute, cp, ep, ep_as), with prefix sums, and the two ends."""
+
+    time: np.ndarray
+    prefix: dict[str, np.ndarray]  # time, compute, forward, backward, activation, imbalance (its ep margin)
+    pre_s: float
+    post_s: float
+    total_s: float
+    transient: np.ndarray  # per layer: held while backward re-runs it (0 where it is not recomputed)
+    ends_bytes: tuple[float, float]  # activations of the parts before and after the layers
+    mean_transient: np.ndarray  # `transient` with MoE routed rows at the ep group's mean (no imbalance margin)
+    flat: tuple[float | None, float | None] = (None, None)  # the value all of transient / mean_transient share
+    _lists: dict | None = None
+
+    def lists(self) -> dict[str, list[float]]:
+        """`prefix` as Python floats, the same doubles: a stage's sums over a few ranges read them faster."""
+        if self._lists is None:
+            self._lists = {k: v.tolist() for k, v in self.prefix.items()}
+        return self._lists
+
+
+@dataclass
+class LayerStates:
+    """Per-layer model-state bytes for one (solution, ZeRO, data-parallel ranks, ep), with prefix sums."""
+
+    static: np.ndarray
+    prefix: dict[str, np.ndarray]  # dense, expert, weights, grads, optimizer
+    pre: tuple[float, float, float, float, float]  # dense, expert, weights, grads, optimizer
+    post: tuple[float, float, float, float, float]
+    temporary: float
+    _lists: dict | None = None
+
+    lists = LayerTimes.lists
