@@ -62,7 +62,11 @@ OUT = Path(__file__).parent / "out"
 SEQ, VOCAB, DTYPE = 2048, 51200, "float16"
 TOLERANCE = 0.15  # the goal: |predicted / published - 1| <= 15% ...
 GOAL_ROWS = 8  # ... on at least 8 of the 10 rows
-MEGATRON_2021 = Efficiency(attention=AttentionKernel("materialized", dropout=True), overlap_grad_reduce=False)
+# Megatron-LM of 2021 as it ran: materialized attention with dropout, the gradient all-reduce after backward,
+# and its hosts' dispatch not priced (host_kernel_s = 0): what `cost_model.compute` measured is autoplan's own
+# eager runtime on the lent H200's host; Megatron-LM's fused kernels on its DGX hosts were not measured here
+MEGATRON_2021 = Efficiency(attention=AttentionKernel("materialized", dropout=True), overlap_grad_reduce=False,
+                           host_kernel_s=0.0)
 
 
 @dataclass(frozen=True)

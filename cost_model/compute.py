@@ -78,6 +78,20 @@ pays the bytes of both (conservative). With the default GEMM curve a tiny GEMM a
 TAU0_S / ceiling (`calibration`), above the floor; the floor binds on memory-bound kernels, on
 GEMMs under a flat or measured efficiency, and on the optimizer's step.
 
+Host dispatch (`Efficiency.host_kernel_s`): eager PyTorch issues every kernel from the CPU (Python, the
+dispatcher, autograd's bookkeeping, a Triton launcher), and the GPU can run no faster than it is fed.
+Where a rank's work per kernel is small (a 2048-wide layer at tp 4-8, short sequences) the host sets the
+pace: on the lent H200 one layer's forward + backward took 3.6-5.7 ms however little its kernels did
+(0.8 ms of GPU work at h 2048, tp 8; benchmarks/gpu_layer_time.py). So a set of ops priced together (a
+layer, the embedding, the head: `intra_op.price_assignment`) takes, forward and backward apart,
+
+    max(the sum of its kernels' times, the kernels it launches x host_kernel_s)
+
+(the CPU runs ahead of the GPU within a layer, so a long GEMM hides the dispatch of the small ops around
+it). Kernels are counted as the floor counts them, weight-gradient accumulations included
+(`intra_op.node_kernels`). host_kernel_s: measured by `autoplan profile` on a GPU (`profiler.dispatch`),
+else HOST_KERNEL_S on a GPU, and 0 on a CPU, whose ops run where they are issued.
+
 Ignored: overlap between kernels, L2 cache reuse between kernels, hidden dropout (the built-in models
 have none), the bias adds of linear layers (fused in GEMM epilogues) and their bias gradients.
 """
@@ -85,14 +99,14 @@ have none), the bias adds of linear layers (fused in GEMM epilogues) and their b
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from autoplan.cluster import ClusterSpec, DeviceSpec
 from autoplan.cost_model.comm import AxisGroup, group_collective_time_s
 from autoplan.cost_model.calibration import CollectiveCalibration, GemmEfficiency, device_spec_from_profile
 from autoplan.cost_model.kernels import FusedKernels, fused_kernels, node_kernel
 from autoplan.errors import ConfigError
-from autoplan.profiler.profile import ProfileError
+from autoplan.profiler.profile import ProfileError, same_device
 
 if TYPE_CHECKING:
     from autoplan.capture import NodeInfo
@@ -109,6 +123,12 @@ KERNEL_FLOOR_S = 7e-6
 # fixed cost of one collective call: NCCL's base latency of a ring, LL protocol (the one small messages
 # use), NVIDIA/nccl src/graph/tuning.cc baseLat {Ring, LL} = 6.6 us (`cost_model.comm`)
 COLLECTIVE_CALL_S = 6.6e-6
+# host (CPU) seconds to issue one priced kernel from eager PyTorch, autograd included (module docstring):
+# one layer forward + backward of this runtime (Triton kernels) on the lent H200's host, where the GPU work
+# is far shorter: the median of (layer time / the 47 (Llama) or 49 (GPT) kernels the model counts) over the
+# 13 host-bound layers of benchmarks/data/h200_layer_times.json (GPU busy under 60% of the layer's time;
+# 77-121 us, layers of 3.6-5.7 ms)
+HOST_KERNEL_S = 75e-6
 # memory-bound ops: kernels (forward, backward) each launches (module docstring)
 OP_KERNELS = {"norm": (1, 2), "elementwise": (1, 1), "embedding": (1, 2), "cross_entropy": (2, 3)}
 MOE_KERNELS = (3, 6)
@@ -155,6 +175,7 @@ class Efficiency:
     collective_call_s: float = COLLECTIVE_CALL_S
     floor_source: str = ("kernel floor: meta-pytorch/autoparallel's 7 us; collective call: NCCL's ring LL base "
                          "latency, 6.6 us (cost_model.compute)")
+    host_kernel_s: float | None = None  # None: the device's default (`resolved`: HOST_KERNEL_S on a GPU, 0 on a CPU)
     _by_kernel: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -162,8 +183,8 @@ class Efficiency:
             value = getattr(self, name)
             if value is not None and not 0 < value <= 1:
                 raise ConfigError(f"efficiency {name}={value!r} must be in (0, 1]")
-        for name in ("kernel_floor_s", "collective_call_s"):
-            if not 0 <= getattr(self, name) < 1e-2:
+        for name in ("kernel_floor_s", "collective_call_s", "host_kernel_s"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) < 1e-2:
                 raise ConfigError(f"efficiency {name}={getattr(self, name)!r} must be in [0, 0.01) seconds "
                                   f"(a fixed cost per kernel or call, microseconds; 0 turns it off)")
 
@@ -183,10 +204,14 @@ class Efficiency:
 
     def resolved(self, device: DeviceSpec) -> "Efficiency":
         """This efficiency with the default GEMM curve of `device` where none was given (do it once per
-        search: the curve remembers its answers), and its kernels option resolved for `device`."""
+        search: the curve remembers its answers), its kernels option resolved for `device`, and the host's
+        cost per kernel `device`'s default where none was given (a CPU runs its ops where it issues them:
+        their times hold the dispatch already)."""
         out = self
         if out.kernels.triton is None:
             out = replace(out, kernels=fused_kernels(out.kernels.option, device))
+        if out.host_kernel_s is None:
+            out = replace(out, host_kernel_s=0.0 if same_device(device.name, "cpu") else HOST_KERNEL_S)
         if out.matmul is not None or out.gemm is not None:
             return out
         return replace(out, gemm=GemmEfficiency.from_device_default(device))
@@ -238,6 +263,8 @@ def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "Har
     calibrated = replace(efficiency, matmul=None, gemm=GemmEfficiency.from_profile(profile, device),
                          collectives=collectives, source=f"{efficiency.source}; calibrated by the profile of "
                                                          f"{profile.device_name!r} ({profile.created})")
+    if profile.host_kernel_s is not None:
+        calibrated = replace(calibrated, host_kernel_s=profile.host_kernel_s)
     if profile.kernel_floor_s is not None:
         calibrated = replace(calibrated, kernel_floor_s=profile.kernel_floor_s,
                              floor_source=f"kernel floor measured by `autoplan profile` on {profile.device_name!r}; "
@@ -262,6 +289,27 @@ def op_time_s(flops: float, nbytes: float, device: DeviceSpec, dtype: str, effic
     compute_s = flops / (device.peak_flops_for(dtype) * efficiency.max_matmul(device, dtype))
     memory_s = nbytes / (device.memory_bandwidth_bytes_per_s * efficiency.memory)
     return efficiency.kernels_s(max(compute_s, memory_s), kernels)
+
+
+def host_paced_s(ops: "Sequence[tuple[float, int]]", host_kernel_s: float) -> float:
+    """Seconds of `ops` run in order, each (its kernels' device seconds d, the kernels k it launches), when
+    the host issues one kernel per host_kernel_s h and the device starts an op once its first kernel is
+    issued and the op before it is done (module docstring, "Host dispatch"):
+
+        issued_i = h * sum_{j < i} k_j
+        end_i    = max(max(end_{i-1}, issued_i + h) + d_i,  issued_i + k_i h + d_i / k_i)
+        time     = max(end_n, issued_n + k_n h)
+
+    h = 0 gives sum d; d = 0 gives h sum k; a long op lets the host run ahead, and the short ops it then
+    issues wait no more."""
+    issued = end = 0.0
+    for device_s, kernels in ops:
+        if kernels == 0:
+            end += device_s
+            continue
+        end = max(max(end, issued + host_kernel_s) + device_s, issued + kernels * host_kernel_s + device_s / kernels)
+        issued += kernels * host_kernel_s
+    return max(end, issued)
 
 
 def memory_time_s(nbytes: float, device: DeviceSpec, efficiency: Efficiency) -> float:

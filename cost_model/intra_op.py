@@ -47,8 +47,8 @@ import numpy as np
 from autoplan.capture.graph import attention_keys
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.comm import AxisGroup
-from autoplan.cost_model.compute import (MOE_KERNELS, OP_KERNELS, Efficiency, attention_time_s,
-                                         grad_accumulation_bytes, linear_time_s, memory_op_bytes, memory_time_s,
+from autoplan.cost_model.compute import (MOE_KERNELS, OP_KERNELS, Efficiency, attention_kernels, attention_time_s,
+                                         grad_accumulation_bytes, host_paced_s, linear_time_s, memory_op_bytes, memory_time_s,
                                          op_time_s)
 from autoplan.cost_model.memory import StateBytes, comm_tensor_nbytes, local_nbytes, param_placements, scaled_nbytes
 from autoplan.errors import AutoplanError
@@ -179,6 +179,25 @@ def node_compute_s(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tu
     return fwd, bwd + accumulate
 
 
+def node_kernels(node: "NodeInfo", ctx: CostContext) -> tuple[int, int]:
+    """(forward, backward) kernels the node launches, as `node_compute_s` counts them for the floor: a
+    linear 1 / 2 (dX, dW), attention flash 1 / 2 or materialized one per kernel of `attention_kernels`,
+    MoE and memory-bound ops per `MOE_KERNELS` / `OP_KERNELS`; plus one accumulation into .grad per
+    parameter tensor in backward. Nodes that move nothing (views) launch none."""
+    if node.fwd_flops == 0 and node.fwd_bytes == 0:
+        return 0, 0
+    accumulate = len(node.params)
+    if node.op_kind == "linear":
+        return 1, 2 + accumulate
+    if node.op_kind == "attention":
+        if ctx.efficiency.attention.kind == "flash":
+            return 1, 2
+        forward, backward = attention_kernels(ctx.efficiency.attention, 2)
+        return len(forward), len(backward)
+    fwd, bwd = MOE_KERNELS if node.op_kind == "moe" else OP_KERNELS.get(node.op_kind, (1, 1))
+    return fwd, bwd + accumulate
+
+
 def _traffic_param_bytes(node: "NodeInfo") -> float:
     """Parameter bytes inside the node's fwd_bytes (embeddings read only their gathered rows)."""
     if node.op_kind in ("embedding", "placeholder", "output", "other"):
@@ -287,9 +306,12 @@ class AssignmentCost:
         return self.fwd_compute_s + self.bwd_compute_s + self.fwd_comm_s + self.bwd_comm_s
 
 
-def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy], ctx: CostContext) -> AssignmentCost:
+def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy], ctx: CostContext,
+                     host: bool = True) -> AssignmentCost:
     """Per-microbatch compute and tp communication of `strategies` (node name -> Strategy), each
-    conversion of a tensor counted once however many consumers share it (module docstring).
+    conversion of a tensor counted once however many consumers share it (module docstring). With `host`,
+    the compute of the nodes priced together is at least the host's dispatch of their kernels, forward
+    and backward apart (`cost_model.compute`, `node_kernels`); without it, the kernels' own times.
 
     Equal nodes (the same op in every layer) are priced once: the memo keys hold strategies and
     placements by identity (all alive in `strategies` for the whole call), which hashes far faster
@@ -305,6 +327,8 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
         return canonical[id(obj)]
 
     sums = dict.fromkeys(("fc", "bc", "fm", "bm", "lfc", "lfm", "shared"), 0.0)
+    host_s = (ctx.efficiency.host_kernel_s or 0.0) if host else 0.0
+    paced: dict[str, list[tuple[float, int]]] = {"f": [], "b": [], "lf": []}  # (device s, kernels) in run order
     families: dict[str, float] = {}
     for node in graph.nodes:
         strategy = strategies[node.name]
@@ -325,6 +349,12 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
             comm_f, comm_b = comm_f + edge_memo[edge][0], comm_b + edge_memo[edge][1]
         sums["fc"] += fwd
         sums["bc"] += bwd
+        if host_s:
+            kernels = node_kernels(node, ctx)
+            paced["f"].append((fwd, kernels[0]))
+            paced["b"].append((bwd, kernels[1]))
+            if node.layer is not None:
+                paced["lf"].append((fwd, kernels[0]))
         sums["fm"] += comm_f
         sums["bm"] += comm_b
         if node.layer is not None:
@@ -332,5 +362,8 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
             sums["lfm"] += comm_f
             family = captured_op_family(node.op_kind)
             families[family] = families.get(family, 0.0) + fwd
+    if host_s:  # the host issues forward in graph order, backward in reverse (`compute.host_paced_s`)
+        sums["fc"], sums["lfc"] = host_paced_s(paced["f"], host_s), host_paced_s(paced["lf"], host_s)
+        sums["bc"] = host_paced_s(paced["b"][::-1], host_s)
     return AssignmentCost(sums["fc"], sums["bc"], sums["fm"], sums["bm"], sums["lfc"], sums["lfm"],
                           tuple(sorted(families.items())), sums["shared"])

@@ -100,6 +100,22 @@ def kernel_samples(device: "torch.device", quick: bool, dtype: str | None) -> tu
     return measure_kernels(device, dtype if dtype in DTYPES.values() else "bfloat16", quick), None
 
 
+def host_dispatch_s(device: "torch.device", quick: bool) -> float | None:
+    """The host's seconds per priced kernel (`profiler.dispatch`) on CUDA; None elsewhere, or, saying why,
+    where the timed block cannot run (the profile is still written: the cost model then keeps its default)."""
+    if device.type != "cuda":
+        return None
+    from autoplan.profiler.dispatch import measure_host_kernel_s
+
+    try:
+        per_kernel, per_block, kernels = measure_host_kernel_s(device, quick)
+    except Exception as exc:  # an optional measurement: report it, keep the rest of the profile
+        print(f"host dispatch skipped: {type(exc).__name__}: {exc}; the cost model keeps its default")
+        return None
+    print(f"host dispatch: {per_block * 1e3:.3f} ms per block forward + backward, {kernels} kernels")
+    return per_kernel
+
+
 def run_profile(device: "torch.device", quick: bool = False, dtype: str | None = None, collectives: bool = True,
                 kernels: bool = True) -> HardwareProfile | None:
     """Measure and return the profile on rank 0 (None on the other ranks); needs every rank to call it
@@ -115,6 +131,7 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
     rank = dist.get_rank() if distributed else 0
     gemm, memory = _measure_device(device, quick, dtype) if rank == 0 else (None, None)
     floor = measure_kernel_floor(device, quick) if rank == 0 else None
+    host = host_dispatch_s(device, quick) if rank == 0 else None
     fused, why = kernel_samples(device, quick, dtype) if rank == 0 and kernels else ((), None)
     if why is not None:
         print(f"fused-kernel efficiencies skipped: {why}; the cost model keeps its assumed efficiencies")
@@ -138,6 +155,7 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
         fits=fits,
         kernels=fused,
         kernel_floor_s=floor,
+        host_kernel_s=host,
     )
 
 
@@ -161,6 +179,9 @@ def render_profile(profile: HardwareProfile, console=None) -> None:
     if profile.kernel_floor_s is not None:
         table.add_row("launch floor", f"{profile.kernel_floor_s * 1e6:,.1f} us per back-to-back kernel (the least any "
                       f"kernel is priced at)")
+    if profile.host_kernel_s is not None:
+        table.add_row("host dispatch", f"{profile.host_kernel_s * 1e6:,.1f} us per priced kernel (a small layer's forward + "
+                      f"backward, `profiler.dispatch`)")
     if profile.kernels:
         from autoplan.cost_model.kernels import measured_efficiencies
 

@@ -22,8 +22,9 @@ machine do not stretch), else `time.perf_counter`. `inner` makes a window last a
 GEMMs are not timed at the resolution of the clock or of a single launch.
 
 Default sweeps (sized to the device):
-- CUDA, bf16: m, n, k each in {1k, 2k, 4k, 8k, 16k}: 125 shapes, covering the (tokens x hidden) x
-  (hidden x 3h / 4h) products of transformer layers up to GPT-3 width. `--quick`: {1k, 4k}^3.
+- CUDA, bf16: m, n, k each in {256, 512, 1k, 2k, 4k, 8k, 16k}: 343 shapes, covering the (tokens x
+  hidden) x (hidden x 3h / 4h) products of transformer layers up to GPT-3 width, and the narrow ones a
+  rank of tp 8 runs (a 2048-wide model's k and v projections: 256 outputs per rank). `--quick`: {1k, 4k}^3.
 - CPU, fp32: m, n, k each in {64, 256, 1024, 2048}: 64 shapes, about 5 s on 2 idle cores (the largest
   is ~0.13 s at ~140 GFLOP/s). `--quick`: {64, 256}^3.
 """
@@ -39,7 +40,7 @@ from autoplan.errors import ConfigError
 from autoplan.profiler.profile import GemmSample
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-CUDA_SIZES = (1024, 2048, 4096, 8192, 16384)
+CUDA_SIZES = (256, 512, 1024, 2048, 4096, 8192, 16384)
 CUDA_QUICK_SIZES = (1024, 4096)
 CPU_SIZES = (64, 256, 1024, 2048)
 CPU_QUICK_SIZES = (64, 256)
@@ -144,13 +145,13 @@ def time_gemm_s(m: int, n: int, k: int, dtype: str, device: torch.device, budget
 def sweep_gemms(device: torch.device, dtype: str | None = None, shapes: Iterable[tuple[int, int, int]] | None = None,
                 quick: bool = False, budget_s: float | None = None) -> tuple[GemmSample, ...]:
     """One GemmSample per shape; defaults: the device's dtype and grid, and a per-shape budget of
-    0.05 s on CUDA and 0.02 s on CPU (halved by `quick`)."""
+    0.03 s on CUDA and 0.02 s on CPU (halved by `quick`)."""
     dtype = dtype or default_dtype(device.type)
     if dtype not in TORCH_DTYPES:
         raise ConfigError(f"GEMM dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
     shapes = list(shapes) if shapes is not None else default_shapes(device.type, quick)
     if budget_s is None:
-        budget_s = (0.05 if device.type == "cuda" else 0.02) * (0.5 if quick else 1.0)
+        budget_s = (0.03 if device.type == "cuda" else 0.02) * (0.5 if quick else 1.0)
     samples = []
     with torch.no_grad():
         for m, n, k in shapes:

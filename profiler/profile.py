@@ -14,6 +14,8 @@ anything the cost model uses from them:
   field load with none.
 - the launch floor (`profiler.launch`): seconds per back-to-back launch of a kernel that does nothing
   measurable, the least any kernel takes as the runtime issues them. Older files load with none.
+- host dispatch (`profiler.dispatch`, CUDA only): the host's seconds per priced kernel of a small
+  layer's forward + backward as the runtime runs it. Older files load with none.
 
 `HardwareProfile.load` refuses, naming the problem, a file that is not JSON, lacks or adds keys,
 has another version, holds a non-positive or non-finite number, or was measured on another device
@@ -223,6 +225,7 @@ class HardwareProfile:
     fits: tuple[CollectiveFit, ...] = ()
     kernels: tuple[KernelSample, ...] = ()
     kernel_floor_s: float | None = None  # `profiler.launch`; None: not measured
+    host_kernel_s: float | None = None  # `profiler.dispatch` (CUDA); None: not measured
     version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
@@ -236,8 +239,9 @@ class HardwareProfile:
         _count("threads", self.threads)
         if not self.gemm:
             raise ProfileError("a profile needs at least one GEMM sample")
-        if self.kernel_floor_s is not None:
-            _positive("kernel_floor_s", self.kernel_floor_s)
+        for name in ("kernel_floor_s", "host_kernel_s"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
 
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -253,7 +257,7 @@ class HardwareProfile:
         version = data.get("version") if isinstance(data, dict) else None
         if isinstance(data, dict) and version != PROFILE_VERSION:  # first: other versions have other keys
             raise ProfileError(f"profile version {version!r} is not supported; this autoplan reads version {PROFILE_VERSION}. Re-run `autoplan profile`.")
-        older = {"kernels": [], "kernel_floor_s": None}  # fields that older files lack
+        older = {"kernels": [], "kernel_floor_s": None, "host_kernel_s": None}  # fields that older files lack
         data = _fields_from_json(cls, "profile", {**older, **data} if isinstance(data, dict) else data)
         for key in ("gemm", "collectives", "fits", "kernels"):
             if not isinstance(data[key], list):
@@ -286,12 +290,15 @@ class HardwareProfile:
 
     @classmethod
     def load(cls, path: str | Path, expect_device: str | None = None) -> "HardwareProfile":
-        """Read and validate `path`; with `expect_device`, refuse a profile of another device."""
-        path = Path(path)
+        """Read and validate `path`, or the profile shipped with autoplan of that name (`shipped_profiles`:
+        "h200") where no such file exists; with `expect_device`, refuse a profile of another device."""
+        path = shipped_profiles().get(str(path), Path(path)) if path_kind(Path(path)) == "missing" else Path(path)
         kind = path_kind(path)
         if kind != "file":
             state = "does not exist" if kind == "missing" else f"is not a file ({kind})"
-            raise ProfileError(f"profile file {str(path)!r} {state}; make one with `autoplan profile -o FILE`")
+            names = ", ".join(sorted(shipped_profiles())) or "none"
+            raise ProfileError(f"profile file {str(path)!r} {state}; make one with `autoplan profile -o FILE`, or name a "
+                               f"profile shipped with autoplan ({names})")
         try:
             data = json.loads(path.read_text())  # NaN / Infinity parse, then fail validation by name
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -306,6 +313,17 @@ class HardwareProfile:
                 f"re-run `autoplan profile` on {expect_device!r} or pass that device's profile"
             )
         return profile
+
+
+def shipped_profiles() -> dict[str, Path]:
+    """The profiles measured by the project and shipped in the package (autoplan/profiles/NAME.json), by
+    NAME: `--profile h200` loads the H200's (benchmarks/README.md says how and when it was measured)."""
+    from importlib.resources import files
+
+    folder = files("autoplan") / "profiles"
+    if not folder.is_dir():
+        return {}
+    return {entry.name[:-len(".json")]: Path(str(entry)) for entry in folder.iterdir() if entry.name.endswith(".json")}
 
 
 def same_device(a: str, b: str) -> bool:

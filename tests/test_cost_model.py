@@ -10,8 +10,8 @@ import torch
 from autoplan.capture import capture
 from autoplan.cluster import ClusterSpec, LinkSpec, parse_cluster, preset
 from autoplan.cost_model import comm
-from autoplan.cost_model.compute import Efficiency, calibrate, linear_time_s, op_time_s
-from autoplan.cost_model.intra_op import InputSpec, make_context, price_assignment, reshard_collectives
+from autoplan.cost_model.compute import HOST_KERNEL_S, Efficiency, calibrate, linear_time_s, op_time_s
+from autoplan.cost_model.intra_op import InputSpec, make_context, node_kernels, price_assignment, reshard_collectives
 from autoplan.cost_model.intra_op_problem import assignment_from_choice, build_intra_op_problem, resolve_strategies
 from autoplan.cost_model.activations import RunShape, activations
 from autoplan.cost_model.storages import activation_bytes
@@ -112,7 +112,7 @@ def test_a_small_tp8_layer_pays_a_floor_per_kernel_and_a_fixed_cost_per_collecti
     priced = {}
     for floor, call in ((7e-6, 6.6e-6), (0.0, 0.0)):  # a flat GEMM efficiency: no curve floors the GEMMs
         ctx = make_context(graph, parse_cluster("1x8xh100"), MeshShape(tp=8), 1, "bfloat16",
-                           Efficiency(matmul=0.7, kernel_floor_s=floor, collective_call_s=call))
+                           Efficiency(matmul=0.7, kernel_floor_s=floor, collective_call_s=call, host_kernel_s=0.0))
         priced[floor] = price_assignment(layer, strategies, ctx)
     floored, roofline = priced[7e-6], priced[0.0]
     assert floored.fwd_compute_s == pytest.approx(fwd * 7e-6) and floored.bwd_compute_s == pytest.approx(bwd * 7e-6)
@@ -121,6 +121,41 @@ def test_a_small_tp8_layer_pays_a_floor_per_kernel_and_a_fixed_cost_per_collecti
     # sequence parallel: 2 all-gathers and 2 reduce-scatters each way, and backward the two norms' scales'
     # gradients all-reduced (each rank saw its slice of the sequence)
     assert calls == pytest.approx((4, 6))
+
+
+def test_a_layer_takes_at_least_the_hosts_dispatch_of_its_kernels_forward_and_backward_apart():
+    """The same small tp 8 layer: its kernels' own times are microseconds, so on a GPU the host's dispatch
+    (kernels x host_kernel_s, `compute.host_paced_s`) sets its forward and its backward; a wide layer's GEMMs
+    hide it but for the first kernel's issue; a CPU's ops hold their dispatch already (0); a profile's
+    measurement replaces the default."""
+    config = ModelConfig("small-llama", "llama", 2, 512, 8, 8, 1024, 512, 128)
+    graph = capture(build_model(config, "meta", torch.bfloat16), config, 1, 128)
+    registry, info = default_registry(), config.rule_info()
+    strategies = resolve_strategies(graph, registry, info, 8, megatron_assignment(graph, registry, 8, info))
+    layer = dataclasses.replace(graph, nodes=tuple(n for n in graph.nodes if n.layer == 0))
+    ctx = make_context(graph, parse_cluster("1x8xh100"), MeshShape(tp=8), 1, "bfloat16", Efficiency(matmul=0.7))
+    assert ctx.efficiency.host_kernel_s == HOST_KERNEL_S
+    fwd, bwd = (sum(node_kernels(n, ctx)[k] for n in layer.nodes) for k in (0, 1))
+    assert (fwd, bwd) == (14, 33)  # as the floor counts them
+    hosted, device = price_assignment(layer, strategies, ctx), price_assignment(layer, strategies, ctx, host=False)
+    assert device.fwd_compute_s < 0.5 * fwd * HOST_KERNEL_S and device.bwd_compute_s < 0.5 * bwd * HOST_KERNEL_S
+    for paced, own, kernels in ((hosted.fwd_compute_s, device.fwd_compute_s, fwd), (hosted.bwd_compute_s, device.bwd_compute_s, bwd)):
+        assert kernels * HOST_KERNEL_S <= paced <= kernels * HOST_KERNEL_S + own
+    wide = ModelConfig("wide-llama", "llama", 2, 8192, 64, 8, 28672, 512, 4096)
+    wide_graph = capture(build_model(wide, "meta", torch.bfloat16), wide, 1, 4096)
+    wide_layer = dataclasses.replace(wide_graph, nodes=tuple(n for n in wide_graph.nodes if n.layer == 0))
+    wide_strategies = resolve_strategies(wide_graph, registry, wide.rule_info(), 1,
+                                         megatron_assignment(wide_graph, registry, 1, wide.rule_info()))
+    wide_ctx = make_context(wide_graph, parse_cluster("1x8xh100"), MeshShape(dp=8), 1, "bfloat16")
+    paced, own = (price_assignment(wide_layer, wide_strategies, wide_ctx, host=h) for h in (True, False))
+    for a, b in ((paced.fwd_compute_s, own.fwd_compute_s), (paced.bwd_compute_s, own.bwd_compute_s)):
+        assert b < a <= 1.01 * b  # 30 ms of GEMMs hide 4 ms of dispatch, but for the first small ops' issue
+    cpu_ctx = make_context(graph, parse_cluster("1x8xcpu"), MeshShape(tp=8), 1, "float32", Efficiency(matmul=0.7))
+    assert cpu_ctx.efficiency.host_kernel_s == 0.0
+    _, measured = calibrate(parse_cluster("1x8xh100"), None, dataclasses.replace(_h100_profile(0.5), host_kernel_s=5e-5))
+    assert measured.host_kernel_s == 5e-5
+    with pytest.raises(ConfigError, match="host_kernel_s=0.5 must be in"):
+        Efficiency(host_kernel_s=0.5)
 
 
 def test_a_collective_call_costs_its_fixed_cost_unless_a_profile_measured_it():
@@ -270,7 +305,8 @@ def test_pricing_an_assignment_agrees_with_the_ilp_objective(name, tp):
         solution = solve_ilp(built.problem)
         assignment = assignment_from_choice(built, solution.choice)
         ctx = make_context(graph, cluster, mesh, microbatch)
-        cost = price_assignment(graph, resolve_strategies(graph, registry, info, tp, assignment), ctx)
+        # the ILP prices each op alone: the kernels' own times, without the host's dispatch of a whole layer
+        cost = price_assignment(graph, resolve_strategies(graph, registry, info, tp, assignment), ctx, host=False)
         assert cost.total_s + cost.shared_comm_s == pytest.approx(solution.objective, rel=1e-9)
 
 
@@ -302,14 +338,17 @@ def test_a_profile_replaces_gemm_efficiency_bandwidth_and_links_inside_a_node():
 
 
 def test_estimate_and_search_take_a_profile_and_refuse_another_device():
-    kwargs = dict(mesh=MeshShape(dp=2, tp=4), microbatch_size=1, zero_stage=1, recompute="none")
+    # the GEMMs' efficiency is what differs here, not the host's dispatch that paces gpt2-small's small kernels
+    kwargs = dict(mesh=MeshShape(dp=2, tp=4), microbatch_size=1, zero_stage=1, recompute="none",
+                  efficiency=Efficiency(host_kernel_s=0.0))
     default = estimate("gpt2-small", "1x8xh100", 16, 1024, **kwargs)
     slow = estimate("gpt2-small", "1x8xh100", 16, 1024, profile=_h100_profile(0.2), **kwargs)
     fast = estimate("gpt2-small", "1x8xh100", 16, 1024, profile=_h100_profile(0.9), **kwargs)
     # gpt2-small's GEMMs (~1 GFLOP) sit near the default curve's floor, below even a flat 0.2
     assert fast.predicted.step_time_s < slow.predicted.step_time_s < default.predicted.step_time_s
     assert slow.cluster.device.memory_bandwidth_bytes_per_s == pytest.approx(2.0e12)
-    assert search("gpt2-small", "1x8xh100", 16, 1024, profile=_h100_profile(0.9)).predicted.step_time_s <= (
+    assert search("gpt2-small", "1x8xh100", 16, 1024, profile=_h100_profile(0.9),
+                  efficiency=kwargs["efficiency"]).predicted.step_time_s <= (
         fast.predicted.step_time_s * (1 + 1e-9))
     with pytest.raises(ProfileError, match="not on a 'a100-80g'"):
         estimate("gpt2-small", "1x8xa100", 16, 1024, profile=_h100_profile(0.5), **kwargs)

@@ -156,7 +156,7 @@ def _estimate(kernels: str, profile: HardwareProfile | None):
 
     return estimate("tiny-llama", "1xh200", 8, 64, mesh=MeshShape(dp=1, tp=1), microbatch_size=1, zero_stage=0,
                     recompute="none", profile=profile, kernels=kernels,
-                    efficiency=Efficiency(kernel_floor_s=0.0))  # rooflines alone (`_node_times`)
+                    efficiency=Efficiency(kernel_floor_s=0.0, host_kernel_s=0.0))  # rooflines alone (`_node_times`)
 
 
 def test_plan_notes_say_measured_or_assumed_and_carry_the_option():

@@ -61,7 +61,7 @@ def _model_options(p, hf: bool = False) -> None:
 
 
 def _profile_option(p) -> None:
-    p.add_argument("--profile", metavar="FILE", help="hardware profile from `autoplan profile` (GEMM efficiency, HBM "
+    p.add_argument("--profile", metavar="FILE", help="hardware profile from `autoplan profile`, or a shipped one by name (h200) (GEMM efficiency, HBM "
                    "bandwidth, intra-node collectives, fused-kernel efficiencies); it must be of the cluster's device")
     p.add_argument("--kernels", default="auto", choices=("auto", "triton", "torch"),
                    help="the runtime's fused kernels, written into the plan and priced: Triton on a GPU cluster for "
