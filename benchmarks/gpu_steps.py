@@ -1,0 +1,201 @@
+"""One-GPU training steps of the runtime's own program: measured step time and peak memory against the
+plan's prediction (issues 17, 19, 20).
+
+    python benchmarks/gpu_steps.py plan -d benchmarks/out/gpu_plans          # any machine: the plans
+    python benchmarks/gpu_steps.py run -d benchmarks/out/gpu_plans -o steps.json   # on the GPU
+    python benchmarks/gpu_steps.py compare benchmarks/data/h200_steps.json
+
+`plan` prices each case of `CASES` (built-in Llama and GPT shapes that fit one H200, bf16 autocast over
+fp32 weights, AdamW) with `autoplan.estimate` on the `1xh200` cluster, by the device preset, and writes
+one plan file per case (and, with `--profile`, a second set priced with that hardware profile).
+`run` compiles each plan with `autoplan.parallelize` on a one-rank NCCL group (the model built on meta,
+parameters from the seeded init), takes `--warmup` untimed and `--steps` timed `train_step`s on fixed
+random tokens, each timed by the wall clock between two `torch.cuda.synchronize()`s, and records the
+median step, `torch.cuda.max_memory_allocated()` over the timed steps, and the plan's predicted step
+time, peak memory and their parts. A case that fails is recorded with its error; the rest still run.
+`compare` prints measured against the current cost model's prediction of each case (re-priced, by the
+preset or a profile): error = predicted / measured - 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_layer_time import write_json  # noqa: E402
+
+CLUSTER = "1xh200"
+# (name, family, layers, hidden, heads, kv heads, ffn, vocab, seq, microbatch, microbatches, recompute)
+CASES = (
+    ("llama-1b-T4096-b1", "llama", 16, 2048, 16, 8, 7168, 32000, 4096, 1, 2, "none"),
+    ("llama-1b-T4096-b2-full", "llama", 16, 2048, 16, 8, 7168, 32000, 4096, 2, 2, "full"),
+    ("llama-1b-T2048-b4-sel", "llama", 16, 2048, 16, 8, 7168, 32000, 2048, 4, 1, "selective"),
+    ("llama-h4096-8l-T4096-b1", "llama", 8, 4096, 32, 8, 14336, 128256, 4096, 1, 2, "none"),
+    ("gpt-1.3b-T2048-b4", "gpt", 24, 2048, 16, 16, 8192, 51200, 2048, 4, 1, "none"),
+    ("gpt-1.3b-T2048-b8-full", "gpt", 24, 2048, 16, 16, 8192, 51200, 2048, 8, 1, "full"),
+)
+
+
+def case_config(case):
+    from autoplan.models.config import ModelConfig
+
+    name, family, layers, h, heads, kv, ffn, vocab, seq = case[:9]
+    return ModelConfig(name, family, layers, h, heads, kv, ffn, vocab, max(seq, 2048),
+                       rope_theta=500000.0 if family == "llama" else 10000.0)
+
+
+def cmd_plan(args) -> int:
+    """Price every case (and with --profile a second time) and write its plan file."""
+    from autoplan.profiler.profile import HardwareProfile
+
+    out = Path(args.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    profile = HardwareProfile.load(args.profile) if args.profile else None
+    for case in CASES:
+        name = case[0]
+        for tag, prof in (("preset", None), ("profile", profile)):
+            if tag == "profile" and prof is None:
+                continue
+            plan = price_case(case, prof)
+            plan.save(out / f"{name}.{tag}.json")
+            print(f"{name} ({tag}): predicted {plan.predicted.step_time_s * 1e3:.1f} ms, "
+                  f"{plan.predicted.peak_memory_bytes / 2**30:.2f} GiB")
+    (out / "configs.json").write_text(json.dumps({c[0]: case_config(c).to_json() for c in CASES}, indent=1))
+    return 0
+
+
+def _predicted(plan) -> dict:
+    p = plan.predicted
+    return {"step_s": p.step_time_s, "peak_bytes": p.peak_memory_bytes, "time_parts": _parts(p.time),
+            "memory_parts": _parts(p.memory)}
+
+
+def _parts(obj) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
+            if isinstance(getattr(obj, f.name), (int, float))}
+
+
+def run_plan(plan, config, warmup: int, steps: int) -> dict:
+    """Compile `plan` and time its steps (module docstring)."""
+    import torch
+
+    from autoplan.models import build_model
+    from autoplan.runtime.launch import parallelize  # the zoo's runtime; `autoplan.api` needs the solver's pulp
+
+    program = parallelize(build_model(config), plan.cluster, plan, config=config, seed=0)
+    optimizer = program.make_optimizer(torch.optim.AdamW, lr=1e-5)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(config.vocab, (plan.global_batch, plan.seq_len), generator=gen)
+    targets = torch.randint(config.vocab, (plan.global_batch, plan.seq_len), generator=gen)
+    for _ in range(warmup):
+        program.train_step(tokens, targets, optimizer)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        losses.append(program.train_step(tokens, targets, optimizer))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return {"step_s": statistics.median(times), "steps_s": times, "peak_bytes": torch.cuda.max_memory_allocated(),
+            "losses": losses}
+
+
+def cmd_run(args) -> int:
+    import torch
+
+    from autoplan.models.config import ModelConfig
+    from autoplan.plan import Plan
+
+    plans = Path(args.dir)
+    configs = {k: ModelConfig.from_json(v) for k, v in json.loads((plans / "configs.json").read_text()).items()}
+    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cases": []}
+    for path in sorted(plans.glob("*.json")):
+        if path.name == "configs.json":
+            continue
+        name, tag = path.name.rsplit(".", 2)[:2]
+        if args.only and name not in args.only:
+            continue
+        plan = Plan.load(path)
+        row = {"case": name, "priced_by": tag, "predicted": _predicted(plan)}
+        try:
+            if tag == "preset" or not any(r["case"] == name and "measured" in r for r in result["cases"]):
+                row["measured"] = run_plan(plan, configs[name], args.warmup, args.steps)
+            else:  # the same program: measured once, under the preset's file
+                row["measured"] = next(r["measured"] for r in result["cases"] if r["case"] == name and "measured" in r)
+        except Exception as exc:  # recorded; the next case still runs
+            row["error"] = f"{type(exc).__name__}: {exc}"[:600]
+        result["cases"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "predicted"})[:400], flush=True)
+        write_json(Path(args.output), result)
+        torch.cuda.empty_cache()
+    return 0
+
+
+def price_case(case, profile=None):
+    """`case`'s plan as the current cost model prices it (`cmd_plan`'s estimate)."""
+    from autoplan.api import estimate
+    from autoplan.mesh import MeshShape
+
+    seq, mbs, n_mb, recompute = case[8], case[9], case[10], case[11]
+    return estimate(case_config(case), CLUSTER, mbs * n_mb, seq, mesh=MeshShape(), microbatch_size=mbs, zero_stage=0,
+                    recompute=recompute, profile=profile)
+
+
+def cmd_compare(args) -> int:
+    """Measured against the prediction of today's cost model (the plans re-priced, by the preset or
+    `--profile`), and against the prediction the run's plan files carried (`predicted` in the file)."""
+    from autoplan.profiler.profile import HardwareProfile
+
+    data = json.loads(Path(args.measured).read_text())
+    profile = HardwareProfile.load(args.profile) if args.profile else None
+    cases = {c[0]: c for c in CASES}
+    print(f"{data['device']}, torch {data['torch']}: one-GPU training steps of the runtime's program, priced "
+          f"{'with ' + args.profile if profile else 'by the h200 preset'}")
+    print(f"{'case':26} {'step meas ms':>12} {'pred ms':>8} {'err':>7} {'peak meas GiB':>13} {'pred GiB':>8} {'err':>7}")
+    step_errors, memory_errors = [], []
+    for row in data["cases"]:
+        if "measured" not in row or row["case"] not in cases:
+            print(f"{row['case']:26} failed: {row.get('error', 'not a case of CASES')[:120]}")
+            continue
+        m, plan = row["measured"], price_case(cases[row["case"]], profile)
+        p = plan.predicted
+        step_errors.append(p.step_time_s / m["step_s"] - 1)
+        memory_errors.append(p.peak_memory_bytes / m["peak_bytes"] - 1)
+        print(f"{row['case']:26} {m['step_s'] * 1e3:12.1f} {p.step_time_s * 1e3:8.1f} {step_errors[-1]:+7.1%} "
+              f"{m['peak_bytes'] / 2**30:13.2f} {p.peak_memory_bytes / 2**30:8.2f} {memory_errors[-1]:+7.1%}")
+    if step_errors:
+        print(f"median |error|: step {statistics.median(abs(e) for e in step_errors):.1%}, "
+              f"peak memory {statistics.median(abs(e) for e in memory_errors):.1%}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan")
+    p.add_argument("-d", "--dir", default="benchmarks/out/gpu_plans")
+    p.add_argument("--profile")
+    r = sub.add_parser("run")
+    r.add_argument("-d", "--dir", default="benchmarks/out/gpu_plans")
+    r.add_argument("-o", "--output", default="steps.json")
+    r.add_argument("--warmup", type=int, default=2)
+    r.add_argument("--steps", type=int, default=5)
+    r.add_argument("--only", nargs="+", metavar="CASE", help="run these cases alone")
+    c = sub.add_parser("compare")
+    c.add_argument("measured")
+    c.add_argument("--profile", help="price with this hardware profile of the device (default: its preset)")
+    args = parser.parse_args(argv)
+    return {"plan": cmd_plan, "run": cmd_run, "compare": cmd_compare}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
