@@ -181,6 +181,25 @@ def cmd_measure(args) -> int:
     return 0
 
 
+def cmd_host(args) -> int:
+    """The host's seconds per priced kernel (`profiler.dispatch`) on blocks of several widths and token
+    counts, each far from GPU-bound: whether the profile's small block stands for the layers it prices."""
+    import torch
+
+    from autoplan.profiler.dispatch import measure_host_kernel_s
+
+    rows = []
+    for family, hidden, seq in ((("llama", 256, 128), ("llama", 1024, 128), ("llama", 4096, 16), ("llama", 4096, 64),
+                                 ("gpt", 4096, 16), ("llama", 8192, 16))):
+        config = model_config(Case(family, hidden, 1, max(seq, 2048)))
+        per_kernel, per_block, kernels = measure_host_kernel_s(torch.device("cuda"), False, config, seq)
+        rows.append({"family": family, "hidden": hidden, "seq": seq, "host_kernel_s": per_kernel,
+                     "block_s": per_block, "kernels": kernels})
+        print(json.dumps(rows[-1]), flush=True)
+        write_json(Path(args.output), {"device": torch.cuda.get_device_name(0), "rows": rows})
+    return 0
+
+
 def write_json(path: Path, data: dict) -> None:
     """`data` to `path` atomically (a temporary file in the same folder, then a rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -279,8 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--backend", choices=("triton", "torch"), default="triton")
     c.add_argument("--device", default="h200", help="the cluster preset of the measured device")
     c.add_argument("--json", help="write the rows and the summary here")
+    h = sub.add_parser("host", help="the host's dispatch per kernel on blocks of several sizes (CUDA)")
+    h.add_argument("-o", "--output", default="host_dispatch.json")
     args = parser.parse_args(argv)
-    return cmd_measure(args) if args.command == "measure" else cmd_compare(args)
+    return {"measure": cmd_measure, "compare": cmd_compare, "host": cmd_host}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,10 @@ one plan file per case (and, with `--profile`, a second set priced with that har
 `run` compiles each plan with `autoplan.parallelize` on a one-rank NCCL group (the model built on meta,
 parameters from the seeded init), takes `--warmup` untimed and `--steps` timed `train_step`s on fixed
 random tokens, each timed by the wall clock between two `torch.cuda.synchronize()`s, and records the
-median step, `torch.cuda.max_memory_allocated()` over the timed steps, and the plan's predicted step
-time, peak memory and their parts. A case that fails is recorded with its error; the rest still run.
+median step, `torch.cuda.max_memory_allocated()` over the timed steps, the memory of one more step by
+phase (`memory_phases`), and the plan's predicted step time, peak memory and their parts. The cases share
+one process: what an earlier case leaves allocated counts in a later case's `max_memory_allocated`, so
+`compare` subtracts it where the phases were recorded (`own_peak_bytes`). A case that fails is recorded with its error; the rest still run.
 `compare` prints measured against the current cost model's prediction of each case (re-priced, by the
 preset or a profile): error = predicted / measured - 1.
 """
@@ -20,6 +22,7 @@ preset or a profile): error = predicted / measured - 1.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -96,6 +99,7 @@ def run_plan(plan, config, warmup: int, steps: int) -> dict:
     targets = torch.randint(config.vocab, (plan.global_batch, plan.seq_len), generator=gen)
     for _ in range(warmup):
         program.train_step(tokens, targets, optimizer)
+    phases = memory_phases(program, optimizer, tokens, targets)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
@@ -106,7 +110,37 @@ def run_plan(plan, config, warmup: int, steps: int) -> dict:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return {"step_s": statistics.median(times), "steps_s": times, "peak_bytes": torch.cuda.max_memory_allocated(),
-            "losses": losses}
+            "losses": losses, "memory_phases": phases}
+
+
+def memory_phases(program, optimizer, tokens, targets) -> dict:
+    """One step's memory by phase: allocated before it (weights, optimizer states), the peak of forward +
+    backward (up to the optimizer's step), allocated when the step begins (the gradients added), and the
+    peak of the optimizer's step (its temporaries)."""
+    import torch
+
+    seen = {}
+    inner = optimizer.step
+
+    def step(*args, **kwargs):
+        torch.cuda.synchronize()
+        seen["peak_forward_backward"] = torch.cuda.max_memory_allocated()
+        seen["allocated_at_optimizer"] = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = inner(*args, **kwargs)
+        torch.cuda.synchronize()
+        seen["peak_optimizer"] = torch.cuda.max_memory_allocated()
+        return out
+
+    torch.cuda.synchronize()
+    seen["allocated_before"] = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    optimizer.step = step
+    try:
+        program.train_step(tokens, targets, optimizer)
+    finally:
+        del optimizer.step  # the class's step again
+    return seen
 
 
 def cmd_run(args) -> int:
@@ -136,6 +170,7 @@ def cmd_run(args) -> int:
         result["cases"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "predicted"})[:400], flush=True)
         write_json(Path(args.output), result)
+        gc.collect()  # the case's program, before the next one's peak is read
         torch.cuda.empty_cache()
     return 0
 
@@ -150,9 +185,24 @@ def price_case(case, profile=None):
                     recompute=recompute, profile=profile)
 
 
+STATE_BYTES_PER_PARAMETER = 16  # what the runtime keeps per parameter between steps: fp32 weights, gradients, m, v
+
+
+def own_peak_bytes(measured: dict, config) -> tuple[float, float]:
+    """(the case's own peak, the bytes earlier cases of the same process left allocated): runs whose steps
+    recorded `memory_phases` subtract what was allocated before the step beyond this program's own states
+    (STATE_BYTES_PER_PARAMETER per parameter), since `max_memory_allocated` counts every live tensor of
+    the process; (peak, 0) for runs without them."""
+    phases = measured.get("memory_phases")
+    if not phases:
+        return measured["peak_bytes"], 0.0
+    left = max(0.0, phases["allocated_before"] - STATE_BYTES_PER_PARAMETER * config.num_parameters())
+    return measured["peak_bytes"] - left, left
+
+
 def cmd_compare(args) -> int:
     """Measured against the prediction of today's cost model (the plans re-priced, by the preset or
-    `--profile`), and against the prediction the run's plan files carried (`predicted` in the file)."""
+    `--profile`)."""
     from autoplan.profiler.profile import HardwareProfile
 
     data = json.loads(Path(args.measured).read_text())
@@ -160,7 +210,8 @@ def cmd_compare(args) -> int:
     cases = {c[0]: c for c in CASES}
     print(f"{data['device']}, torch {data['torch']}: one-GPU training steps of the runtime's program, priced "
           f"{'with ' + args.profile if profile else 'by the h200 preset'}")
-    print(f"{'case':26} {'step meas ms':>12} {'pred ms':>8} {'err':>7} {'peak meas GiB':>13} {'pred GiB':>8} {'err':>7}")
+    print(f"{'case':26} {'step meas ms':>12} {'pred ms':>8} {'err':>7} {'peak meas GiB':>13} {'pred GiB':>8} {'err':>7}"
+          f" {'left by earlier GiB':>19}")
     step_errors, memory_errors = [], []
     for row in data["cases"]:
         if "measured" not in row or row["case"] not in cases:
@@ -168,10 +219,11 @@ def cmd_compare(args) -> int:
             continue
         m, plan = row["measured"], price_case(cases[row["case"]], profile)
         p = plan.predicted
+        peak, left = own_peak_bytes(m, case_config(cases[row["case"]]))
         step_errors.append(p.step_time_s / m["step_s"] - 1)
-        memory_errors.append(p.peak_memory_bytes / m["peak_bytes"] - 1)
+        memory_errors.append(p.peak_memory_bytes / peak - 1)
         print(f"{row['case']:26} {m['step_s'] * 1e3:12.1f} {p.step_time_s * 1e3:8.1f} {step_errors[-1]:+7.1%} "
-              f"{m['peak_bytes'] / 2**30:13.2f} {p.peak_memory_bytes / 2**30:8.2f} {memory_errors[-1]:+7.1%}")
+              f"{peak / 2**30:13.2f} {p.peak_memory_bytes / 2**30:8.2f} {memory_errors[-1]:+7.1%} {left / 2**30:19.2f}")
     if step_errors:
         print(f"median |error|: step {statistics.median(abs(e) for e in step_errors):.1%}, "
               f"peak memory {statistics.median(abs(e) for e in memory_errors):.1%}")

@@ -2,11 +2,15 @@
 
     host_kernel_s = median over windows of (window time / iterations) / kernels
 
-where an iteration is one forward + backward of a small Llama block (hidden 256, 4 heads, 2 kv heads,
-SwiGLU 512, 128 tokens, bf16) as the runtime runs it (`runtime_block`: its leaves and silu * mul swapped
+where an iteration is one forward + backward of a Llama block of Llama 3 8B's width and few tokens (hidden
+4096, 32 heads, 8 kv heads, SwiGLU 14336, 64 tokens, bf16) as the runtime runs it (`runtime_block`: its leaves and silu * mul swapped
 for the runtime's kernels), and `kernels` is what the cost model counts for that block's nodes
-(`cost_model.intra_op.node_kernels` over the block's capture). Its GPU work is a few microseconds per
-kernel, so each window's time is the host's: Python, the dispatcher, autograd and the Triton launcher. The
+(`cost_model.intra_op.node_kernels` over the block's capture). Its GPU work is about 0.1 ms of a 3-4 ms
+iteration, so each window's time is the host's: Python, the dispatcher, autograd and the Triton launcher.
+Why this width: on the lent H200 the host's time per kernel grew with the block's width though the GPU
+stayed idle (67.6 us at hidden 256 and 128 tokens, 78.7-91.3 us at hidden 1024-8192 with 16-128 tokens;
+benchmarks/data/h200_host_dispatch.json), and a 256-wide block priced the host-bound layers of
+benchmarks/gpu_layer_time.py up to 25% fast. The
 cost model takes max(the kernels' device time, their count x host_kernel_s) for the ops it prices together
 (`cost_model.compute`). The median, not the fastest window (`profiler.gemm`): the host's time per layer
 varied 3.6-5.7 ms between layers on the lent H200 (benchmarks/gpu_layer_time.py), and a step pays the
@@ -20,7 +24,7 @@ import statistics
 
 import torch
 
-HOST_BLOCK = dict(hidden=256, heads=4, kv_heads=2, ffn=512, seq=128)
+HOST_BLOCK = dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, seq=64)
 COLUMN = ("q_proj", "k_proj", "v_proj", "fc", "gate_proj", "up_proj")  # Megatron's column-parallel linears
 ROW = ("o_proj", "proj", "down_proj")  # row-parallel: their input features split
 
@@ -73,7 +77,7 @@ def host_block_config():
 
     b = HOST_BLOCK
     return ModelConfig("host-dispatch-block", "llama", 1, b["hidden"], b["heads"], b["kv_heads"], b["ffn"], 256,
-                       b["seq"])
+                       max(b["seq"], 2048))
 
 
 def block_kernels(config, seq: int) -> int:
@@ -89,14 +93,16 @@ def block_kernels(config, seq: int) -> int:
     return sum(sum(node_kernels(n, ctx)) for n in graph.nodes if n.layer == 0)
 
 
-def measure_host_kernel_s(device: torch.device, quick: bool = False) -> tuple[float, float, int]:
+def measure_host_kernel_s(device: torch.device, quick: bool = False, config=None, seq: int | None = None
+                          ) -> tuple[float, float, int]:
     """(host_kernel_s, seconds per block forward + backward, the block's kernels) on a CUDA `device`
-    (module docstring)."""
+    (module docstring); `config` / `seq`: another zoo config's layer 0 at `seq` tokens (default HOST_BLOCK)."""
     from autoplan.profiler.gemm import timed_windows_s
 
-    config = host_block_config()
+    config = config or host_block_config()
+    seq = seq or HOST_BLOCK["seq"]
     block = runtime_block(config, 1, device, torch.bfloat16, "auto")
-    x = torch.randn(1, config.max_seq, config.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(1, seq, config.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
 
     def once() -> None:
@@ -106,5 +112,5 @@ def measure_host_kernel_s(device: torch.device, quick: bool = False) -> tuple[fl
         once()
     windows = timed_windows_s(once, device, repeats=10 if quick else 30, inner=10)
     per_block = statistics.median(windows)
-    kernels = block_kernels(config, config.max_seq)
+    kernels = block_kernels(config, seq)
     return per_block / kernels, per_block, kernels

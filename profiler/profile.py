@@ -14,7 +14,7 @@ anything the cost model uses from them:
   field load with none.
 - the launch floor (`profiler.launch`): seconds per back-to-back launch of a kernel that does nothing
   measurable, the least any kernel takes as the runtime issues them. Older files load with none.
-- host dispatch (`profiler.dispatch`, CUDA only): the host's seconds per priced kernel of a small
+- host dispatch (`profiler.dispatch`, CUDA only): the host's seconds per priced kernel of a few-token
   layer's forward + backward as the runtime runs it. Older files load with none.
 
 `HardwareProfile.load` refuses, naming the problem, a file that is not JSON, lacks or adds keys,
