@@ -110,7 +110,8 @@ def op_family(node_name: str) -> str:
 
 def op_family_costs(plan: Plan, graph, config, profile=None, registry=None, info=None
                     ) -> list[tuple[str, str, int, float, float, float]]:
-    """(family, strategy, ops, forward s, backward s, tp communication s) per microbatch on one rank,
+    """(family, strategy, ops, forward s, backward s, tp communication s) per microbatch on one rank, the
+    kernels' own times (without the host's dispatch, which paces ops priced together: `_beyond_kernels_text`),
     re-priced from the plan's strategies (the ones it carries; a version-1 plan's names resolved by the
     rules: `registry` / `info` for a graph captured elsewhere, a Hugging Face export; default the zoo's),
     with the hardware `profile` when given (as `estimate --profile` priced it); largest total first."""
@@ -203,7 +204,18 @@ def _ops_text(plan: Plan, config, graph, max_ops: int, profile=None, registry=No
                       _s(sum(r[4] for r in rest)), _s(sum(r[5] for r in rest)),
                       f"{sum(r[3] + r[4] + r[5] for r in rest) / total:.1%}"])
     return ([head] + _table(["op family", "strategy", "ops", "forward", "backward", "tp comm", "share"], table, {2, 3, 4, 5, 6})
-            + [""] + _activations_text(plan, graph, config, max_ops))
+            + _beyond_kernels_text(plan, sum(r[3] + r[4] for r in rows)) + [""]
+            + _activations_text(plan, graph, config, max_ops))
+
+
+def _beyond_kernels_text(plan: Plan, kernels_s: float) -> list[str]:
+    """A line saying how much of the plan's compute per microbatch is not its kernels' own time: the host's
+    dispatch of small kernels (`cost_model.compute`, "Host dispatch") and what recompute re-runs."""
+    per_microbatch = plan.predicted.time.compute_s / max(plan.num_microbatches, 1)
+    if per_microbatch <= kernels_s * 1.001:
+        return []
+    return [f"  the plan's compute is {_s(per_microbatch)} per microbatch, {_s(per_microbatch - kernels_s)} more than "
+            f"the kernels above: the host's dispatch of kernels too short to hide it, and what recompute re-runs"]
 
 
 def activation_families(plan: Plan, graph, config) -> tuple[list[tuple[str, float]], float]:
