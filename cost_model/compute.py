@@ -177,6 +177,7 @@ class Efficiency:
                          "latency, 6.6 us (cost_model.compute)")
     host_kernel_s: float | None = None  # None: the device's default (`resolved`: HOST_KERNEL_S on a GPU, 0 on a CPU)
     _by_kernel: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
+    _default_curve: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)  # by device
 
     def __post_init__(self) -> None:
         for name in ("matmul", "memory"):
@@ -232,6 +233,19 @@ class Efficiency:
         if self.matmul is not None:
             return self.matmul
         return (self.gemm or GemmEfficiency.from_device_default(device)).efficiency(m, n, k, dtype)
+
+    def attention_efficiency(self, m: float, n: float, k: float, device: DeviceSpec, dtype: str) -> float:
+        """The flash kernel's efficiency, as a GEMM (m, n, k) of the device's default curve: a profile's GEMM
+        sweep (k >= 256) does not measure it (on the H200, cuDNN's causal flash kernels ran at 600-1,040
+        TFLOP/s forward, counted at full FLOPs, where a profile's k = 256 GEMMs of the same m, n priced them
+        up to 20% slow: benchmarks/README.md)."""
+        if self.matmul is not None:
+            return self.matmul
+        if self.gemm is not None and not self.gemm.measured_dtypes:
+            return self.gemm.efficiency(m, n, k, dtype)
+        if device.name not in self._default_curve:  # one curve per device: it remembers its answers
+            self._default_curve[device.name] = GemmEfficiency.from_device_default(device)
+        return self._default_curve[device.name].efficiency(m, n, k, dtype)
 
     def max_matmul(self, device: DeviceSpec, dtype: str) -> float:
         """The best GEMM efficiency of any shape: every op takes at least its FLOPs at this rate."""
@@ -360,13 +374,14 @@ def attention_time_s(batch_heads: float, seq: int, head_dim: int, itemsize: floa
     count them. Flash: one kernel each way whose HBM traffic is q, k, v, o (and dO, dq, dk, dv); a causal
     flash kernel skips the masked half of those FLOPs but runs at well below the GEMM rate (FlashAttention-2
     reaches 50-73% of A100 peak forward and less backward, Dao 2023), so the full count at the GEMM rate
-    stands for both. Materialized: `attention_kernels`, each at its own roofline. `keys`: the keys each query
+    of the device's default curve stands for both (`Efficiency.attention_efficiency`: a profile's GEMM
+    sweep does not measure it). Materialized: `attention_kernels`, each at its own roofline. `keys`: the keys each query
     attends to (a sliding window's min(T, window); None: all T), the T x keys that stands for T x T above."""
     keys = seq if keys is None else keys
     vectors = batch_heads * seq * head_dim * itemsize  # one of q, k, v, o
     peak = device.peak_flops_for(dtype)
     if efficiency.attention.kind == "flash":
-        rate = peak * efficiency.gemm_efficiency(batch_heads * seq, keys, head_dim, device, dtype)
+        rate = peak * efficiency.attention_efficiency(batch_heads * seq, keys, head_dim, device, dtype)
         per_head = 2.0 * seq * keys * head_dim  # one T x keys x d GEMM
         fwd = max(2 * batch_heads * per_head / rate, memory_time_s(4 * vectors, device, efficiency))
         bwd = max(4 * batch_heads * per_head / rate, memory_time_s(8 * vectors, device, efficiency))

@@ -30,6 +30,14 @@ def test_layer_times_on_the_h200_are_predicted_within_the_goal_by_the_preset():
     assert summary["median_abs_error"] <= 0.10 and summary["p90_abs_error"] <= 0.15, summary
 
 
+def test_the_shipped_profile_prices_the_layers_as_well_as_the_preset_at_the_median():
+    """With `--profile h200` (its GEMM sweep, copy, launch floor and host figure) the median holds too;
+    its p90 (18.7%) is the host-bound layers, which its 256-wide host block under-measured."""
+    measured = json.loads(MEASURED.read_text())
+    summary = gpu_layer_time.summary(gpu_layer_time.comparison(measured, HardwareProfile.load("h200"), "triton", "h200"))
+    assert summary["median_abs_error"] <= 0.10, summary
+
+
 def test_a_host_bound_layer_is_priced_at_the_hosts_pace_not_its_kernels():
     """The 2048-wide Llama layer at tp 8 does 0.8 ms of GPU work and took 3-4 ms: the prediction follows
     the host (within 15%), where the kernels' own times alone are under a third of it."""
