@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from autoplan.capture import capture
@@ -397,3 +399,16 @@ def test_dp_sync_is_priced_per_bucket_as_the_runtime_runs_it():
         eff.collective_s("reduce_scatter", 2 * params / n, cluster, group))
     assert zero1["parameter all-gather after the step"] == pytest.approx(
         n * eff.collective_s("all_gather", 2 * params / n, cluster, group))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 1e-2), st.integers(0, 6)), max_size=30), st.floats(0.0, 2e-4))
+def test_host_paced_time_lies_between_the_busier_resource_and_both_in_turn(ops, host_s):
+    """`host_paced_s`: no less than the device's work or the host's issue alone, no more than the two one after
+    the other; with no host cost, the device's sum."""
+    from autoplan.cost_model.compute import host_paced_s
+
+    device, issued = sum(d for d, _ in ops), host_s * sum(k for _, k in ops)
+    paced = host_paced_s(ops, host_s)
+    assert max(device, issued) * (1 - 1e-12) <= paced <= (device + issued) * (1 + 1e-12) + 1e-15
+    assert host_paced_s(ops, 0.0) == pytest.approx(device, rel=1e-12, abs=1e-15)
