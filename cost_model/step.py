@@ -307,12 +307,16 @@ class StepModel:
                             first, last, np.full(pp, p2p), np.full(pp, st.temporary), min_layers)
 
     def p2p_s(self, block: BlockCosts, cfg: Config) -> float:
-        """The sends each pipeline rank pays per microbatch (`pipeline.p2p_per_microbatch_s`)."""
+        """The sends each pipeline rank pays per microbatch (`pipeline.p2p_per_microbatch_s`): they read of the
+        mesh whether it pipelines and whether a pp group leaves its node (the link), asked per configuration."""
+        if cfg.pp == 1:
+            return 0.0
         v, boundary = cfg.virtual_stages, block.boundary_full_bytes / cfg.tp  # Megatron's scatter / gather: 1 / tp
-        if (cfg.mesh, v, boundary) not in self._p2p:  # the pp link's lookup, once per mesh
-            self._p2p[(cfg.mesh, v, boundary)] = p2p_per_microbatch_s(boundary, self.env.cluster, cfg.mesh, v,
-                                                                      self.env.efficiency.collective_call_s)
-        return self._p2p[(cfg.mesh, v, boundary)]
+        key = (v, boundary, self.group(cfg, ("pp",)).nodes > 1)
+        if key not in self._p2p:
+            self._p2p[key] = p2p_per_microbatch_s(boundary, self.env.cluster, cfg.mesh, v,
+                                                  self.env.efficiency.collective_call_s)
+        return self._p2p[key]
 
     def _ranges(self, block: BlockCosts, cfg: Config, problem: StageProblem) -> list[list[tuple[int, int]]]:
         """Layer ranges of each pipeline rank, chunk by chunk: the given partition, else the stage DP's layers

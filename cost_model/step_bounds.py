@@ -49,16 +49,24 @@ def rising_floors(steps: "StepModel", block: BlockCosts, cfg: Config, fewer_reco
     stops at the first above its K-th best: the pipeline at the mean rank with its sends, + the mean stage's
     optimizer step + the data-parallel sync at its least; then the pipeline at the slowest rank's floor
     (`slowest_rank_floor_s`). `fewer_recomputed` = j > 0 (`cfg` recomputing "full"): floors under every
-    "full:k" with k >= j too, which the search prices from a priced "full" (`recomputed_layers_floor`)."""
+    "full:k" with k >= j too, which the search prices from a priced "full" (`recomputing_layers_s`): first
+    at k = j, then at the fewest k whose memory floor fits (`fewest_fitting_layers`)."""
     t, st = steps.times(block, cfg), steps.states(block, cfg)
     pp, m, v = cfg.pp, cfg.num_microbatches, cfg.virtual_stages
-    layers_s, fastest = (recomputed_layers_floor(steps, block, cfg, t, fewer_recomputed) if fewer_recomputed
-                         else (t.total_s, t))
-    ranks_s = layers_s + pp * steps.p2p_s(block, cfg)  # S: every rank's time, summed
-    floor = (m - 1 / v) * ranks_s / pp + ranks_s / v + optimizer_and_sync_floor_s(steps, block, cfg, t, st)
-    yield floor
+    sends_s, rest_s = pp * steps.p2p_s(block, cfg), optimizer_and_sync_floor_s(steps, block, cfg, t, st)
+
+    def floor_at(layers_s: float) -> float:  # S = layers_s + sends_s: every rank's time, summed
+        return (m - 1 / v) * (layers_s + sends_s) / pp + (layers_s + sends_s) / v + rest_s
+
+    fastest, layers_s = t, t.total_s
+    if fewer_recomputed:
+        fastest = plain_times(steps, block, cfg, t)
+        yield floor_at(recomputing_layers_s(fastest, t, fewer_recomputed))
+        layers_s = recomputing_layers_s(fastest, t, max(fewer_recomputed, fewest_fitting_layers(steps, block, cfg, t)))
+    yield floor_at(layers_s)
     if pp > 1:
-        yield floor + (m - 1 / v) * max(0.0, slowest_rank_floor_s(steps, block, cfg, fastest) - ranks_s / pp)
+        slowest = slowest_rank_floor_s(steps, block, cfg, fastest)
+        yield floor_at(layers_s) + (m - 1 / v) * max(0.0, slowest - (layers_s + sends_s) / pp)
 
 
 def optimizer_and_sync_floor_s(steps: "StepModel", block: BlockCosts, cfg: Config, t: LayerTimes,
@@ -73,34 +81,37 @@ def optimizer_and_sync_floor_s(steps: "StepModel", block: BlockCosts, cfg: Confi
     return steps.floor_memo[key]
 
 
-def recomputed_layers_floor(steps: "StepModel", block: BlockCosts, cfg: Config, full: LayerTimes,
-                            least: int) -> tuple[float, LayerTimes]:
-    """(a floor under every layer's time, summed, of each "full:k" with k >= `least` that can fit, the
-    per-layer times of recompute "none"), for `cfg` recomputing "full" (times `full`). "full:k" re-runs layers
-    0..k-1 as "full" does and runs the rest as "none" does (`BlockCosts.recomputed`): its layers take
-    N + F[k] - N[k] (N, F: prefix sums of the per-layer times of "none" and "full"), which grows with k (a
-    re-run only adds). It fits only where its memory floor does (`StepModel.memory_floor_bytes`): "none"'s,
-    less f_min / pp (A_N[k] - A_F[k]) (A: prefix sums of the activations held), so k is at least the least k
-    with that under the device (`_fewest_fitting_layers`). Under the same sync and optimizer floors: the
-    sync behind "full"'s backward, the longest, hides the most."""
-    fewest, plain = _fewest_fitting_layers(steps, block, cfg, full)
-    k = max(fewest, least)
-    return plain.total_s + max(0.0, float(full.prefix["time"][k] - plain.prefix["time"][k])), plain
+def recomputing_layers_s(plain: LayerTimes, full: LayerTimes, k: int) -> float:
+    """Every layer's time and both ends' of "full:k", k >= 1, with `plain` and `full` the per-layer times of
+    recompute "none" and "full": "full:k" re-runs layers 0..k-1 as "full" does and runs the rest as "none"
+    does (`BlockCosts.recomputed`), so its layers take N + F[k] - N[k] (N, F: prefix sums of the two), which
+    grows with k (a re-run only adds): a floor under every k' >= k."""
+    return plain.total_s + max(0.0, float(full.prefix["time"][k] - plain.prefix["time"][k]))
 
 
-def _fewest_fitting_layers(steps: "StepModel", block: BlockCosts, cfg: Config, full: LayerTimes
-                           ) -> tuple[int, LayerTimes]:
-    """(the fewest recomputed layers whose "full:k" meets its memory floor, at most every layer, "none"'s per-layer
-    times) of `recomputed_layers_floor`; cached."""
+def plain_times(steps: "StepModel", block: BlockCosts, cfg: Config, full: LayerTimes) -> LayerTimes:
+    """The per-layer times of `cfg` (times `full`) recomputing "none"; cached."""
+    key = ("plain", id(full))
+    if key not in steps.floor_memo:
+        steps.floor_memo[key] = steps.times(block, cfg.replace(recompute="none"))
+    return steps.floor_memo[key]
+
+
+def fewest_fitting_layers(steps: "StepModel", block: BlockCosts, cfg: Config, full: LayerTimes) -> int:
+    """The fewest recomputed layers k whose "full:k" meets its memory floor, for `cfg` recomputing "full" with
+    times `full` (every layer where none does). A configuration fits only where its floor does
+    (`StepModel.memory_floor_bytes`), which for "full:k" is "none"'s less f_min / pp (A_N[k] - A_F[k]) (A:
+    prefix sums of the activations held, f_min: the fewest microbatches in flight): no "full:k" with fewer
+    recomputed layers fits. Cached."""
     key = ("fewest", id(full), id(steps.states(block, cfg)), cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
     if key not in steps.floor_memo:
         plain_cfg = cfg.replace(recompute="none")
-        plain = steps.times(block, plain_cfg)
+        plain = plain_times(steps, block, cfg, full)
         in_flight, _ = steps.schedule(cfg)
         over = steps.memory_floor_bytes(block, plain_cfg) - steps.env.memory_limit_bytes * (1 + MEMORY_RTOL)
         shed = (plain.prefix["activation"] - full.prefix["activation"]) * (float(in_flight.min()) / cfg.pp)
         enough = np.flatnonzero(shed >= over)  # recomputing layers 0..k-1 sheds enough at k in `enough`
-        steps.floor_memo[key] = (int(enough[0]) if enough.size else len(full.time), plain)
+        steps.floor_memo[key] = int(enough[0]) if enough.size else len(full.time)
     return steps.floor_memo[key]
 
 
