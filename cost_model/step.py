@@ -277,12 +277,16 @@ class StepModel:
         both ends' model states, pp temporaries, and the activations held f_min times (f_min: the fewest
         microbatches in flight on any rank; transients >= 0), so the busiest holds at least their mean.
         O(1) from the cached sums: the search drops a configuration whose floor exceeds the device before
-        it builds a stage problem, most of a deep model's misfits."""
-        t, st = self.times(block, cfg), self.states(block, cfg)
+        it builds a stage problem, most of a deep model's misfits. The activations are the block's, which the
+        order's links do not change: read without the per-layer times (`times`), one set per order."""
+        st, spread = self.states(block, cfg), cfg.mesh.expert_parallel > 1
+        key = ("held", id(block), cfg.recompute, cfg.context_parallel, spread)
+        if key not in self.floor_memo:  # as `times` holds them: the busiest rank's, both ends included
+            held = block.activations(cfg.recompute, cfg.context_parallel, spread)
+            self.floor_memo[key] = float(held["activation"].sum()) + held["pre"] + held["post"]
         in_flight, _ = self.schedule(cfg)
         states = sum(float(st.prefix[k][-1]) for k in ("weights", "grads", "optimizer")) + sum(st.pre[2:]) + sum(st.post[2:])
-        held = float(t.prefix["activation"][-1]) + sum(t.ends_bytes)
-        return (states + float(in_flight.min()) * held) / cfg.pp + st.temporary
+        return (states + float(in_flight.min()) * self.floor_memo[key]) / cfg.pp + st.temporary
 
     def schedule(self, cfg: Config) -> tuple[np.ndarray, np.ndarray]:
         """Microbatches in flight and the fewest layers per pipeline rank: what the schedule alone decides."""
