@@ -11,11 +11,14 @@
        and stop once that bound exceeds the K-th best step time found;
     4. per key: solve the intra-op problem (`solver.intra_op.solve_tp`; under 1 < etp < tp the etp = 1 solve's choice,
        the same problem up to a constant, `SearchContext._folded_ilp_solution`) and price each configuration whose
-       bound with the solution's exact per-layer times stays below the K-th best; for tp > 1, price
+       floor with the solution's exact per-layer times stays below the K-th best (`StepModel.priced_above`,
+       `cost_model.step_bounds`: the pipeline with its sends and its slowest rank's least time, the optimizer step,
+       the data-parallel sync at its least; for "full", a floor under the "full:k" it leads to as well); for tp > 1, price
        the configurations that did not fit again with Megatron-LM's assignment with sequence
        parallelism, whose lower activation memory can fit where the time-optimal assignment does not;
        where recomputing every layer fits and recomputing none does not, the fewest layers "full:k" that fit
-       (bisection over k: memory falls and time grows with k)
+       (bisection over k: memory falls and time grows with k; a k that fits no partition is a miss without
+       pricing, and the bisection stops once the floor under every k left exceeds the K-th best)
        (each mesh comes in each order of its axes over ranks that changes its links, `solver.space.mesh_orders`;
        the roofline bound does not depend on the order, the exact per-layer bound does, through the links);
        a configuration whose stages fit no partition counts as not fitting without being priced: most of a
