@@ -1,5 +1,6 @@
 """A floor under a configuration's priced step time, whatever stage partition pricing finds: what the search
-compares with the K-th best step time before it builds a stage problem or prices (`StepModel.lower_bound_s`).
+compares with the K-th best step time before it builds a stage problem or prices (`StepModel.priced_above`, which
+stops at the first of `rising_floors` above it; `StepModel.lower_bound_s`, all of them).
 
 `StepModel.price` sums, over pipeline ranks s = 0..pp-1 with t_s the rank's seconds per microbatch (its layers,
 its ends, its sends p2p), m microbatches and v chunks per rank:
@@ -9,7 +10,9 @@ its ends, its sends p2p), m microbatches and v chunks per rank:
 with T every layer's time and both ends' (`LayerTimes.total_s`, the same whatever the partition), dp_s the
 stage's exposed data-parallel sync and opt_s its optimizer step. Each term is bounded on its own:
 
-- pipeline: m max + (S - max) / v grows with max_s t_s (m >= 1 >= 1 / v), and max_s t_s >= S / pp (the mean).
+- pipeline: m max + (S - max) / v grows with max_s t_s (m >= 1 >= 1 / v), and max_s t_s >= S / pp (the mean)
+  and >= the least slowest rank of any split of the layers, each at the fastest layer's time
+  (`slowest_rank_floor_s`).
 - optimizer: AdamW's step over the mean stage's parameters, 1 / pp of all (the busiest holds at least that,
   and the step's time only grows with its bytes, `compute.op_time_s`).
 - data-parallel sync (`dp_sync_floor_s`): pp = 1 has one stage, every layer and both ends, so its sync is
@@ -18,7 +21,9 @@ stage's exposed data-parallel sync and opt_s its optimizer step. Each term is bo
   sums to at least the whole model's in its own buckets, where a collective's time is affine in its bytes
   with a nonnegative intercept (`comm.collective_is_affine`), and their windows sum to the whole backward.
 
-The floor reads the per-layer arrays' cached sums (`cost_model.step_sums`), so it costs the same at any depth.
+A "full" configuration stands for the "full:k" the search bisects to from it as well: its floor takes the layers
+at the least time any of those that can fit takes (`recomputing_layers_s`, `fewest_fitting_layers`) and the sync
+behind "full"'s backward, the longest. The floors read the per-layer arrays' cached sums (`cost_model.step_sums`).
 """
 
 from __future__ import annotations
