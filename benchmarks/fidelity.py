@@ -20,8 +20,12 @@ Rows (sources; what the source leaves unsaid is assumed the same way for every r
                  or 16 per data-parallel rank: microbatches, as 1F1B needs them), ZeRO-1 (the paper shards
                  optimizer states and gradients; the runtime refuses ZeRO-2 with pp, and estimate applies the
                  same rule), and the least recompute (none, selective, full) that the memory model fits in
-                 80 GB, full where none does (the paper does not say). Predicted TFLOP/s per GPU = predicted
-                 MFU x 989.4 TFLOP/s, the dense BF16 peak the paper's 430 = 43% implies.
+                 80 GB, full where none does (the paper does not say). Priced with Megatron-LM's tensor-
+                 parallel layout with sequence parallelism (`plan_from_assignment`; section 3.3.2: column and row
+                 projections, the norms on sequence shards), as the run had it, not the intra-op solver's choice:
+                 under cp the solver solves at whole sequences per rank (ceil(mbs / cp) = 1, 16x the 8K tokens a
+                 cp 16 rank holds at 128K), where it replicates the weights. Predicted TFLOP/s per GPU =
+                 predicted MFU x 989.4 TFLOP/s, the dense BF16 peak the paper's 430 = 43% implies.
 
 Not here yet: a GPT-3 175B row from Megatron-LM's own examples (none found with a published throughput
 that states its whole configuration).
@@ -50,10 +54,13 @@ from rich.table import Table  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ as run by path: megatron_table1 beside it
 import megatron_table1 as table1  # noqa: E402
 
-from autoplan.api import estimate  # noqa: E402
+from autoplan.api import capture_model, plan_from_assignment  # noqa: E402
+from autoplan.cluster import parse_cluster  # noqa: E402
 from autoplan.mesh import MeshShape  # noqa: E402
 from autoplan.models import get_model_config  # noqa: E402
 from autoplan.plan import Plan  # noqa: E402
+from autoplan.solver.intra_op import megatron_assignment  # noqa: E402
+from autoplan.strategies import default_registry  # noqa: E402
 
 OUT = Path(__file__).parent / "out"
 TOLERANCE = 0.15
@@ -86,14 +93,18 @@ def megatron_rows() -> list[Published]:
 
 
 def llama3_price(gpus: int, cp: int, seq: int) -> tuple[Plan, float]:
-    """Llama 3 405B on `gpus` H100 (module docstring): the least recompute that fits, else full."""
+    """Llama 3 405B on `gpus` H100 (module docstring), with Megatron-LM's tensor-parallel layout and sequence
+    parallelism, as the run had it: the least recompute that fits, else full."""
     config = dataclasses.replace(get_model_config("llama3-405b"), max_seq=max(seq, 8192))
+    graph = capture_model(config, seq)
     mesh = MeshShape(pp=16, dp=gpus // (8 * 16 * cp), tp=8, cp=cp)
+    assignment = megatron_assignment(graph, default_registry(), mesh.tp, config.rule_info(), sequence_parallel=True)
+    batch = 16 * 2**20 // seq
     plans = []
     for recompute in RECOMPUTE_ORDER:
-        plans.append(estimate(config, f"{gpus // 8}x8xh100", 16 * 2**20 // seq, seq, mesh=mesh, microbatch_size=1,
-                              zero_stage=1, recompute=recompute, schedule="interleaved-1f1b", virtual_stages=8,
-                              stage_layers=(0,) + (1,) * 126 + (0,)))
+        plans.append(plan_from_assignment(graph, config, parse_cluster(f"{gpus // 8}x8xh100"), mesh, assignment, 1,
+                                          batch // mesh.batch_shards, 1, recompute, schedule="interleaved-1f1b",
+                                          virtual_stages=8, stage_layers=(0,) + (1,) * 126 + (0,)))
         if plans[-1].predicted.peak_memory_bytes <= plans[-1].cluster.device.memory_bytes:
             break
     return plans[-1], plans[-1].predicted.mfu * H100_BF16_PEAK_TFLOPS

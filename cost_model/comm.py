@@ -154,3 +154,9 @@ def group_collective_time_s(kind: str, nbytes: float, cluster: ClusterSpec, grou
     bandwidth = min(intra.bandwidth_bytes_per_s, per_node * inter.bandwidth_bytes_per_s)
     passes = 2 if kind == "all_reduce" else 1
     return call_s + formula(nbytes, n, bandwidth, 0.0) + passes * hops
+
+
+def collective_is_affine(group: AxisGroup, measured: CollectiveCalibration | None) -> bool:
+    """Whether `group_collective_time_s` over `group` is a + b * bytes with a >= 0 at every size: the ring
+    formula, plus latencies and the call's fixed cost. A profile's samples inside a node are only monotone."""
+    return measured is None or group.nodes > 1 or group.size == 1

@@ -96,6 +96,7 @@ from autoplan.models.config import ModelConfig
 from autoplan.cost_model.parts import BlockCosts, PartCost
 from autoplan.plan import MemoryBreakdown, TimeBreakdown
 from autoplan.cost_model.step_config import ITEMSIZE, Config
+from autoplan.cost_model.step_bounds import rising_floors, step_time_floor_s
 from autoplan.cost_model.step_sums import LayerStates, LayerTimes, flat_value, prefix_sums, range_peak
 
 
@@ -166,6 +167,7 @@ class StepModel:
         self._links_of: dict[MeshShape, tuple[AxisGroup, ...]] = {}
         self._schedules: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._p2p: dict[tuple, float] = {}
+        self.floor_memo: dict[tuple, float] = {}  # `cost_model.step_bounds`' slowest-rank floors
 
     def group(self, cfg: Config, axes: tuple[str, ...]) -> AxisGroup:
         key = (cfg.pp, cfg.dp, cfg.ep, cfg.cp, cfg.tp, cfg.order, axes, cfg.etp)  # etp: the tp halves' sizes
@@ -252,21 +254,18 @@ class StepModel:
                                         temporary_bytes(block.comm_buffer_bytes, largest, cfg.zero_stage, self.state))
         return self._states[key]
 
-    def lower_bound_s(self, block: BlockCosts, cfg: Config) -> float:
-        """The pipeline formula at the mean stage with this solution's exact per-layer times (no sync), plus
-        the optimizer step of the mean stage: `price` adds the busiest stage's, which holds at least the
-        mean's parameters, and the step's time only grows with its bytes (`op_time_s`)."""
-        total = self.times(block, cfg).total_s
-        return (cfg.num_microbatches + (cfg.pp - 1) / cfg.virtual_stages) * total / cfg.pp + self._optimizer_floor_s(
-            block, cfg)
+    def lower_bound_s(self, block: BlockCosts, cfg: Config, fewer_recomputed: int = 0) -> float:
+        """A floor under `price(block, cfg).step_time_s` whatever partition the stage DP picks
+        (`cost_model.step_bounds`, where each part is argued); `fewer_recomputed` = j > 0: under every "full:k"
+        with k >= j as well (`cfg` recomputing "full")."""
+        return step_time_floor_s(self, block, cfg, fewer_recomputed)
 
-    def _optimizer_floor_s(self, block: BlockCosts, cfg: Config) -> float:
-        """AdamW's step over 1 / pp of every parameter (the ends' too)."""
-        st = self.states(block, cfg)
-        params = float(st.prefix["dense"][-1] + st.prefix["expert"][-1]) + sum(st.pre[:2]) + sum(st.post[:2])
-        return self._optimizer_s(cfg, params / cfg.pp)
+    def priced_above(self, block: BlockCosts, cfg: Config, limit_s: float, fewer_recomputed: int = 0) -> bool:
+        """Whether `lower_bound_s` exceeds `limit_s`, its costlier parts found only while needed: what the search
+        asks before pricing."""
+        return any(floor > limit_s for floor in rising_floors(self, block, cfg, fewer_recomputed))
 
-    def _optimizer_s(self, cfg: Config, params: float) -> float:
+    def optimizer_s(self, cfg: Config, params: float) -> float:
         """AdamW's step over a stage's `params` (ZeRO 1-3: this rank's 1 / data-ranks share of them)."""
         shard = cfg.data_ranks if cfg.zero_stage >= 1 else 1
         opt_bytes = adamw_step_bytes(self.state.grad, self.state.weight) * params / shard
@@ -278,14 +277,18 @@ class StepModel:
         both ends' model states, pp temporaries, and the activations held f_min times (f_min: the fewest
         microbatches in flight on any rank; transients >= 0), so the busiest holds at least their mean.
         O(1) from the cached sums: the search drops a configuration whose floor exceeds the device before
-        it builds a stage problem, most of a deep model's misfits."""
-        t, st = self.times(block, cfg), self.states(block, cfg)
-        in_flight, _ = self._schedule(cfg)
+        it builds a stage problem, most of a deep model's misfits. The activations are the block's, which the
+        order's links do not change: read without the per-layer times (`times`), one set per order."""
+        st, spread = self.states(block, cfg), cfg.mesh.expert_parallel > 1
+        key = ("held", id(block), cfg.recompute, cfg.context_parallel, spread)
+        if key not in self.floor_memo:  # as `times` holds them: the busiest rank's, both ends included
+            held = block.activations(cfg.recompute, cfg.context_parallel, spread)
+            self.floor_memo[key] = float(held["activation"].sum()) + held["pre"] + held["post"]
+        in_flight, _ = self.schedule(cfg)
         states = sum(float(st.prefix[k][-1]) for k in ("weights", "grads", "optimizer")) + sum(st.pre[2:]) + sum(st.post[2:])
-        held = float(t.prefix["activation"][-1]) + sum(t.ends_bytes)
-        return (states + float(in_flight.min()) * held) / cfg.pp + st.temporary
+        return (states + float(in_flight.min()) * self.floor_memo[key]) / cfg.pp + st.temporary
 
-    def _schedule(self, cfg: Config) -> tuple[np.ndarray, np.ndarray]:
+    def schedule(self, cfg: Config) -> tuple[np.ndarray, np.ndarray]:
         """Microbatches in flight and the fewest layers per pipeline rank: what the schedule alone decides."""
         pp, m, v = cfg.pp, cfg.num_microbatches, cfg.virtual_stages
         if (pp, m, v) not in self._schedules:  # asked per configuration
@@ -299,18 +302,25 @@ class StepModel:
         return self._problem(block, cfg, self.times(block, cfg), self.states(block, cfg))
 
     def _problem(self, block: BlockCosts, cfg: Config, t: LayerTimes, st: LayerStates) -> StageProblem:
-        pp, v = cfg.pp, cfg.virtual_stages
-        boundary = block.boundary_full_bytes / cfg.tp  # Megatron's scatter / gather: 1 / tp of it per rank
-        if (cfg.mesh, v, boundary) not in self._p2p:  # the pp link's lookup, once per mesh
-            self._p2p[(cfg.mesh, v, boundary)] = p2p_per_microbatch_s(boundary, self.env.cluster, cfg.mesh, v,
-                                                                      self.env.efficiency.collective_call_s)
-        p2p = self._p2p[(cfg.mesh, v, boundary)]
+        pp, p2p = cfg.pp, self.p2p_s(block, cfg)
         first = Part(t.pre_s, sum(st.pre[2:]), t.ends_bytes[0])
         last = Part(t.post_s, sum(st.post[2:]), t.ends_bytes[1])
         activation = np.diff(t.prefix["activation"])
-        in_flight, min_layers = self._schedule(cfg)
+        in_flight, min_layers = self.schedule(cfg)
         return StageProblem(t.time, st.static, activation, t.transient, in_flight, self.env.memory_limit_bytes,
                             first, last, np.full(pp, p2p), np.full(pp, st.temporary), min_layers)
+
+    def p2p_s(self, block: BlockCosts, cfg: Config) -> float:
+        """The sends each pipeline rank pays per microbatch (`pipeline.p2p_per_microbatch_s`): they read of the
+        mesh whether it pipelines and whether a pp group leaves its node (the link), asked per configuration."""
+        if cfg.pp == 1:
+            return 0.0
+        v, boundary = cfg.virtual_stages, block.boundary_full_bytes / cfg.tp  # Megatron's scatter / gather: 1 / tp
+        key = (v, boundary, self.group(cfg, ("pp",)).nodes > 1)
+        if key not in self._p2p:
+            self._p2p[key] = p2p_per_microbatch_s(boundary, self.env.cluster, cfg.mesh, v,
+                                                  self.env.efficiency.collective_call_s)
+        return self._p2p[key]
 
     def _ranges(self, block: BlockCosts, cfg: Config, problem: StageProblem) -> list[list[tuple[int, int]]]:
         """Layer ranges of each pipeline rank, chunk by chunk: the given partition, else the stage DP's layers
@@ -401,7 +411,7 @@ class StepModel:
             "buckets": sum(b - a for a, b in ranges) + 1, "weights": sums["weights"], "grads": sums["grads"],
             "optimizer_states": sums["optimizer"], "activations": activations, "temporary": temporary,
             "imbalance": imbalance, "memory": states + activations + imbalance + temporary,
-            "optimizer": self._optimizer_s(cfg, sums["dense"] + sums["expert"]),
+            "optimizer": self.optimizer_s(cfg, sums["dense"] + sums["expert"]),
         }
 
     def _dp_exposed_s(self, cfg: Config, sums: dict[str, float], memo: dict[tuple, float]) -> float:
@@ -415,18 +425,10 @@ class StepModel:
     def dp_sync_parts(self, cfg: Config, sums: dict[str, float]) -> dict[str, float]:
         """The exposed data-parallel sync of one stage (`_stage_sums`), by part (module docstring):
         seconds."""
-        groups = ((sums["dense"], self.group(cfg, ("dp", "ep", "cp"))), (sums["expert"], self.group(cfg, ("dp", "cp"))))
+        groups = self.dp_groups(cfg, sums)
 
         def collective(kind: str, bytes_per_param: float) -> tuple[float, float, float]:
-            """(all buckets' seconds, the largest bucket's, the most buckets of a group) of `kind`
-            (FSDP2's units under ZeRO 3: one per layer and one for the ends)."""
-            total = last = most = 0.0
-            for count, g in groups:
-                if count and g.size > 1:
-                    n = sums["buckets"] if cfg.zero_stage == 3 else bucket_count(count * self.state.grad)
-                    each = self.env.efficiency.collective_s(kind, bytes_per_param * count / n, self.env.cluster, g)
-                    total, last, most = total + n * each, max(last, each), max(most, n)
-            return total, last, most
+            return self.dp_traffic(cfg, sums, groups, kind, bytes_per_param)
 
         def hidden_behind(traffic: tuple[float, float, float], window: float) -> float:
             """The last bucket never hides; a bucket cannot start before backward has made it: with
@@ -449,6 +451,23 @@ class StepModel:
                 "backward all-gathers and reduce-scatters (FSDP2)": m * hidden_behind(
                     (ag[0] + rs[0], ag[1] + rs[1], ag[2]), window_b),
                 "all-gather and reduce-scatter copies (FSDP2)": m * self._fsdp_copies_s(groups)}
+
+    def dp_groups(self, cfg: Config, sums: dict[str, float]) -> tuple[tuple[float, AxisGroup], ...]:
+        """(parameters, group) of the dense and the expert parameters' data-parallel sync."""
+        return (sums["dense"], self.group(cfg, ("dp", "ep", "cp"))), (sums["expert"], self.group(cfg, ("dp", "cp")))
+
+    def dp_traffic(self, cfg: Config, sums: dict[str, float], groups, kind: str,
+                   bytes_per_param: float) -> tuple[float, float, float]:
+        """(all buckets' seconds, the largest bucket's, the most buckets of a group) of `kind` over `groups`
+        (`dp_groups`): each group's parameters in n buckets of 1 / n each (FSDP2's units under ZeRO 3: one per
+        layer and one for the ends)."""
+        total = last = most = 0.0
+        for count, g in groups:
+            if count and g.size > 1:
+                n = sums["buckets"] if cfg.zero_stage == 3 else bucket_count(count * self.state.grad)
+                each = self.env.efficiency.collective_s(kind, bytes_per_param * count / n, self.env.cluster, g)
+                total, last, most = total + n * each, max(last, each), max(most, n)
+        return total, last, most
 
     def _fsdp_copies_s(self, groups) -> float:
         """Seconds of FSDP2's copies around one microbatch's collectives (module docstring, ZeRO 3)."""

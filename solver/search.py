@@ -11,11 +11,14 @@
        and stop once that bound exceeds the K-th best step time found;
     4. per key: solve the intra-op problem (`solver.intra_op.solve_tp`; under 1 < etp < tp the etp = 1 solve's choice,
        the same problem up to a constant, `SearchContext._folded_ilp_solution`) and price each configuration whose
-       bound with the solution's exact per-layer times stays below the K-th best; for tp > 1, price
+       floor with the solution's exact per-layer times stays below the K-th best (`StepModel.priced_above`,
+       `cost_model.step_bounds`: the pipeline with its sends and its slowest rank's least time, the optimizer step,
+       the data-parallel sync at its least; for "full", a floor under the "full:k" it leads to as well); for tp > 1, price
        the configurations that did not fit again with Megatron-LM's assignment with sequence
        parallelism, whose lower activation memory can fit where the time-optimal assignment does not;
        where recomputing every layer fits and recomputing none does not, the fewest layers "full:k" that fit
-       (bisection over k: memory falls and time grows with k)
+       (bisection over k: memory falls and time grows with k; a k that fits no partition is a miss without
+       pricing, and the bisection stops once the floor under every k left exceeds the K-th best)
        (each mesh comes in each order of its axes over ranks that changes its links, `solver.space.mesh_orders`;
        the roofline bound does not depend on the order, the exact per-layer bound does, through the links);
        a configuration whose stages fit no partition counts as not fitting without being priced: most of a
@@ -110,15 +113,26 @@ def _keys(configs: list[Config], flops: FlopsPerSequence, peak: float) -> list[t
     return sorted(found, key=lambda entry: (entry[0], entry[1]))
 
 
-def _fewest_recomputed_layers(ctx: SearchContext, block, cfg: Config, ranking: _Best) -> int:
+def _fewest_recomputed_layers(ctx: SearchContext, block, cfg: Config, ranking: _Best, fitted: dict) -> int:
     """Where "full" fits and "none" does not: price "full:k" for the fewest layers k that fit, by bisection
-    (fewer recomputed layers keep more and re-run less), and rank it; returns how many were priced."""
-    if ctx.steps.price(block, cfg.replace(recompute="none")).fits:
-        return 1  # nothing need be recomputed: "none" is ranked on its own
-    fits, misses, found, priced = block.num_layers, 0, None, 1
-    while fits - misses > 1:
+    (fewer recomputed layers keep more and re-run less), and rank it; returns how many were priced.
+    `fitted`: whether each (block, configuration) priced or found unable to fit so far fits. What cannot fit
+    any partition (`_cannot_fit`) is a miss without pricing; the bisection ends early once the floor under
+    every "full:k" left (k above the most found not to fit) exceeds the K-th best: it would rank nothing."""
+    priced = 0
+    plain = cfg.replace(recompute="none")
+    if fitted.get((id(block), plain)) is None and not _cannot_fit(ctx, block, plain):
+        fitted[(id(block), plain)], priced = ctx.steps.price(block, plain).fits, 1
+    if fitted.get((id(block), plain), False):
+        return priced  # nothing need be recomputed: "none" is ranked on its own
+    fits, misses, found = block.num_layers, 0, None
+    while fits - misses > 1 and not ctx.steps.priced_above(block, cfg, ranking.threshold_s(), misses + 1):
         middle = (fits + misses) // 2
-        candidate = ctx.steps.price(block, cfg.replace(recompute=f"full:{middle}"))
+        candidate = cfg.replace(recompute=f"full:{middle}")
+        if _cannot_fit(ctx, block, candidate):
+            misses = middle
+            continue
+        candidate = ctx.steps.price(block, candidate)
         priced += 1
         fits, misses, found = (middle, misses, candidate) if candidate.fits else (fits, middle, found)
     if found is not None:
@@ -134,6 +148,7 @@ def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Best, report: Pr
     pruned = priced_count = 0
     smallest: Priced | None = None
     unpriced: list = []  # (block, configuration) that cannot fit, not priced
+    fitted: dict[tuple, bool] = {}  # (id(block), configuration): whether it fits, where priced or found unable to
     for done, (key_bound, (tp, microbatch, etp), items) in enumerate(keys, 1):
         if key_bound > ranking.threshold_s():
             return pruned + sum(len(entry[2]) for entry in keys[done - 1:]), priced_count, len(unpriced), smallest
@@ -155,25 +170,30 @@ def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Best, report: Pr
                     # verdict would change nothing but this count (the order's links move no byte)
                     unpriced.append((block, cfg))
                     continue
+                # "full" leads to the fewest "full:k" that fit where "none" does not: a floor under those too
+                fewer = int(partial and cfg.recompute == "full" and not fitted.get((id(block), cfg.replace(
+                    recompute="none")), False))
                 if ((spread is None or ctx.costs_no_less(spread)) and
-                        ctx.steps.lower_bound_s(block, cfg) > ranking.threshold_s()):
+                        ctx.steps.priced_above(block, cfg, ranking.threshold_s(), fewer)):
                     pruned += variant == VARIANT_ILP
                     continue
                 if spread is not None:
                     block = ctx.block(tp, microbatch, variant, mesh=cfg.mesh, etp=etp)
-                    if ctx.steps.lower_bound_s(block, cfg) > ranking.threshold_s():
+                    if ctx.steps.priced_above(block, cfg, ranking.threshold_s(), fewer):
                         pruned += variant == VARIANT_ILP
                         continue
                 if _cannot_fit(ctx, block, cfg):
                     unpriced.append((block, cfg))
                     misfits.append((bound, cfg))
+                    fitted[(id(block), cfg)] = False
                     continue
                 priced = ctx.steps.price(block, cfg)
                 priced_count += 1
+                fitted[(id(block), cfg)] = priced.fits
                 if priced.fits:
                     ranking.add(priced)
                     if partial and cfg.recompute == "full":
-                        priced_count += _fewest_recomputed_layers(ctx, block, cfg, ranking)
+                        priced_count += _fewest_recomputed_layers(ctx, block, cfg, ranking, fitted)
                     continue
                 misfits.append((bound, cfg))
                 if smallest is None or priced.peak_memory_bytes < smallest.peak_memory_bytes:

@@ -136,3 +136,22 @@ def test_the_search_counts_configurations_it_does_not_make(monkeypatch):
     # 96 layers of 175B: more than half cannot fit; those are counted, and only one probe per group is made
     assert len(fitting) < count / 2 and len(made) - len(fitting) < (count - len(fitting)) / 5
     assert search_module.fitting_configs is fitting_configs
+
+
+@pytest.mark.parametrize("layers", [24, 96])
+def test_the_step_floors_change_no_plan(gpt3_graphs, monkeypatch, layers):
+    """With the time floors (`cost_model.step_bounds`: sends, data-parallel sync, slowest rank, the "full:k" a
+    "full" leads to) and with none but the roofline's: the same top 3 plans, step times and ranked
+    configurations (baselines on), and far fewer configurations priced with them."""
+    config, graph = gpt3_graphs[layers]
+
+    def run():
+        return search_plans(config, "16x8xh100", 128, 2048, graph=graph, info=config.rule_info(), top=3)
+
+    with_floors = run()
+    monkeypatch.setattr(StepModel, "priced_above", lambda self, block, cfg, limit_s, fewer_recomputed=0: False)
+    without = run()
+    assert [p.config for p in with_floors.priced] == [p.config for p in without.priced]
+    assert [p.step_time_s for p in with_floors.priced] == [p.step_time_s for p in without.priced]  # exactly
+    assert list(map(_without_provenance, with_floors.plans)) == list(map(_without_provenance, without.plans))
+    assert with_floors.stats.priced * 10 < without.stats.priced
