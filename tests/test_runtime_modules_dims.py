@@ -90,7 +90,9 @@ CASES = [
     Case("mha-tp2", "mha", tp=2),
     Case("mha-pp2", "mha", pp=2, microbatches=2),
     Case("hand-dp2-zero2", "hand", dp=2, zero=2),
+    Case("mha-searched", "mha"),  # the plan search_module_plans picks on 2 CPU ranks (SEARCHED)
 ]
+SEARCHED = "mha-searched"
 
 
 def _configs() -> dict:
@@ -126,12 +128,17 @@ def _hand_model(name: str, device: str = "cpu"):
 
 
 def _plan(case: Case, graph, summary):
-    from autoplan.api import plan_from_assignment
+    from autoplan.api import plan_from_assignment, search_module_plans
     from autoplan.capture.hf_rules import hf_registry
     from autoplan.cluster import parse_cluster
     from autoplan.solver.intra_op import megatron_assignment
     from autoplan.strategies import strategy_info
 
+    if case.name == SEARCHED:  # planned as a transformers model is, from the module and its summary
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return search_module_plans(_hand_model(case.model, "meta"), "1x2xcpu", B, T, config=summary,
+                                       dtype="float32", baselines=False).plans[0]
     registry, info = hf_registry(), strategy_info(summary.rule_info(), case.tp, case.tp)
     assignment = {}
     if case.tp > 1 and case.model == "gpt2":
@@ -186,7 +193,7 @@ def _run_case(rank: int, case: Case, plan, setup_: dict) -> dict:
     import autoplan
 
     model, checkpoint = _build(case, setup_["dirs"])
-    program = autoplan.parallelize(model, f"1x{case.mesh.world_size}xcpu", plan, checkpoint=checkpoint)
+    program = autoplan.parallelize(model, f"1x{plan.mesh.world_size}xcpu", plan, checkpoint=checkpoint)
     optimizer = program.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
     tokens, losses = setup_["tokens"], []
     for step in range(STEPS + 1):
@@ -210,7 +217,7 @@ def _ranks(rank: int, world: int, names: list[str], setup_: dict) -> dict:
 @pytest.fixture(scope="module")
 def runs(setup) -> list[dict]:
     """Every case's results on each rank (all cases run on 2 ranks): [rank 0's dict, rank 1's]."""
-    assert {c.mesh.world_size for c in CASES} == {2}
+    assert {p.mesh.world_size for p in setup["plans"].values()} == {2}
     shared = {k: setup[k] for k in ("dirs", "tokens", "plans")}
     return spawn(_ranks, 2, [c.name for c in CASES], shared)
 
@@ -252,3 +259,16 @@ def test_multihead_attention_is_priced_and_runs_replicated(setup):
     with pytest.raises(PlanError, match=r"module 'decoder.1.attn' \(nn.MultiheadAttention\).*fused in_proj_weight"
                                         r".*plan 'replicate' for the ops of 'decoder.1.attn', or tp=1"):
         check_module_plan(dataclasses.replace(plan, ops=ops), model)
+
+
+def test_a_hand_written_module_is_searched_like_a_transformers_model(setup):
+    """search_module_plans on the nn.MultiheadAttention model and its ModelConfig: the plan runs
+    (test_matches_transformers_in_one_process[mha-searched]) and says what was searched; without the
+    ModelConfig, a PlanError says what to pass."""
+    from autoplan.api import MODULE_SPACE_NOTE, search_module_plans
+
+    plan = setup["plans"][SEARCHED]
+    assert plan.mesh.world_size == 2 and plan.provenance.notes[-1] == MODULE_SPACE_NOTE
+    with pytest.raises(PlanError, match=r"planning MhaLM, a module without a transformers config, needs "
+                                        r"config=ModelConfig\(.*\) describing it \(config=None\); or pass a plan"):
+        search_module_plans(_hand_model("mha", "meta"), "1x2xcpu", B, T, dtype="float32")
