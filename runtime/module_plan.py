@@ -54,6 +54,9 @@ are each a replicated region (ep splits the experts over other ranks: `runtime.m
 plan's other MoE strategies (ffn, sequence, expert) are refused. Linears the block holds itself
 (Qwen2-MoE's shared-expert gate) are replicated one by one; its shared experts are a region as any MLP.
 
+torch's nn.MultiheadAttention: one replicated region (its forward uses its fused in_proj_weight and
+out_proj's weight itself, so the plan's ops of both run in its own path); a plan splitting one is refused.
+
 The loss: the strategy of the plan's cross-entropy op (vocab: `loss_parallel` on logits split on
 the vocabulary; sequence: each rank's tokens, then the mean over tp; replicate: whole logits).
 """
