@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
@@ -193,12 +194,21 @@ def search_plans(model: ModelConfig | str, cluster: ClusterSpec | str, global_ba
                       progress=progress, graph=graph_source(config, seq_len, dtype, graph), info=info)
 
 
-def search(model: ModelConfig | str, cluster: ClusterSpec | str, global_batch: int, seq_len: int, *,
+def search(model: "ModelConfig | str | torch.nn.Module", cluster: ClusterSpec | str, global_batch: int, seq_len: int, *,
            dtype: str = "bfloat16", fold: bool = True, time_limit_s: float = 60.0, progress: Progress | None = None,
            max_microbatch_size: int = 16, options: "SearchOptions | None" = None,
            efficiency: Efficiency | None = None, registry: StrategyRegistry | None = None,
-           profile: "HardwareProfile | None" = None, kernels: str = "auto") -> Plan:
-    """The fastest plan that fits; InfeasibleError, with the numbers and what would help, when none does."""
+           profile: "HardwareProfile | None" = None, kernels: str = "auto", config: ModelConfig | None = None) -> Plan:
+    """The fastest plan that fits; InfeasibleError, with the numbers and what would help, when none does.
+    `model` may also be an nn.Module (a transformers causal LM, or a hand-written module with `config=`
+    its ModelConfig): the fastest plan the runtime for your own module runs (`search_module_plans`, in the
+    module's own dtype); a zoo module is planned from its config."""
+    if _is_module(model) and is_zoo_model(model):
+        model = getattr(model, "config", model)
+    elif _is_module(model):
+        return search_module_plans(model, cluster, global_batch, seq_len, config=config, progress=progress,
+                                   fold=fold, time_limit_s=time_limit_s, profile=profile, kernels=kernels,
+                                   options=options or module_search_options(max_microbatch_size)).plans[0]
     check_arguments("search", locals())
     return search_plans(model, cluster, global_batch, seq_len, dtype=dtype, fold=fold, time_limit_s=time_limit_s,
                         progress=progress, max_microbatch_size=max_microbatch_size, options=options,
@@ -280,6 +290,12 @@ def parallelize(model, cluster: "ClusterSpec | str", plan: "Plan | str | None" =
                              timeout_s=timeout_s)
     return parallelize_module_program(model, plan, cluster=cluster, checkpoint=checkpoint, timeout_s=timeout_s,
                                       check_finite=check_finite)
+
+
+def _is_module(model) -> bool:
+    """An nn.Module (torch is imported wherever one exists, so this never imports it)."""
+    nn = sys.modules.get("torch.nn")
+    return nn is not None and isinstance(model, nn.Module)
 
 
 def is_zoo_model(model) -> bool:

@@ -262,10 +262,11 @@ def test_multihead_attention_is_priced_and_runs_replicated(setup):
 
 
 def test_a_hand_written_module_is_searched_like_a_transformers_model(setup):
-    """search_module_plans on the nn.MultiheadAttention model and its ModelConfig: the plan runs
+    """search_module_plans (and autoplan.search) on the nn.MultiheadAttention model and its ModelConfig: the plan runs
     (test_matches_transformers_in_one_process[mha-searched]), says what was searched and, under tp,
     names the attention it leaves replicated with its share of the FLOPs; without the
     ModelConfig, a PlanError says what to pass."""
+    import autoplan
     from autoplan.api import MODULE_SPACE_NOTE, search_module_plans
 
     plan = setup["plans"][SEARCHED]
@@ -273,6 +274,10 @@ def test_a_hand_written_module_is_searched_like_a_transformers_model(setup):
     if plan.mesh.tp > 1:  # the attention priced and named where it stays replicated
         assert any("no sharding rule" in n and "2 x other scaled_dot_product_attention" in n
                    for n in plan.provenance.notes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        searched = autoplan.search(_hand_model("mha", "meta"), "1x2xcpu", B, T, config=setup["graphs"]["mha"][1])
+    assert searched.mesh == plan.mesh  # autoplan.search takes the module too
     with pytest.raises(PlanError, match=r"planning MhaLM, a module without a transformers config, needs "
                                         r"config=ModelConfig\(.*\) describing it \(config=None\); or pass a plan"):
         search_module_plans(_hand_model("mha", "meta"), "1x2xcpu", B, T, dtype="float32")
