@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
@@ -193,12 +194,21 @@ def search_plans(model: ModelConfig | str, cluster: ClusterSpec | str, global_ba
                       progress=progress, graph=graph_source(config, seq_len, dtype, graph), info=info)
 
 
-def search(model: ModelConfig | str, cluster: ClusterSpec | str, global_batch: int, seq_len: int, *,
+def search(model: "ModelConfig | str | torch.nn.Module", cluster: ClusterSpec | str, global_batch: int, seq_len: int, *,
            dtype: str = "bfloat16", fold: bool = True, time_limit_s: float = 60.0, progress: Progress | None = None,
            max_microbatch_size: int = 16, options: "SearchOptions | None" = None,
            efficiency: Efficiency | None = None, registry: StrategyRegistry | None = None,
-           profile: "HardwareProfile | None" = None, kernels: str = "auto") -> Plan:
-    """The fastest plan that fits; InfeasibleError, with the numbers and what would help, when none does."""
+           profile: "HardwareProfile | None" = None, kernels: str = "auto", config: ModelConfig | None = None) -> Plan:
+    """The fastest plan that fits; InfeasibleError, with the numbers and what would help, when none does.
+    `model` may also be an nn.Module (a transformers causal LM, or a hand-written module with `config=`
+    its ModelConfig): the fastest plan the runtime for your own module runs (`search_module_plans`, in the
+    module's own dtype); a zoo module is planned from its config."""
+    if _is_module(model) and is_zoo_model(model):
+        model = getattr(model, "config", model)
+    elif _is_module(model):
+        return search_module_plans(model, cluster, global_batch, seq_len, config=config, progress=progress,
+                                   fold=fold, time_limit_s=time_limit_s, profile=profile, kernels=kernels,
+                                   options=options or module_search_options(max_microbatch_size)).plans[0]
     check_arguments("search", locals())
     return search_plans(model, cluster, global_batch, seq_len, dtype=dtype, fold=fold, time_limit_s=time_limit_s,
                         progress=progress, max_microbatch_size=max_microbatch_size, options=options,
@@ -255,8 +265,8 @@ def parallelize(model, cluster: "ClusterSpec | str", plan: "Plan | str | None" =
     of such a checkpoint directory (the model is built on meta from its config.json and loaded).
     `plan` may be a Plan or the path of a plan file. Without a plan, `global_batch` and `seq_len`
     are required: a zoo model is planned from its config; a transformers model is captured
-    (`capture_hf_for_planner`) and the first of the `top` best plans the module runtime can run
-    is taken. Must run inside an initialised torch.distributed job (torchrun) or one this call
+    (`capture_hf_for_planner`), a hand-written module too (`capture_hf`, with `config=` its
+    ModelConfig), and the first of the `top` best plans the module runtime can run is taken. Must run inside an initialised torch.distributed job (torchrun) or one this call
     can initialise from the environment.
 
     `timeout_s` bounds how long any collective waits for the other ranks (the timeout of the process
@@ -276,9 +286,16 @@ def parallelize(model, cluster: "ClusterSpec | str", plan: "Plan | str | None" =
     from autoplan.runtime.module_launch import agree_on_plan, parallelize_module_program
 
     if plan is None:  # planned once, on rank 0
-        plan = agree_on_plan(lambda: plan_module(model, cluster, global_batch, seq_len, top=top), timeout_s=timeout_s)
+        plan = agree_on_plan(lambda: plan_module(model, cluster, global_batch, seq_len, top=top, config=config),
+                             timeout_s=timeout_s)
     return parallelize_module_program(model, plan, cluster=cluster, checkpoint=checkpoint, timeout_s=timeout_s,
                                       check_finite=check_finite)
+
+
+def _is_module(model) -> bool:
+    """An nn.Module (torch is imported wherever one exists, so this never imports it)."""
+    nn = sys.modules.get("torch.nn")
+    return nn is not None and isinstance(model, nn.Module)
 
 
 def is_zoo_model(model) -> bool:
@@ -322,21 +339,22 @@ def module_search_options(max_microbatch_size: int = 16) -> SearchOptions:
 
 
 def search_module_plans(model, cluster: ClusterSpec | str, global_batch: int, seq_len: int, *, top: int = 1,
-                        candidates: int = 8, dtype: str | None = None, **search) -> SearchResult:
-    """The `top` best plans for the transformers `model` (on meta or with weights) that the module
-    runtime runs: a search over `module_search_options` on the model's captured graph for the
-    max(top, candidates) best, of which the first `top` that `check_module_plan` accepts are kept
-    (it refuses some for the model itself, such as dropout under tp, or tied weights that tp would hold differently). `dtype`:
-    the model's parameter dtype when None. `search`: more keywords of `search_plans` (progress,
-    profile, kernels, baselines, fold, time_limit_s). PlanError naming why each was refused when
-    none is accepted."""
-    from autoplan.capture.hf import capture_hf_for_planner
+                        candidates: int = 8, dtype: str | None = None, config: ModelConfig | None = None,
+                        **search) -> SearchResult:
+    """The `top` best plans for `model` (on meta or with weights) that the module runtime runs: a search
+    over `module_search_options` on the model's captured graph for the max(top, candidates) best, of
+    which the first `top` that `check_module_plan` accepts are kept (it refuses some for the model
+    itself, such as dropout under tp, or tied weights that tp would hold differently). `model`: a
+    transformers causal LM, or a hand-written module whose forward(input_ids, labels, use_cache) returns
+    the loss, with `config` (`_module_graph`). `dtype`: the model's parameter dtype when None.
+    `search`: more keywords of `search_plans` (progress, profile, kernels, baselines, fold,
+    time_limit_s). PlanError naming why each was refused when none is accepted."""
     from autoplan.capture.hf_rules import hf_registry
     from autoplan.runtime.module_launch import check_module_plan
 
     cluster = parse_cluster(cluster) if isinstance(cluster, str) else cluster
     dtype = dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
-    summary, graph, info = capture_hf_for_planner(model.config, seq_len, dtype)
+    summary, graph, info = _module_graph(model, seq_len, dtype, config)
     search.setdefault("options", module_search_options())
     found = search_plans(summary, cluster, global_batch, seq_len, top=max(top, candidates), dtype=dtype,
                          graph=graph, info=info, registry=hf_registry(), **search)
@@ -352,6 +370,24 @@ def search_module_plans(model, cluster: ClusterSpec | str, global_batch: int, se
     return dataclasses.replace(found, plans=tuple(_noted(plan, MODULE_SPACE_NOTE) for plan in runnable[:top]))
 
 
+def _module_graph(model, seq_len: int, dtype: str, config: ModelConfig | None):
+    """(summary, graph, rule info) for the planner: a transformers model's from its config
+    (`capture_hf_for_planner`); a hand-written module's graph exported as it is (`capture_hf`), its
+    summary the `config` the caller gives (the sizes the strategy rules and the memory model read)."""
+    import torch
+
+    from autoplan.capture.hf import capture_hf, capture_hf_for_planner
+
+    hf_config = getattr(model, "config", None)
+    if hasattr(hf_config, "to_dict"):
+        return capture_hf_for_planner(hf_config, seq_len, dtype)
+    if not isinstance(config, ModelConfig):
+        raise PlanError(f"planning {type(model).__name__}, a module without a transformers config, needs "
+                        f"config=ModelConfig(name, family, layers, hidden, heads, kv_heads, ffn_hidden, vocab, "
+                        f"max_seq) describing it (config={shown(config)}); or pass a plan")
+    return config, capture_hf(model, 1, seq_len, getattr(torch, dtype)), config.rule_info()
+
+
 MODULE_SPACE_NOTE = ("searched the space the runtime for your own module runs: pp, dp and tp (sequence parallel "
                      "variants), cp, ZeRO 0-3, microbatching, recompute, ep (over data-parallel ranks)")
 
@@ -362,15 +398,11 @@ def _noted(plan: Plan, note: str) -> Plan:
 
 
 def plan_module(model, cluster: ClusterSpec, global_batch: int | None, seq_len: int | None, *,
-                top: int = 8) -> "Plan":
-    """The fastest of the `top` best plans for a transformers `model` that the module runtime runs
-    (`search_module_plans`)."""
-    from autoplan.errors import PlanError
-
-    config = getattr(model, "config", None)
-    if global_batch is None or seq_len is None or not hasattr(config, "to_dict"):
-        raise PlanError(f"parallelize without a plan needs global_batch= and seq_len=, and plans only "
-                        f"transformers models (this is {type(model).__name__}); for another module, "
-                        f"pass plan= (e.g. from autoplan.api.estimate on capture_hf(model, ...))")
-    return search_module_plans(model, cluster, global_batch, seq_len, top=1, candidates=top,
+                top: int = 8, config: ModelConfig | None = None) -> "Plan":
+    """The fastest of the `top` best plans for `model` that the module runtime runs
+    (`search_module_plans`; `config`: a hand-written module's summary)."""
+    if global_batch is None or seq_len is None:
+        raise PlanError(f"parallelize without a plan needs global_batch= and seq_len= (given {global_batch}, "
+                        f"{seq_len}) to plan {type(model).__name__}; or pass plan=")
+    return search_module_plans(model, cluster, global_batch, seq_len, top=1, candidates=top, config=config,
                                baselines=False).plans[0]

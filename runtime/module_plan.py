@@ -54,6 +54,9 @@ are each a replicated region (ep splits the experts over other ranks: `runtime.m
 plan's other MoE strategies (ffn, sequence, expert) are refused. Linears the block holds itself
 (Qwen2-MoE's shared-expert gate) are replicated one by one; its shared experts are a region as any MLP.
 
+torch's nn.MultiheadAttention: one replicated region (its forward uses its fused in_proj_weight and
+out_proj's weight itself, so the plan's ops of both run in its own path); a plan splitting one is refused.
+
 The loss: the strategy of the plan's cross-entropy op (vocab: `loss_parallel` on logits split on
 the vocabulary; sequence: each rank's tokens, then the mean over tp; replicate: whole logits).
 """
@@ -143,10 +146,11 @@ def module_plan(plan: Plan, model: nn.Module) -> ModulePlan:
         return ModulePlan(1, ())
     modules = dict(model.named_modules())
     by_module = _ops_by_module(plan)
-    moe = _moe_styles(plan, modules)
+    moe = _moe_styles(plan, modules) | _multihead_styles(modules, by_module)
     members = _core_members(plan, modules)
     owners = {path: _speaking_ops(path, m, by_module) for path, m in modules.items()
-              if path not in moe and path not in members and any(True for _ in m.parameters(recurse=False))}
+              if path not in members and not any(path == p or path.startswith(p + ".") for p in moe)
+              and any(True for _ in m.parameters(recurse=False))}
     linears = [p for p in owners if _kind(modules[p]) in ("linear", "conv1d")]  # model order: refusals repeatable
     styles: dict[str, ModuleStyle] = dict(moe) | _member_styles(members, modules)
     regions = defaultdict(list)
@@ -188,6 +192,25 @@ def _moe_styles(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, ModuleSt
             path = prefix + name.rpartition(".")[0]
             if path in modules:
                 found[path] = ModuleStyle("replicated_region", R, R, False, "replicate", (op.node,))
+    return found
+
+
+def _multihead_styles(modules: dict[str, nn.Module], by_module) -> dict[str, ModuleStyle]:
+    """Each nn.MultiheadAttention, a replicated region: its forward projects q|k|v with one fused
+    in_proj_weight and applies out_proj's weight itself (the plan's ops of both run in the module's own
+    path), so no column / row split fits it in place. PlanError when the plan splits one of its ops."""
+    found: dict[str, ModuleStyle] = {}
+    for path, module in modules.items():
+        if not isinstance(module, nn.MultiheadAttention):
+            continue
+        ops = [o for m, found_ops in by_module.items() if m == path or m.startswith(path + ".") for o in found_ops]
+        split = [o for o in ops if o.strategy != "replicate"]
+        if split:
+            raise PlanError(f"module {path!r} (nn.MultiheadAttention): op {split[0].node!r} runs "
+                            f"{split[0].strategy!r}, but the module projects q|k|v with one fused in_proj_weight "
+                            f"inside its own forward, which the module runtime runs replicated on tp: plan "
+                            f"'replicate' for the ops of {path!r}, or tp=1")
+        found[path] = ModuleStyle("replicated_region", R, R, False, "replicate", tuple(o.node for o in ops))
     return found
 
 

@@ -65,3 +65,43 @@ class HandLM(nn.Module):
         # shift the labels, not the logits (as transformers does): capture keeps (B, T, V) logits
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class MhaBlock(nn.Module):
+    """A pre-norm block around torch's own nn.MultiheadAttention (one fused in_proj_weight (3h, h))."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden)
+        self.attn = nn.MultiheadAttention(hidden, heads, batch_first=True)
+        self.norm2, self.mlp = nn.LayerNorm(hidden), Mlp(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[1]
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)  # True: not attended
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=causal, need_weights=False, is_causal=True)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class MhaLM(nn.Module):
+    """HandLM's interface with nn.MultiheadAttention blocks in a list called `decoder`."""
+
+    def __init__(self, vocab: int = 128, hidden: int = 32, heads: int = 4, layers: int = 2,
+                 max_seq: int = 64) -> None:
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(max_seq, hidden)
+        self.decoder = nn.ModuleList(MhaBlock(hidden, heads) for _ in range(layers))
+        self.norm, self.lm_head = nn.LayerNorm(hidden), nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                use_cache: bool = False) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.embed(input_ids) + self.pos(positions)
+        for block in self.decoder:
+            x = block(x)
+        logits = self.lm_head(self.norm(x))
+        if labels is None:
+            return logits
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

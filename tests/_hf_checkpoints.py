@@ -81,3 +81,30 @@ def count_checkpoint_reads(counter: list) -> Callable:
         return found
     weights.CheckpointFiles.read = read
     return original
+
+
+def gpt2_tied_head(graph, registry, tp: int, info: dict, sp: bool = False) -> dict[str, str]:
+    """GPT-2 under tp: the tied embedding vocab-parallel and the lm_head column-parallel over the
+    vocabulary (both hold the one weight S(0)), the loss vocab-parallel, each MLP's Conv1D column then
+    row with the ops between on feature shards, the attention (c_attn's fused q|k|v) replicated. With
+    `sp`: Megatron's sequence-parallel assignment for the rest (norms, residuals and the embeddings'
+    outputs on sequence shards, the MLP's row projection reduce-scattered), the attention still replicated."""
+    from autoplan.placement import Shard
+    from autoplan.solver.intra_op import megatron_assignment
+
+    kinds = {"embedding": "vocab", "cross_entropy": "vocab"}
+    found = {n.name: kinds[n.op_kind] for n in graph.nodes if n.op_kind in kinds and n.module_path != "transformer.wpe"}
+    if sp:
+        found = {name: s for name, s in megatron_assignment(graph, registry, tp, info, True).items()
+                 if not name.endswith("attn_core")} | {n.name: "vocab" for n in graph.nodes if n.op_kind == "cross_entropy"}
+    between = False
+    for n in graph.nodes:
+        linear = n.op_kind == "linear"
+        if linear and (n.module_path == "lm_head" or n.module_path.endswith(".mlp.c_fc")):
+            found[n.name], between = "column", n.module_path != "lm_head"
+        elif linear and n.module_path.endswith(".mlp.c_proj"):
+            found[n.name], between = ("row_sp" if sp else "row"), False
+        elif between:  # the views and activation between the MLP's projections: on feature shards
+            last = Shard(len(n.output.shape) - 1)
+            found[n.name] = next(s.name for s in registry.strategies(n, tp, info) if s.output == last)
+    return found

@@ -47,7 +47,7 @@ def _configs() -> dict:
 
 def _plan(model: str, tp: int, sp: bool, policy: str):
     """(plan, predicted (held, re-run) bytes) of one case, planned over the graph capture_hf records."""
-    from test_runtime_modules import _tied_head
+    from _hf_checkpoints import gpt2_tied_head
 
     from autoplan.api import plan_from_assignment
     from autoplan.capture.hf import capture_hf_for_planner
@@ -62,7 +62,7 @@ def _plan(model: str, tp: int, sp: bool, policy: str):
     registry, info = hf_registry(), strategy_info(summary.rule_info(), tp, tp)
     assignment = {}
     if tp > 1:  # GPT-2's fused q|k|v cannot split column-wise in place: its attention replicated
-        assignment = _tied_head(graph, registry, tp, info) if model == "gpt2" else \
+        assignment = gpt2_tied_head(graph, registry, tp, info) if model == "gpt2" else \
             megatron_assignment(graph, registry, tp, info, sp)
     plan = plan_from_assignment(graph, summary, parse_cluster(f"1x{tp}xcpu"), MeshShape(dp=1, tp=tp), assignment,
                                 B, 1, 0, policy, registry=registry, dtype="float32")

@@ -10,6 +10,7 @@ the step count in the bias correction). The chain crosses layouts:
     dp2 ZeRO 1 (ShardedOptimizer: states gathered over dp)  -- 2 steps, save -->  tp2 (DTensors)
     tp2 (resumed)                                            -- 3 steps, save -->  pp2 (a stage each)
     tp2's checkpoint                                                         -->  dp2 ZeRO 3 (FSDP2)
+    tp2's checkpoint  -->  cp2 ZeRO 1 (sequence halves; states over the cp ranks) -- 1 step, save -->  dp2 ZeRO 1
     Mixtral ep2 (experts Shard(0) over ep)                   -- 1 step, save  -->  dp2 (experts whole)
     Mixtral dp2 (resumed)                                    -- 3 steps, save -->  ep2
 
@@ -33,11 +34,11 @@ pytestmark = pytest.mark.gloo
 
 B, T, LR, EPS, SEED = 4, 16, 1e-2, 1e-6, 0
 PLANS = {"dp2-zero1": dict(dp=2, zero=1, microbatches=2), "tp2": dict(tp=2),
-         "pp2": dict(pp=2, microbatches=2), "dp2-zero3": dict(dp=2, zero=3)}
+         "pp2": dict(pp=2, microbatches=2), "dp2-zero3": dict(dp=2, zero=3), "cp2-zero1": dict(cp=2, zero=1)}
 MOE_PLANS = {"moe-ep2": dict(ep=2), "moe-dp2": dict(dp=2)}
 
 
-def _plan(graph, summary, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, zero: int = 0,
+def _plan(graph, summary, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, zero: int = 0,
           microbatches: int = 1):
     from autoplan.api import plan_from_assignment
     from autoplan.capture.hf_rules import hf_registry
@@ -48,7 +49,7 @@ def _plan(graph, summary, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, ze
 
     registry, info = hf_registry(), strategy_info(summary.rule_info(), tp, tp)
     assignment = megatron_assignment(graph, registry, tp, info, False) if tp > 1 else {}
-    return plan_from_assignment(graph, summary, parse_cluster("1x2xcpu"), MeshShape(pp=pp, dp=dp, ep=ep, tp=tp),
+    return plan_from_assignment(graph, summary, parse_cluster("1x2xcpu"), MeshShape(pp=pp, dp=dp, ep=ep, tp=tp, cp=cp),
                                 assignment, B // (dp * ep) // microbatches, microbatches, zero, "none",
                                 registry=registry, dtype="float32")
 
@@ -115,7 +116,21 @@ def _dense_chain(setup_: dict, found: dict):
         found[name] = [_step(program, tokens, s) for s in (3, 4)]
         if name == "pp2":  # each stage saves its own parameters; the manifest names them all
             program.save_checkpoint(root / "pp2-at5", step=program.step)
+    _context_chain(setup_, found)
     return second
+
+
+def _context_chain(setup_: dict, found: dict) -> None:
+    """Llama: tp2's checkpoint -> cp2 ZeRO 1 -> dp2 ZeRO 1 (module docstring)."""
+    root, tokens = setup_["root"], setup_["tokens"]
+    program = _program(setup_, "cp2-zero1")
+    found["cp2-zero1 step"] = program.load_checkpoint(root / "at3")["step"]
+    found["cp2-zero1"] = [_step(program, tokens, 3)]
+    program.save_checkpoint(root / "cp2-at4", step=program.step)
+    found["cp2-zero1"] += [_step(program, tokens, 4)]
+    program = _program(setup_, "dp2-zero1")
+    found["after cp step"] = program.load_checkpoint(root / "cp2-at4")["step"]
+    found["after cp"] = [_step(program, tokens, 4)]
 
 
 def _moe_chain(setup_: dict, found: dict) -> None:
@@ -168,6 +183,9 @@ def test_resumes_under_another_plan_with_the_uninterrupted_loss(runs):
         assert found["tp2"][:2] == pytest.approx(found["dp2-zero1"][2:], rel=1e-5, abs=1e-5)
         assert found["pp2"] == pytest.approx(found["tp2"][1:], rel=1e-5, abs=1e-5)
         assert found["dp2-zero3"] == pytest.approx(found["tp2"][1:], rel=1e-5, abs=1e-5)
+        assert found["cp2-zero1 step"] == 3 and found["after cp step"] == 4
+        assert found["cp2-zero1"] == pytest.approx(found["tp2"][1:], rel=1e-5, abs=1e-5)
+        assert found["after cp"] == pytest.approx(found["tp2"][2:], rel=1e-5, abs=1e-5)
         assert found["moe resumed"] == pytest.approx(found["moe-ep2"][1:], rel=1e-5, abs=1e-5)
 
 

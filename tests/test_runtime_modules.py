@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from _dist import spawn
-from _hf_checkpoints import adamw_reference, assert_matches_reference, count_checkpoint_reads, save_and_capture
+from _hf_checkpoints import (adamw_reference, assert_matches_reference, count_checkpoint_reads, gpt2_tied_head,
+                             save_and_capture)
 from _handmade import HandLM
 from autoplan.errors import PlanError
 
@@ -69,7 +70,7 @@ class Case:
     microbatches: int = 1
     weights: str = "module"  # "module": built with weights; "meta": loaded from the checkpoint
     assignment: str = "megatron"  # "megatron" (with sp: "megatron-sp"), "replicate", "sequence-loss":
-    # Megatron with sp, the head and the loss on sequence shards, or "tied-head" (`_tied_head`)
+    # Megatron with sp, the head and the loss on sequence shards, or "tied-head" (`gpt2_tied_head`)
     recompute: str = "none"  # the plan's recompute policy (runtime.module_recompute)
     pp: int = 1
     schedule: str = "1f1b"
@@ -188,7 +189,7 @@ def _plan(case: Case, graph, summary):
     if case.assignment == "sequence-loss":
         assignment |= _sequence_head(graph, registry, case.tp, info)
     if case.assignment == "tied-head":
-        assignment = _tied_head(graph, registry, case.tp, info)
+        assignment = gpt2_tied_head(graph, registry, case.tp, info)
     cluster, mesh = parse_cluster(f"1x{case.world}xcpu"), MeshShape(pp=case.pp, dp=case.dp, tp=case.tp)
     batch = (B // case.dp // case.microbatches, case.microbatches, case.zero, case.recompute)
     return plan_from_assignment(graph, summary, cluster, mesh, assignment, *batch, registry=registry,
@@ -202,27 +203,6 @@ def _sequence_head(graph, registry, tp: int, info: dict) -> dict[str, str]:
     head = next(i for i, n in enumerate(nodes) if n.module_path == "lm_head")
     return {n.name: "sequence" for n in nodes[head:]
             if "sequence" in {s.name for s in registry.strategies(n, tp, info)}}
-
-
-def _tied_head(graph, registry, tp: int, info: dict) -> dict[str, str]:
-    """GPT-2 under tp: the tied embedding vocab-parallel and the lm_head column-parallel over the
-    vocabulary (both hold the one weight S(0)), the loss vocab-parallel, each MLP's Conv1D column then
-    row with the ops between on feature shards, the attention (c_attn's fused q|k|v) replicated."""
-    from autoplan.placement import Shard
-
-    kinds = {"embedding": "vocab", "cross_entropy": "vocab"}
-    found = {n.name: kinds[n.op_kind] for n in graph.nodes if n.op_kind in kinds and n.module_path != "transformer.wpe"}
-    between = False
-    for n in graph.nodes:
-        linear = n.op_kind == "linear"
-        if linear and (n.module_path == "lm_head" or n.module_path.endswith(".mlp.c_fc")):
-            found[n.name], between = "column", n.module_path != "lm_head"
-        elif linear and n.module_path.endswith(".mlp.c_proj"):
-            found[n.name], between = "row", False
-        elif between:  # the views and activation between the MLP's projections: on feature shards
-            last = Shard(len(n.output.shape) - 1)
-            found[n.name] = next(s.name for s in registry.strategies(n, tp, info) if s.output == last)
-    return found
 
 
 def _hand_summary():

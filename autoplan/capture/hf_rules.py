@@ -181,8 +181,8 @@ def _view_source(node: "NodeInfo", d: int) -> int | None:
         return None
     if kind == "permute":
         return dims[d] if len(dims) == len(out) else None
-    if kind == "select":
-        return d if d < dims[0] else d + 1
+    if kind == "select":  # one dim fewer, unless the recorded layout kept it (nn.MultiheadAttention's q|k|v)
+        return (d if d < dims[0] else d + 1) if len(out) == len(x) - 1 else None
     if kind == "slice":
         return d if d != dims[0] else None
     if kind == "split":
