@@ -5,7 +5,8 @@
 
 Grid: three small models of the zoo's families (4 layers, hidden 256, 8 heads; Llama and MoE with 4
 kv heads; MoE 8 experts, top 2) x strategies (one rank; tp = 2 Megatron; tp = 2 with sequence
-parallelism; cp = 2 Ulysses; ep = 2 for the MoE) x float32 and bfloat16 (autocast over float32
+parallelism; cp = 2 Ulysses; ep = 2 for the MoE, dropless and with an expert capacity of CAPACITY:
+"ep2-cap") x float32 and bfloat16 (autocast over float32
 parameters) x recompute none, selective, matmul-only, full, full:2. Plans come from
 `autoplan.api.plan_from_assignment`; sequences of 1024 tokens (2048 under cp, whose rules want
 1024 per rank), microbatch 1 (2 for the MoE: more tokens per expert).
@@ -21,7 +22,8 @@ parameters) x recompute none, selective, matmul-only, full, full:2. Plans come f
                upper bound; EP_RERUN_IMBALANCE_MARGIN for a re-run layer), so an ep case is checked
                against its busiest rank (the most any rank holds); the summary also gives the
                prediction at the mean (no margin) against the mean of the ranks, and the margins the
-               ep cases needed (the routed rows their busiest rank held over the mean's)
+               ep cases needed (the routed rows their busiest rank held over the mean's). With an
+               expert capacity ("ep2-cap") the buffers are padded to it: every rank is checked, no margin
 
     python benchmarks/memory_fidelity.py --module             # the module runtime's grid
 
@@ -39,6 +41,7 @@ against measured, and the error by policy).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -62,7 +65,9 @@ STRATEGIES = {  # name: (mesh degrees, assignment), ranks = their product
     "tp2-sp": (dict(tp=2), "megatron-sp"),
     "cp2": (dict(cp=2), "replicate"),
     "ep2": (dict(ep=2), "replicate"),
+    "ep2-cap": (dict(ep=2), "replicate"),  # with an expert capacity (CAPACITY): padded dispatch, no margin
 }
+CAPACITY = 1.25  # the expert capacity factor of the "-cap" cases (models.config.expert_capacity)
 
 
 def bench_models() -> dict:
@@ -79,7 +84,7 @@ def cases(words: list[str]) -> list[tuple[str, str, str, str, str]]:
     found = []
     for family in ("gpt", "llama", "moe"):
         for strategy in STRATEGIES:
-            if strategy == "ep2" and family != "moe":
+            if strategy.startswith("ep2") and family != "moe":
                 continue
             for dtype in DTYPES:
                 for policy in POLICIES:
@@ -165,6 +170,8 @@ def _error(predicted: float, measured: float) -> float:
 def run_case(models: dict, case: tuple) -> dict:
     cid, family, strategy, dtype, policy = case
     config = models[family]
+    if strategy.endswith("-cap"):
+        config = dataclasses.replace(config, name=f"{config.name}-cap", capacity_factor=CAPACITY)
     plan, graph = make_plan(config, strategy, dtype, policy)
     (held, transient), mean = predict(config, plan, graph), predict(config, plan, graph, False)
     ranks = measure(config, plan)

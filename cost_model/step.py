@@ -186,12 +186,13 @@ class StepModel:
                                           env.efficiency)
         if cfg.mesh.expert_parallel > 1 and part.moe_layers:  # tokens / tp each under etp < tp (moe_token_share)
             tokens = float(block.microbatch) * env.seq_len * part.moe_token_share
-            total += part.moe_layers * expert_all_to_all_s(tokens, env.model.expert_width, env.model.top_k, itemsize,
+            rows = env.model.dispatched_rows_per_token  # top_k; padded to the expert capacity where set
+            total += part.moe_layers * expert_all_to_all_s(tokens, env.model.expert_width, rows, itemsize,
                                                            env.cluster, self.group(cfg, cfg.mesh.expert_axes),
                                                            env.efficiency)
             if 1 < cfg.mesh.etp < cfg.tp:  # the etp peers of one set of experts exchange the dispatched rows
                 total += part.moe_layers * expert_tp_exchange_s(
-                    tokens, env.model.expert_width, env.model.top_k, itemsize, env.cluster,
+                    tokens, env.model.expert_width, rows, itemsize, env.cluster,
                     self.group(cfg, cfg.mesh.expert_tp_axes), env.efficiency)
         return total
 
