@@ -89,8 +89,9 @@ from autoplan.cost_model.memory import model_state_bytes, state_bytes_for, tempo
 from autoplan.cost_model.parallel_dims import (axes_group, expert_all_to_all_s, expert_tp_exchange_s,
                                                ulysses_all_to_all_s)
 from autoplan.validity import stage_min_layers
-from autoplan.cost_model.pipeline import (Part, StageProblem, chunk_ranges, chunk_sizes, in_flight_microbatches,
-                                          p2p_per_microbatch_s, pipeline_time_s)
+from autoplan.cost_model.pipeline import (Part, StageProblem, chunk_ends, chunk_ranges, chunk_sizes,
+                                          in_flight_microbatches, p2p_per_microbatch_s, pipeline_buffer_bytes,
+                                          pipeline_time_s)
 from autoplan.mesh import MeshShape
 from autoplan.models.config import ModelConfig
 from autoplan.cost_model.parts import BlockCosts, PartCost
@@ -166,6 +167,7 @@ class StepModel:
         self._links_of: dict[MeshShape, tuple[AxisGroup, ...]] = {}
         self._schedules: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._p2p: dict[tuple, float] = {}
+        self._pipeline: dict[tuple, np.ndarray] = {}
 
     def group(self, cfg: Config, axes: tuple[str, ...]) -> AxisGroup:
         key = (cfg.pp, cfg.dp, cfg.ep, cfg.cp, cfg.tp, cfg.order, axes, cfg.etp)  # etp: the tp halves' sizes
@@ -284,7 +286,8 @@ class StepModel:
         in_flight, _ = self._schedule(cfg)
         states = sum(float(st.prefix[k][-1]) for k in ("weights", "grads", "optimizer")) + sum(st.pre[2:]) + sum(st.post[2:])
         held = float(t.prefix["activation"][-1]) + sum(t.ends_bytes)
-        return (states + float(in_flight.min()) * held) / cfg.pp + st.temporary
+        pipeline = float(self._pipeline_bytes(block, cfg, in_flight).sum())  # exact per rank: their mean
+        return (states + float(in_flight.min()) * held + pipeline) / cfg.pp + st.temporary
 
     def _schedule(self, cfg: Config) -> tuple[np.ndarray, np.ndarray]:
         """Microbatches in flight and the fewest layers per pipeline rank: what the schedule alone decides."""
@@ -311,7 +314,23 @@ class StepModel:
         activation = np.diff(t.prefix["activation"])
         in_flight, min_layers = self._schedule(cfg)
         return StageProblem(t.time, st.static, activation, t.transient, in_flight, self.env.memory_limit_bytes,
-                            first, last, np.full(pp, p2p), np.full(pp, st.temporary), min_layers)
+                            first, last, np.full(pp, p2p), st.temporary + self._pipeline_bytes(block, cfg, in_flight),
+                            min_layers)
+
+    def _pipeline_bytes(self, block: BlockCosts, cfg: Config, in_flight: np.ndarray) -> np.ndarray:
+        """Per pipeline rank, the pipeline's own tensors (`pipeline.pipeline_buffer_bytes`) and each sending
+        chunk's output of the microbatches in flight, less each receiving chunk's input (its first layer's)."""
+        pp, m, v = cfg.pp, cfg.num_microbatches, cfg.virtual_stages
+        if pp == 1:
+            return np.zeros(1)
+        key = (id(block), cfg.context_parallel, cfg.mesh.expert_parallel > 1, pp, m, v)
+        if key not in self._pipeline:  # asked per configuration, by the memory floor too
+            boundary = block.boundary_bytes(cfg.context_parallel, cfg.mesh.expert_parallel > 1)
+            ends = [chunk_ends(s, pp, v) for s in range(pp)]
+            self._pipeline[key] = np.array([pipeline_buffer_bytes(s, pp, m, v, boundary)
+                                            + in_flight[s] * boundary * (send - receive) / v
+                                            for s, (receive, send) in enumerate(ends)])
+        return self._pipeline[key]
 
     def _ranges(self, block: BlockCosts, cfg: Config, problem: StageProblem) -> list[list[tuple[int, int]]]:
         """Layer ranges of each pipeline rank, chunk by chunk: the given partition, else the stage DP's layers
@@ -343,7 +362,7 @@ class StepModel:
             return bounds
         # in flight (pp, m, v), model states (ZeRO over the data ranks), temporaries and sends: the rest
         tight = key + (cfg.num_microbatches, cfg.zero_stage, cfg.data_ranks, float(problem.overhead_s[0]),
-                       float(problem.extra_bytes[0]))
+                       tuple(problem.extra_bytes.tolist()))
         if tight not in self._partitions:
             fitting = self.partition(problem)
             self._partitions[tight] = bounds if fitting is None else fitting.bounds

@@ -226,7 +226,9 @@ class PipelineRunner:
         """Forward and backward of this rank's share of the batch; returns the mean microbatch
         loss on the rank holding the last stage, 0 elsewhere."""
         losses: list[torch.Tensor] = []
-        self.schedule.step(tokens, target=targets, losses=losses)
+        # return_outputs=False: the last stage keeps no microbatch's output (its logits) to the end of the
+        # step, only the losses (as runtime.module_pipeline does)
+        self.schedule.step(tokens, target=targets, losses=losses, return_outputs=False)
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach().float() for loss in losses]).mean()
