@@ -256,13 +256,15 @@ def stage_activation_bytes(plan: Plan, graph: "CapturedGraph", info: Mapping, im
     0, the head with the last) plus b if it sends its output on (kept for its backward) less b if it
     receives its input (the receive buffer, counted in the buffers), b = `Activations.boundary_bytes`. The
     loss reads the last chunk's output in float32, so it keeps float32 logits; Schedule1F1B's loop holds the
-    previous microbatch's output until the next forward returns. Every rank but 0 makes its own RoPE tables."""
+    previous microbatch's output until the next forward returns. Every rank makes its own RoPE tables, once."""
     acts, scale = plan_activations(plan, graph, info, imbalance)
     policy = recompute_policy(plan.recompute)
     recomputed = set(policy.recomputed_layers(len(acts.layers)))
     none, _ = acts.held("none")
     kept, transient = acts.held(policy.kind)
     held_by = {p: _at(kept[p] if p in recomputed else none[p], scale) for p in none}
+    resident = sum(acts.storages[k].nbytes for k in acts.resident)  # once per rank, not per microbatch
+    held_by["pre"] -= resident
     mesh, m, chunks, last = plan.mesh, plan.num_microbatches, len(plan.stages) // plan.mesh.pp, len(plan.stages) - 1
     boundary, logits = acts.boundary_bytes * scale, [b * scale for b in _loss_input_bytes(acts, graph)]
     found = []
@@ -277,7 +279,7 @@ def stage_activation_bytes(plan: Plan, graph: "CapturedGraph", info: Mapping, im
             per_chunk[spec.chunk] += logits[1] - logits[0] if index == last else 0.0
         held = max(sum(n * a for n, a in zip(counts, per_chunk)) for counts in chunk_in_flight(s, mesh.pp, m, chunks))
         held += pipeline_buffer_bytes(s, mesh.pp, m, chunks, boundary)
-        held += sum(acts.storages[k].nbytes for k in acts.resident) if s > 0 else 0.0
+        held += resident
         held += logits[1] if s == mesh.pp - 1 and chunks == 1 and m > 1 else 0.0
         layers = [i for spec in mine for i in range(spec.first_layer, spec.last_layer) if i in recomputed]
         found.append((held, max((_at(transient[i], scale) for i in layers), default=0.0)))
