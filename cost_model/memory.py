@@ -254,9 +254,10 @@ def stage_activation_bytes(plan: Plan, graph: "CapturedGraph", info: Mapping, im
     n_c the microbatches chunk c of the rank holds then (`pipeline.chunk_in_flight`), a_c what one microbatch
     leaves on it: its parts' held bytes (`Activations.held` under the policy; the embedding with global chunk
     0, the head with the last) plus b if it sends its output on (kept for its backward) less b if it
-    receives its input (the receive buffer, counted in the buffers), b = `Activations.boundary_bytes`. The
-    loss reads the last chunk's output in float32, so it keeps float32 logits; Schedule1F1B's loop holds the
-    previous microbatch's output until the next forward returns. Every rank makes its own RoPE tables, once."""
+    receives its input (the receive buffer, counted in the buffers), b = `Activations.boundary_bytes`.
+    Schedule1F1B's loop holds the previous microbatch's output (the logits) until the next forward
+    returns; ScheduleInterleaved1F1B keeps every output sent until the step ends (`_kept_by_sends`). Every
+    rank makes its own RoPE tables, once."""
     acts, scale = plan_activations(plan, graph, info, imbalance)
     policy = recompute_policy(plan.recompute)
     recomputed = set(policy.recomputed_layers(len(acts.layers)))
@@ -266,7 +267,7 @@ def stage_activation_bytes(plan: Plan, graph: "CapturedGraph", info: Mapping, im
     resident = sum(acts.storages[k].nbytes for k in acts.resident)  # once per rank, not per microbatch
     held_by["pre"] -= resident
     mesh, m, chunks, last = plan.mesh, plan.num_microbatches, len(plan.stages) // plan.mesh.pp, len(plan.stages) - 1
-    boundary, logits = acts.boundary_bytes * scale, [b * scale for b in _loss_input_bytes(acts, graph)]
+    boundary, logits = acts.boundary_bytes * scale, _loss_input_bytes(acts, graph) * scale
     found = []
     for s in range(mesh.pp):
         mine = [spec for spec in plan.stages if spec.stage == s]
@@ -276,24 +277,33 @@ def stage_activation_bytes(plan: Plan, graph: "CapturedGraph", info: Mapping, im
             parts = [*range(spec.first_layer, spec.last_layer), *(["pre"] if index == 0 else []),
                      *(["post"] if index == last else [])]
             per_chunk[spec.chunk] = sum(held_by[p] for p in parts) + boundary * ((index < last) - (index > 0))
-            per_chunk[spec.chunk] += logits[1] - logits[0] if index == last else 0.0
-        held = max(sum(n * a for n, a in zip(counts, per_chunk)) for counts in chunk_in_flight(s, mesh.pp, m, chunks))
+        held = max(sum(n * a for n, a in zip(counts, per_chunk)) + _kept_by_sends(k, counts, mine, mesh.pp, last) * boundary
+                   for k, counts in enumerate(chunk_in_flight(s, mesh.pp, m, chunks)))
         held += pipeline_buffer_bytes(s, mesh.pp, m, chunks, boundary)
         held += resident
-        held += logits[1] if s == mesh.pp - 1 and chunks == 1 and m > 1 else 0.0
+        held += logits if s == mesh.pp - 1 and chunks == 1 and m > 1 else 0.0
         layers = [i for spec in mine for i in range(spec.first_layer, spec.last_layer) if i in recomputed]
         found.append((held, max((_at(transient[i], scale) for i in layers), default=0.0)))
     return found
 
 
-def _loss_input_bytes(acts: Activations, graph: "CapturedGraph") -> tuple[float, float]:
-    """(bytes of the logits the loss keeps as the walk holds them, the same in float32) per capture batch."""
+def _kept_by_sends(forward: int, counts: tuple[int, ...], mine: list, pp: int, last: int) -> int:
+    """Outputs of a rank's sending chunks alive after its `forward`-th forward besides those in flight:
+    ScheduleInterleaved1F1B waits on its sends at the end of the step (torch's _PipelineScheduleRuntime),
+    so every output sent so far lives until then (Schedule1F1B waits on each before the next: one, counted
+    by `pipeline_buffer_bytes`)."""
+    v = len(counts)
+    if v == 1:
+        return 0
+    done = [sum(1 for j in range(forward + 1) if (j // pp) % v == c) for c in range(v)]
+    return sum(done[spec.chunk] - counts[spec.chunk] - 1 for spec in mine if spec.chunk * pp + spec.stage < last)
+
+
+def _loss_input_bytes(acts: Activations, graph: "CapturedGraph") -> float:
+    """Bytes at the capture batch of the logits the loss reads (the last stage's output), as the walk holds them."""
     node = next((n for n in graph.nodes if n.op_kind == "cross_entropy"), None)
     storage = acts.storages.get(f"out:{node.inputs[0]}") if node is not None else None
-    if storage is None:
-        return 0.0, 0.0
-    meta = node.input_metas[0]
-    return storage.nbytes, storage.nbytes * FP32_BYTES / (meta.nbytes / meta.numel)
+    return storage.nbytes if storage is not None else 0.0
 
 
 def _replicated(node: "NodeInfo") -> Strategy:
