@@ -256,8 +256,8 @@ def stage_activation_bytes(plan: Plan, graph: "CapturedGraph", info: Mapping, im
     0, the head with the last) plus b if it sends its output on (kept for its backward) less b if it
     receives its input (the receive buffer, counted in the buffers), b = `Activations.boundary_bytes`.
     Schedule1F1B's loop holds the previous microbatch's output (the logits) until the next forward
-    returns; ScheduleInterleaved1F1B keeps every output sent until the step ends (`_kept_by_sends`). Every
-    rank makes its own RoPE tables, once."""
+    returns; the outputs the sends keep besides those in flight are `chunk_in_flight`'s. Every rank makes
+    its own RoPE tables, once."""
     acts, scale = plan_activations(plan, graph, info, imbalance)
     policy = recompute_policy(plan.recompute)
     recomputed = set(policy.recomputed_layers(len(acts.layers)))
@@ -277,26 +277,14 @@ def stage_activation_bytes(plan: Plan, graph: "CapturedGraph", info: Mapping, im
             parts = [*range(spec.first_layer, spec.last_layer), *(["pre"] if index == 0 else []),
                      *(["post"] if index == last else [])]
             per_chunk[spec.chunk] = sum(held_by[p] for p in parts) + boundary * ((index < last) - (index > 0))
-        held = max(sum(n * a for n, a in zip(counts, per_chunk)) + _kept_by_sends(k, counts, mine, mesh.pp, last) * boundary
-                   for k, counts in enumerate(chunk_in_flight(s, mesh.pp, m, chunks)))
+        held = max(sum(n * a for n, a in zip(counts, per_chunk)) + kept * boundary
+                   for counts, kept in chunk_in_flight(s, mesh.pp, m, chunks))
         held += pipeline_buffer_bytes(s, mesh.pp, m, chunks, boundary)
         held += resident
         held += logits if s == mesh.pp - 1 and chunks == 1 and m > 1 else 0.0
         layers = [i for spec in mine for i in range(spec.first_layer, spec.last_layer) if i in recomputed]
         found.append((held, max((_at(transient[i], scale) for i in layers), default=0.0)))
     return found
-
-
-def _kept_by_sends(forward: int, counts: tuple[int, ...], mine: list, pp: int, last: int) -> int:
-    """Outputs of a rank's sending chunks alive after its `forward`-th forward besides those in flight:
-    ScheduleInterleaved1F1B waits on its sends at the end of the step (torch's _PipelineScheduleRuntime),
-    so every output sent so far lives until then (Schedule1F1B waits on each before the next: one, counted
-    by `pipeline_buffer_bytes`)."""
-    v = len(counts)
-    if v == 1:
-        return 0
-    done = [sum(1 for j in range(forward + 1) if (j // pp) % v == c) for c in range(v)]
-    return sum(done[spec.chunk] - counts[spec.chunk] - 1 for spec in mine if spec.chunk * pp + spec.stage < last)
 
 
 def _loss_input_bytes(acts: Activations, graph: "CapturedGraph") -> float:

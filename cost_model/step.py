@@ -91,7 +91,7 @@ from autoplan.cost_model.parallel_dims import (axes_group, expert_all_to_all_s, 
 from autoplan.validity import stage_min_layers
 from autoplan.cost_model.pipeline import (Part, StageProblem, chunk_ends, chunk_ranges, chunk_sizes,
                                           in_flight_microbatches, p2p_per_microbatch_s, pipeline_buffer_bytes,
-                                          pipeline_time_s)
+                                          pipeline_time_s, sends_kept)
 from autoplan.mesh import MeshShape
 from autoplan.models.config import ModelConfig
 from autoplan.cost_model.parts import BlockCosts, PartCost
@@ -318,8 +318,9 @@ class StepModel:
                             min_layers)
 
     def _pipeline_bytes(self, block: BlockCosts, cfg: Config, in_flight: np.ndarray) -> np.ndarray:
-        """Per pipeline rank, the pipeline's own tensors (`pipeline.pipeline_buffer_bytes`) and each sending
-        chunk's output of the microbatches in flight, less each receiving chunk's input (its first layer's)."""
+        """Per pipeline rank, the pipeline's receive buffers (`pipeline.pipeline_buffer_bytes`), the most outputs its
+        sends keep (`pipeline.sends_kept`) and each sending chunk's output of the microbatches in flight, less
+        each receiving chunk's input (its first layer's)."""
         pp, m, v = cfg.pp, cfg.num_microbatches, cfg.virtual_stages
         if pp == 1:
             return np.zeros(1)
@@ -328,7 +329,7 @@ class StepModel:
             boundary = block.boundary_bytes(cfg.context_parallel, cfg.mesh.expert_parallel > 1)
             ends = [chunk_ends(s, pp, v) for s in range(pp)]
             self._pipeline[key] = np.array([pipeline_buffer_bytes(s, pp, m, v, boundary)
-                                            + in_flight[s] * boundary * (send - receive) / v
+                                            + boundary * (sends_kept(s, pp, m, v) + in_flight[s] * (send - receive) / v)
                                             for s, (receive, send) in enumerate(ends)])
         return self._pipeline[key]
 

@@ -77,3 +77,17 @@ def test_the_plan_prices_the_pipeline_buffers():
     boundary = 2 * SEQ * 64 * 4  # microbatch x sequence x hidden, float32
     grown = large.predicted.memory.temporary_bytes - small.predicted.memory.temporary_bytes
     assert grown == pytest.approx(4 * boundary, rel=1e-6)  # 4 more microbatches, one buffer each (1F1B)
+
+
+@pytest.mark.parametrize("pp, m, v", [(2, 4, 1), (4, 8, 1), (4, 3, 1), (2, 4, 2), (4, 8, 2), (4, 16, 4), (8, 16, 2)])
+def test_chunk_counts_agree_with_the_in_flight_formula(pp, m, v):
+    """The schedule walk's largest count over a rank's chunks is `in_flight_microbatches` x v (Narayanan et al.,
+    Korthikanti et al.), every microbatch runs once on each chunk, and the interleaved sends keep at most m per
+    sending chunk."""
+    from autoplan.cost_model.pipeline import chunk_in_flight, in_flight_microbatches, sends_kept
+
+    for stage in range(pp):
+        states = chunk_in_flight(stage, pp, m, v)
+        assert len(states) == m * v and all(min(counts) >= 0 for counts, _ in states)
+        assert max(sum(counts) for counts, _ in states) == pytest.approx(in_flight_microbatches(stage, pp, m, v) * v)
+        assert 0 <= sends_kept(stage, pp, m, v) <= (1 if v == 1 else m) * v
