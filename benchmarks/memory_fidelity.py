@@ -190,7 +190,8 @@ def run_case(models: dict, case: tuple) -> dict:
     if strategy.endswith("-cap"):
         config = dataclasses.replace(config, name=f"{config.name}-cap", capacity_factor=CAPACITY)
     plan, graph = make_plan(config, strategy, dtype, policy)
-    predicted, mean = predict(config, plan, graph), predict(config, plan, graph, False)[0]
+    predicted, at_mean = predict(config, plan, graph), predict(config, plan, graph, False)
+    mean = [statistics.mean(p[i] for p in at_mean) for i in (0, 1)]  # over the ranks (pp: their stages)
     ranks = measure(config, plan)
     pairs = list(zip(predicted, ranks))
     if strategy == "ep2":  # ep: the busiest rank against the plan's price of it
