@@ -26,6 +26,12 @@ SEQ = 64
 FACTOR = 1.0  # tight: the untrained routers overfill some experts, so pairs are dropped
 
 
+def _interpreting() -> bool:
+    from autoplan.runtime.kernels import dispatch
+
+    return dispatch.interpreting() and dispatch.load_triton() is not None
+
+
 def _config(factor: float = FACTOR):
     from autoplan.models import get_model_config
 
@@ -97,6 +103,33 @@ def test_padded_experts_equal_the_modules_loop(factor):
     module.capacity_factor = 0.0
     dropped = not torch.allclose(module(x), outputs[0])
     assert dropped == (factor < 4.0)  # 4.0: C = 20 rows of 10 tokens x 2 slots, nothing can drop
+
+
+@pytest.mark.skipif(not _interpreting(), reason="runs in the TRITON_INTERPRET=1 child of test_interpreter_suite")
+def test_triton_padded_experts_equal_the_torch_path():
+    """The Triton permute / combine kernels on the padded buffers (rows no pair reads get no gradient)."""
+    from autoplan.runtime.experts import local_experts_ffn
+
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(20, 16, generator=gen), torch.rand(20, 2, generator=gen)
+    top_idx = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(20)])
+    weights = [torch.randn(4, 16, 24, generator=gen) * 0.2, torch.randn(4, 16, 24, generator=gen) * 0.2,
+               torch.randn(4, 24, 16, generator=gen) * 0.2]
+    results = []
+    for backend in ("torch", "triton"):
+        leaves = [t.clone().requires_grad_() for t in (x, w, *weights)]
+        out = local_experts_ffn(*leaves[:1], top_idx, leaves[1], *leaves[2:], backend, capacity=3, group_tokens=10)
+        out.square().sum().backward()
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for got, want in zip(results[1], results[0]):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_interpreter_suite():
+    from _interpret import run_triton_tests_interpreted
+
+    run_triton_tests_interpreted(__file__)
 
 
 # ------------------------------------------------------------------------------ gloo ranks

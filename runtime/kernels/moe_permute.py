@@ -195,7 +195,9 @@ class _Unpermute(Function):
         y, weights, pos = ctx.saved_tensors
         g = _unit_cols(dout)
         (tokens, k), hidden = pos.shape, y.shape[1]
-        dy = torch.empty_like(y, memory_format=torch.contiguous_format)
+        # every row of a permutation is some pair's; a padded buffer's (runtime.experts) may be no pair's: 0
+        fill = torch.empty_like if y.shape[0] == tokens * k else torch.zeros_like
+        dy = fill(y, memory_format=torch.contiguous_format)
         dw = torch.empty((tokens, k), dtype=torch.float32, device=y.device)
         cfg = config(tokens, hidden, y.is_cuda)
         with device_guard(y):
