@@ -5,7 +5,8 @@
 
 Grid: three small models of the zoo's families (4 layers, hidden 256, 8 heads; Llama and MoE with 4
 kv heads; MoE 8 experts, top 2) x strategies (one rank; tp = 2 Megatron; tp = 2 with sequence
-parallelism; cp = 2 Ulysses; ep = 2 for the MoE) x float32 and bfloat16 (autocast over float32
+parallelism; cp = 2 Ulysses; ep = 2 for the MoE, dropless and with an expert capacity of CAPACITY:
+"ep2-cap") x float32 and bfloat16 (autocast over float32
 parameters) x recompute none, selective, matmul-only, full, full:2. Plans come from
 `autoplan.api.plan_from_assignment`; sequences of 1024 tokens (2048 under cp, whose rules want
 1024 per rank), microbatch 1 (2 for the MoE: more tokens per expert).
@@ -21,9 +22,15 @@ parameters) x recompute none, selective, matmul-only, full, full:2. Plans come f
                upper bound; EP_RERUN_IMBALANCE_MARGIN for a re-run layer), so an ep case is checked
                against its busiest rank (the most any rank holds); the summary also gives the
                prediction at the mean (no margin) against the mean of the ranks, and the margins the
-               ep cases needed (the routed rows their busiest rank held over the mean's)
+               ep cases needed (the routed rows their busiest rank held over the mean's). With an
+               expert capacity ("ep2-cap") the buffers are padded to it: every rank is checked, no margin
 
     python benchmarks/memory_fidelity.py --module             # the module runtime's grid
+
+pp (`pp2`: 1F1B, `pp2-v2`: interleaved 1F1B, 2 chunks per rank; gpt and llama, PP_MICROBATCHES
+microbatches, recompute none / selective / full): `runtime.memory_probe.measure_step_peak` over a whole
+step (the most the forwards leave alive at once: the microbatches in flight and the pipeline's own
+buffers) against `cost_model.memory.stage_activation_bytes`, per pipeline rank.
 
 The module runtime (`--module`): transformers' Llama (GQA) and GPT-2 (its tanh GELU op by op, Conv1D
 projections), 2 layers, hidden 128, 256 tokens, microbatch 2, float32, built from one seed and run by
@@ -39,6 +46,7 @@ against measured, and the error by policy).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -62,7 +70,12 @@ STRATEGIES = {  # name: (mesh degrees, assignment), ranks = their product
     "tp2-sp": (dict(tp=2), "megatron-sp"),
     "cp2": (dict(cp=2), "replicate"),
     "ep2": (dict(ep=2), "replicate"),
+    "ep2-cap": (dict(ep=2), "replicate"),  # with an expert capacity (CAPACITY): padded dispatch, no margin
+    "pp2": (dict(pp=2), "replicate"),  # 1F1B, PP_MICROBATCHES: a whole step, each rank's peak
+    "pp2-v2": (dict(pp=2), "replicate"),  # interleaved 1F1B, 2 chunks per rank
 }
+PP_MICROBATCHES, PP_POLICIES = 4, ("none", "selective", "full")
+CAPACITY = 1.25  # the expert capacity factor of the "-cap" cases (models.config.expert_capacity)
 
 
 def bench_models() -> dict:
@@ -79,10 +92,10 @@ def cases(words: list[str]) -> list[tuple[str, str, str, str, str]]:
     found = []
     for family in ("gpt", "llama", "moe"):
         for strategy in STRATEGIES:
-            if strategy == "ep2" and family != "moe":
+            if strategy.startswith("ep2") and family != "moe" or strategy.startswith("pp") and family == "moe":
                 continue
             for dtype in DTYPES:
-                for policy in POLICIES:
+                for policy in PP_POLICIES if strategy.startswith("pp") else POLICIES:
                     cid = f"{family} {strategy} {dtype} {policy}"
                     if all(w in cid.split() for w in words):
                         found.append((cid, family, strategy, dtype, policy))
@@ -104,17 +117,20 @@ def make_plan(config, strategy: str, dtype: str, policy: str):
     if assignment.startswith("megatron"):
         chosen = megatron_assignment(graph, default_registry(), mesh.tp, config.rule_info(), assignment == "megatron-sp")
     microbatch = 2 if config.experts else 1
+    pipeline = dict(virtual_stages=2, schedule="interleaved-1f1b") if strategy.endswith("-v2") else {}
     plan = plan_from_assignment(graph, config, parse_cluster(f"{mesh.world_size}xcpu"), mesh, chosen, microbatch,
-                                1, 0, policy, dtype=dtype)
+                                PP_MICROBATCHES if mesh.pp > 1 else 1, 0, policy, dtype=dtype, **pipeline)
     return plan, graph
 
 
-def predict(config, plan, graph, imbalance: bool = True) -> tuple[float, float]:
-    """(held, re-run) bytes the plan prices per rank: under ep the busiest rank's, or (`imbalance` False)
-    the mean over the expert group's."""
-    from autoplan.cost_model.memory import plan_activation_bytes
+def predict(config, plan, graph, imbalance: bool = True) -> list[tuple[float, float]]:
+    """(held, re-run) bytes the memory model prices on each rank: under ep the busiest rank's, or (`imbalance`
+    False) the mean over the expert group's; under pp each pipeline rank's peak over a step."""
+    from autoplan.cost_model.memory import plan_activation_bytes, stage_activation_bytes
 
-    return plan_activation_bytes(plan, graph, config.rule_info(), imbalance)
+    if plan.mesh.pp > 1:
+        return stage_activation_bytes(plan, graph, config.rule_info(), imbalance)
+    return [plan_activation_bytes(plan, graph, config.rule_info(), imbalance)] * plan.mesh.world_size
 
 
 # ------------------------------------------------------------------------------ the ranks
@@ -130,7 +146,7 @@ def _rank(rank: int, world: int, port: int, config, plan, out: str) -> None:
     """One rank: build the program, run one forward and backward under the probe, save the bytes."""
     from autoplan.models import build_model
     from autoplan.runtime.launch import parallelize
-    from autoplan.runtime.memory_probe import measure_saved_bytes
+    from autoplan.runtime.memory_probe import measure_saved_bytes, measure_step_peak
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -140,7 +156,13 @@ def _rank(rank: int, world: int, port: int, config, plan, out: str) -> None:
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, config.vocab, (plan.global_batch, plan.seq_len), generator=gen)
         shard = program.shard_batch(tokens, tokens.roll(-1, dims=1))
-        _, measured = measure_saved_bytes(lambda: program(*shard), program)
+        if program.pipeline is not None:  # a whole step: the microbatches in flight
+            def step():
+                with program._autocast():
+                    program.pipeline.step(*shard)
+            measured = measure_step_peak(step, program, program.pipeline.modules)
+        else:
+            _, measured = measure_saved_bytes(lambda: program(*shard), program)
         torch.save([measured.saved_bytes, measured.recompute_bytes], Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -165,18 +187,24 @@ def _error(predicted: float, measured: float) -> float:
 def run_case(models: dict, case: tuple) -> dict:
     cid, family, strategy, dtype, policy = case
     config = models[family]
+    if strategy.endswith("-cap"):
+        config = dataclasses.replace(config, name=f"{config.name}-cap", capacity_factor=CAPACITY)
     plan, graph = make_plan(config, strategy, dtype, policy)
-    (held, transient), mean = predict(config, plan, graph), predict(config, plan, graph, False)
+    predicted, at_mean = predict(config, plan, graph), predict(config, plan, graph, False)
+    mean = [statistics.mean(p[i] for p in at_mean) for i in (0, 1)]  # over the ranks (pp: their stages)
     ranks = measure(config, plan)
-    checked = [max(ranks, key=lambda r: r[0])] if strategy == "ep2" else ranks  # ep: the busiest rank
-    checked_again = [max(ranks, key=lambda r: r[1])] if strategy == "ep2" else ranks
+    pairs = list(zip(predicted, ranks))
+    if strategy == "ep2":  # ep: the busiest rank against the plan's price of it
+        pairs = [(predicted[0], max(ranks, key=lambda r: r[i])) for i in (0, 1)]
+    (held, transient) = max(predicted)  # the busiest rank's, for the table
     return {"id": cid, "family": family, "strategy": strategy, "dtype": dtype, "policy": policy,
             "predicted_bytes": held, "predicted_recompute_bytes": transient,
+            "predicted_ranks": [list(p) for p in predicted],
             "predicted_mean_bytes": mean[0], "predicted_mean_recompute_bytes": mean[1],
             "measured_bytes": [r[0] for r in ranks], "measured_recompute_bytes": [r[1] for r in ranks],
-            "errors": [_error(held, r[0]) for r in checked],
-            "recompute_errors": [_error(transient, r[1]) for r in checked_again],
-            "checked_recompute_bytes": [r[1] for r in checked_again],
+            "errors": [_error(p[0], r[0]) for p, r in pairs[:1 if strategy == "ep2" else None]],
+            "recompute_errors": [_error(p[1], r[1]) for p, r in pairs[1 if strategy == "ep2" else 0:]],
+            "checked_recompute_bytes": [r[1] for _, r in pairs[1 if strategy == "ep2" else 0:]],
             "mean_error": _error(mean[0], statistics.mean(r[0] for r in ranks)),
             "needed_margin": [_needed(mean[i], (held, transient)[i], max(r[i] for r in ranks), margin)
                               for i, margin in enumerate(_margins())]}
@@ -201,14 +229,19 @@ def _worst(errors: list[float]) -> float:
 def table(rows: list[dict]) -> str:
     lines = [f"{'case':34s} {'predicted MB':>12s} {'measured MB':>12s} {'error':>7s}  {'re-run pred.':>12s} "
              f"{'measured':>9s} {'error':>7s}   (ep: the busiest rank)"]
-    for r in rows:
-        ep = r["strategy"] == "ep2"
-        measured = max(r["measured_bytes"], key=lambda b: b if ep else abs(_error(r["predicted_bytes"], b)))
-        again = max(r["measured_recompute_bytes"],
-                    key=lambda b: b if ep else abs(_error(r["predicted_recompute_bytes"], b)))
-        lines.append(f"{r['id']:34s} {r['predicted_bytes'] / 1e6:12.3f} {measured / 1e6:12.3f} "
-                     f"{_worst(r['errors']):+7.2%}  {r['predicted_recompute_bytes'] / 1e6:12.3f} {again / 1e6:9.3f} "
-                     f"{_worst(r['recompute_errors']):+7.2%}")
+    for r in rows:  # each case's worst rank (ep: its busiest), predicted and measured
+        ranks = r.get("predicted_ranks") or [[r["predicted_bytes"], r["predicted_recompute_bytes"]]]
+        shown = []
+        for i, key in ((0, "errors"), (1, "recompute_errors")):
+            k = max(range(len(r[key])), key=lambda j: abs(r[key][j]))
+            measured = r["measured_bytes" if i == 0 else "checked_recompute_bytes"]
+            if r["strategy"] == "ep2":
+                shown.append((ranks[0][i], max(r["measured_bytes" if i == 0 else "measured_recompute_bytes"]),
+                              r[key][k]))
+            else:
+                shown.append((ranks[k if len(ranks) > 1 else 0][i], measured[k], r[key][k]))
+        (p0, m0, e0), (p1, m1, e1) = shown
+        lines.append(f"{r['id']:34s} {p0 / 1e6:12.3f} {m0 / 1e6:12.3f} {e0:+7.2%}  {p1 / 1e6:12.3f} {m1 / 1e6:9.3f} {e1:+7.2%}")
     return "\n".join(lines)
 
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Mapping
 
 from autoplan.capture.graph import COMPOSITE
+from autoplan.models.config import expert_capacity
 from autoplan.placement import Placement, Replicate, Shard
 from autoplan.strategies import Strategy, expert_dims
 from autoplan.cost_model.storages import Activations, Storage
@@ -169,7 +170,8 @@ class _Walk:
 
     def margins(self) -> tuple[float, float]:
         """(held, re-run) imbalance margins on the routed storages: none where no row is routed."""
-        routed = self.shape.imbalance and any(s.routed for s in self.storages.values())
+        routed = (self.shape.imbalance and not self.info.get("capacity_factor")  # a capacity bounds the rows
+                  and any(s.routed for s in self.storages.values()))
         return (EP_IMBALANCE_MARGIN, EP_RERUN_IMBALANCE_MARGIN) if routed else (0.0, 0.0)
 
     # ---------------------------------------------------------------- bookkeeping
@@ -410,6 +412,10 @@ class _Walk:
                        torch path, as they are (compute dtype) under the Triton kernel
         Spread over an expert group, the storages of the M received rows are `Storage.routed`: priced
         with the imbalance margins (`Activations.margins`), the busiest rank's, not the mean's.
+        With an expert capacity (rule info "capacity_factor"; runtime.experts' padded dispatch) the
+        buffer has S = E C rows per sequence slice whatever the routing, so M = S (times etp), priced
+        exactly, without a margin; routing keeps the slots' token index (S) and the pairs' slot (N k);
+        the Triton combine keeps the S padded output rows.
         """
         shape = self._moe_shape(node)
         n, k, h, f, rows, c, width = (shape[key] for key in ("tokens", "k", "h", "f", "rows", "c", "width"))
@@ -418,11 +424,13 @@ class _Walk:
         router_in = flat if width <= c or not self.shape.mixed else self.make(
             f"{node.name}:router_in", n * h * c, node, "other")
         self.make(f"{node.name}:logits", n * shape["experts"] * c, node, "matmul")
-        kept = [router_in, ("topk", n * k * (INT64 + FP32), "other"), ("routing", 2 * n * k * INT64, "other"),
+        routing = (shape["slots"] + n * k) * INT64 if shape["slots"] else 2 * n * k * INT64
+        combined = n * k * FP32 if not self.shape.triton else (shape["slots"] or n * k) * c
+        kept = [router_in, ("topk", n * k * (INT64 + FP32), "other"), ("routing", routing, "other"),
                 ("received", 2 * rows * INT64 if spread else 0.0, "other"),
                 ("expert_in", rows * h * (c if self.shape.mixed else width), "other"),
                 ("gate", rows * f * c, "matmul"), ("up", rows * f * c, "matmul"), ("product", rows * f * c, "other"),
-                ("combine", n * k * h * (c if self.shape.triton else FP32), "other")]
+                ("combine", combined * h, "other")]
         for item in kept:
             self.keep(item if isinstance(item, str) else self.make(
                 f"{node.name}:{item[0]}", item[1], node, item[2], routed=spread and item[0] in ROUTED_ROWS), node)
@@ -440,9 +448,22 @@ class _Walk:
         split = {"ffn": self.tp, "expert": strategy.expert_ffn_split}.get(strategy.name, 1)
         gathered = strategy.expert_ffn_split if strategy.name == "expert" else 1  # rows of the etp peers
         spread = self.shape.spread or strategy.name == "expert"
-        return {"tokens": tokens, "k": k, "h": h, "f": ffn / split, "rows": tokens * k * gathered,
-                "experts": experts, "spread": spread, "c": node.output.nbytes // node.output.numel,
+        slots = self._capacity_slots(x, tokens, k, experts)
+        return {"tokens": tokens, "k": k, "h": h, "f": ffn / split, "rows": (slots or tokens * k) * gathered,
+                "slots": slots, "experts": experts, "spread": spread, "c": node.output.nbytes // node.output.numel,
                 "width": self.itemsize.get(node.inputs[0], 4)}
+
+    def _capacity_slots(self, x: "TensorMeta", tokens: float, k: int, experts: int) -> float:
+        """Rows of this rank's padded expert buffer under an expert capacity (`models.config.expert_capacity`,
+        runtime.experts): E C per sequence slice of T / (cp, and tp where the tokens are split) tokens, in the
+        walk's units (the cp ranks' scale, 1 / cp, is applied later); 0 without a capacity."""
+        factor = self.info.get("capacity_factor", 0.0)
+        if not factor:
+            return 0.0
+        context, seq = self.shape.context, x.shape[-2]
+        per_sequence = seq * tokens / (x.numel // x.shape[-1])  # this rank's tokens of one sequence (tp split)
+        capacity = expert_capacity(factor, round(per_sequence / context), k, experts)
+        return experts * capacity * context * tokens / per_sequence
 
 
 def _batched(meta: "TensorMeta | None", batch: int) -> bool:

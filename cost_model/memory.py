@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Mapping
 from autoplan.errors import ConfigError
 from autoplan.placement import Partial, Placement, Replicate, Shard
 from autoplan.cost_model.activations import RunShape, activations
-from autoplan.cost_model.storages import Activations, activation_bytes
+from autoplan.cost_model.pipeline import chunk_in_flight, pipeline_buffer_bytes
+from autoplan.cost_model.storages import Activations, _at, activation_bytes
 from autoplan.cost_model.kernels import fused_kernels
 from autoplan.plan import MemoryBreakdown, Plan
 from autoplan.recompute_policy import recompute_policy
@@ -240,6 +241,57 @@ def plan_activation_bytes(plan: Plan, graph: "CapturedGraph", info: Mapping, imb
                           f"pp={plan.mesh.pp}")
     acts, scale = plan_activations(plan, graph, info, imbalance)
     return activation_bytes(acts, recompute_policy(plan.recompute), scale)
+
+
+def stage_activation_bytes(plan: Plan, graph: "CapturedGraph", info: Mapping, imbalance: bool = True
+                           ) -> list[tuple[float, float]]:
+    """Per pipeline rank s: (the most bytes of activations its forwards leave alive at once, the most one of
+    its recomputed layers adds while backward re-runs it), for the runtime's torch.distributed.pipelining
+    schedules:
+
+        held_s = max over the schedule's forwards of  sum_c n_c * a_c  +  pipeline_buffer_bytes(s)
+
+    n_c the microbatches chunk c of the rank holds then (`pipeline.chunk_in_flight`), a_c what one microbatch
+    leaves on it: its parts' held bytes (`Activations.held` under the policy; the embedding with global chunk
+    0, the head with the last) plus b if it sends its output on (kept for its backward) less b if it
+    receives its input (the receive buffer, counted in the buffers), b = `Activations.boundary_bytes`.
+    Schedule1F1B's loop holds the previous microbatch's output (the logits) until the next forward
+    returns; the outputs the sends keep besides those in flight are `chunk_in_flight`'s. Every rank makes
+    its own RoPE tables, once."""
+    acts, scale = plan_activations(plan, graph, info, imbalance)
+    policy = recompute_policy(plan.recompute)
+    recomputed = set(policy.recomputed_layers(len(acts.layers)))
+    none, _ = acts.held("none")
+    kept, transient = acts.held(policy.kind)
+    held_by = {p: _at(kept[p] if p in recomputed else none[p], scale) for p in none}
+    resident = sum(acts.storages[k].nbytes for k in acts.resident)  # once per rank, not per microbatch
+    held_by["pre"] -= resident
+    mesh, m, chunks, last = plan.mesh, plan.num_microbatches, len(plan.stages) // plan.mesh.pp, len(plan.stages) - 1
+    boundary, logits = acts.boundary_bytes * scale, _loss_input_bytes(acts, graph) * scale
+    found = []
+    for s in range(mesh.pp):
+        mine = [spec for spec in plan.stages if spec.stage == s]
+        per_chunk = [0.0] * chunks
+        for spec in mine:
+            index = spec.chunk * mesh.pp + spec.stage
+            parts = [*range(spec.first_layer, spec.last_layer), *(["pre"] if index == 0 else []),
+                     *(["post"] if index == last else [])]
+            per_chunk[spec.chunk] = sum(held_by[p] for p in parts) + boundary * ((index < last) - (index > 0))
+        held = max(sum(n * a for n, a in zip(counts, per_chunk)) + kept * boundary
+                   for counts, kept in chunk_in_flight(s, mesh.pp, m, chunks))
+        held += pipeline_buffer_bytes(s, mesh.pp, m, chunks, boundary)
+        held += resident
+        held += logits if s == mesh.pp - 1 and chunks == 1 and m > 1 else 0.0
+        layers = [i for spec in mine for i in range(spec.first_layer, spec.last_layer) if i in recomputed]
+        found.append((held, max((_at(transient[i], scale) for i in layers), default=0.0)))
+    return found
+
+
+def _loss_input_bytes(acts: Activations, graph: "CapturedGraph") -> float:
+    """Bytes at the capture batch of the logits the loss reads (the last stage's output), as the walk holds them."""
+    node = next((n for n in graph.nodes if n.op_kind == "cross_entropy"), None)
+    storage = acts.storages.get(f"out:{node.inputs[0]}") if node is not None else None
+    return storage.nbytes if storage is not None else 0.0
 
 
 def _replicated(node: "NodeInfo") -> Strategy:

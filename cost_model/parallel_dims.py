@@ -23,8 +23,9 @@ data x context parallel ranks / ep. Each MoE layer sends every routed token to i
     per MoE layer and microbatch  2 all-to-alls forward (dispatch, combine) + 2 backward, each of
                                   B = ep * tokens_per_rank * top_k * hidden * itemsize bytes over ep
 
-Balanced routing is assumed (each rank computes tokens * top_k / ... as without ep); capacity factors
-and load imbalance are ignored. Mesh representation: ep is its own mesh axis between dp and cp
+Balanced routing is assumed (each rank computes tokens * top_k / ... as without ep); load imbalance
+is ignored. With an expert capacity (`ModelConfig.capacity_factor`) the dispatch moves the padded
+buffers: top_k is then capacity_factor * top_k (`ModelConfig.dispatched_rows_per_token`). Mesh representation: ep is its own mesh axis between dp and cp
 (order pp, dp, ep, cp, tp), the dense layers are data-parallel over dp x ep, so ep divides the
 data-parallel degree.
 

@@ -329,6 +329,14 @@ class BlockCosts:
             self._arrays[recompute] = {k: self._per_layer(recompute, v) for k, v in per.items()}
         return self._arrays[recompute]
 
+    def boundary_bytes(self, context: int = 1, spread: bool = False) -> float:
+        """Bytes per rank crossing a stage boundary at this microbatch as the runtime holds them
+        (`Activations.boundary_bytes`; without the walk, the captured full bytes)."""
+        if self.parts is None:
+            return self.boundary_full_bytes
+        walked = self.parts.walked if self.parts.walked is not None else self.parts.solution
+        return walked.activations(context, spread).boundary_bytes * self.scale
+
     def activations(self, recompute: str, context: int = 1, spread: bool = False,
                     imbalance: bool = True) -> dict:
         """Bytes held for backward at this microbatch: per layer ("activation"), per layer while it is

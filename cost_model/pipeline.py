@@ -30,6 +30,11 @@ Activations in flight (Narayanan et al. 2021, section 2.2; Korthikanti et al. 20
                  min(m, (2 (pp - s - 1) + (v - 1) pp + 1) / v) microbatches' worth; stage 0:
                  pp + (pp - 1) / v = pp (1 + (pp - 1) / (pp v)), Korthikanti's factor.
 
+The pipeline's own tensors (measured on gloo, benchmarks/memory_fidelity.py): a receive buffer per
+microbatch and direction (`pipeline_buffer_bytes`), each sending chunk's output of every microbatch in
+flight (its backward reads it) and the outputs its sends keep (`chunk_in_flight`, `sends_kept`); a
+receiving chunk's input is its first layer's input.
+
 Stages of unequal size (Llama 3, Megatron-LM's --decoder-first/last-pipeline-num-layers): the pp x v
 chunks are listed in the order the layers flow through them, chunk c of pipeline rank s at position
 c pp + s, each a contiguous range of layers (`chunk_ranges`); every chunk holds at least one layer but
@@ -143,6 +148,51 @@ def in_flight_microbatches(stage: int, pp: int, num_microbatches: int, virtual_s
         return float(min(num_microbatches, pp - stage))
     warmup = 2 * (pp - stage - 1) + (virtual_stages - 1) * pp
     return float(min(num_microbatches, (warmup + 1) / virtual_stages))
+
+
+def chunk_in_flight(stage: int, pp: int, num_microbatches: int, virtual_stages: int = 1
+                    ) -> list[tuple[tuple[int, ...], int]]:
+    """After each forward of rank `stage`, in the order torch.distributed.pipelining's Schedule1F1B (v = 1)
+    and ScheduleInterleaved1F1B (Megatron's) run them: (the microbatches each of its v chunks holds, the
+    outputs its sends keep alive besides those). Order: w = min(m v, 2 (pp - s - 1) + (v - 1) pp + 1)
+    warm-up forwards (1F1B: pp - s), then one backward and one forward in turn; the k-th forward runs
+    chunk (k // pp) mod v, the k-th backward chunk v - 1 - (k // pp) mod v. Sends: Schedule1F1B waits on
+    each before the next, so one per sending chunk is alive; ScheduleInterleaved1F1B waits on them at the
+    end of the step, so every output a chunk has sent lives until then. The largest count sum is
+    `in_flight_microbatches` times v."""
+    m, v = num_microbatches, virtual_stages
+    warmup = min(m, pp - stage) if v == 1 else min(m * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1)
+    sending = [c * pp + stage < pp * v - 1 for c in range(v)]
+    counts, done, states = [0] * v, [0] * v, []
+    for k in range(m * v):
+        if k >= warmup:  # steady state: the backward before this forward
+            counts[v - 1 - ((k - warmup) // pp) % v] -= 1
+        counts[(k // pp) % v] += 1
+        done[(k // pp) % v] += 1
+        kept = sum(sending) if v == 1 else sum(d - n for d, n, out in zip(done, counts, sending) if out)
+        states.append((tuple(counts), kept))
+    return states
+
+
+def sends_kept(stage: int, pp: int, num_microbatches: int, virtual_stages: int = 1) -> int:
+    """The most outputs rank `stage`'s sends keep alive besides those in flight (`chunk_in_flight`)."""
+    return max(kept for _, kept in chunk_in_flight(stage, pp, num_microbatches, virtual_stages))
+
+
+def chunk_ends(stage: int, pp: int, virtual_stages: int = 1) -> tuple[int, int]:
+    """(chunks of rank `stage` that receive activations, chunks that send them): all but the first of the
+    pp v chunks receive, all but the last send."""
+    chunks = [c * pp + stage for c in range(virtual_stages)]
+    return sum(i > 0 for i in chunks), sum(i < pp * virtual_stages - 1 for i in chunks)
+
+
+def pipeline_buffer_bytes(stage: int, pp: int, num_microbatches: int, virtual_stages: int, boundary_bytes: float
+                          ) -> float:
+    """Bytes of the receive buffers torch.distributed.pipelining keeps on rank `stage`, b = `boundary_bytes` per
+    microbatch: b m (r + s), one per microbatch for each of its r chunks receiving activations and s receiving
+    gradients (the chunks that send; `chunk_ends`), made at the first step and kept."""
+    receiving, sending = chunk_ends(stage, pp, virtual_stages)
+    return boundary_bytes * num_microbatches * (receiving + sending)
 
 
 def pipeline_time_s(stage_times_s: Sequence[float], num_microbatches: int, virtual_stages: int = 1

@@ -89,8 +89,9 @@ from autoplan.cost_model.memory import model_state_bytes, state_bytes_for, tempo
 from autoplan.cost_model.parallel_dims import (axes_group, expert_all_to_all_s, expert_tp_exchange_s,
                                                ulysses_all_to_all_s)
 from autoplan.validity import stage_min_layers
-from autoplan.cost_model.pipeline import (Part, StageProblem, chunk_ranges, chunk_sizes, in_flight_microbatches,
-                                          p2p_per_microbatch_s, pipeline_time_s)
+from autoplan.cost_model.pipeline import (Part, StageProblem, chunk_ends, chunk_ranges, chunk_sizes,
+                                          in_flight_microbatches, p2p_per_microbatch_s, pipeline_buffer_bytes,
+                                          pipeline_time_s, sends_kept)
 from autoplan.mesh import MeshShape
 from autoplan.models.config import ModelConfig
 from autoplan.cost_model.parts import BlockCosts, PartCost
@@ -168,6 +169,7 @@ class StepModel:
         self._schedules: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._p2p: dict[tuple, float] = {}
         self.floor_memo: dict[tuple, float] = {}  # `cost_model.step_bounds`' slowest-rank floors
+        self._pipeline: dict[tuple, np.ndarray] = {}
 
     def group(self, cfg: Config, axes: tuple[str, ...]) -> AxisGroup:
         key = (cfg.pp, cfg.dp, cfg.ep, cfg.cp, cfg.tp, cfg.order, axes, cfg.etp)  # etp: the tp halves' sizes
@@ -188,12 +190,13 @@ class StepModel:
                                           env.efficiency)
         if cfg.mesh.expert_parallel > 1 and part.moe_layers:  # tokens / tp each under etp < tp (moe_token_share)
             tokens = float(block.microbatch) * env.seq_len * part.moe_token_share
-            total += part.moe_layers * expert_all_to_all_s(tokens, env.model.expert_width, env.model.top_k, itemsize,
+            rows = env.model.dispatched_rows_per_token  # top_k; padded to the expert capacity where set
+            total += part.moe_layers * expert_all_to_all_s(tokens, env.model.expert_width, rows, itemsize,
                                                            env.cluster, self.group(cfg, cfg.mesh.expert_axes),
                                                            env.efficiency)
             if 1 < cfg.mesh.etp < cfg.tp:  # the etp peers of one set of experts exchange the dispatched rows
                 total += part.moe_layers * expert_tp_exchange_s(
-                    tokens, env.model.expert_width, env.model.top_k, itemsize, env.cluster,
+                    tokens, env.model.expert_width, rows, itemsize, env.cluster,
                     self.group(cfg, cfg.mesh.expert_tp_axes), env.efficiency)
         return total
 
@@ -286,7 +289,8 @@ class StepModel:
             self.floor_memo[key] = float(held["activation"].sum()) + held["pre"] + held["post"]
         in_flight, _ = self.schedule(cfg)
         states = sum(float(st.prefix[k][-1]) for k in ("weights", "grads", "optimizer")) + sum(st.pre[2:]) + sum(st.post[2:])
-        return (states + float(in_flight.min()) * self.floor_memo[key]) / cfg.pp + st.temporary
+        pipeline = float(self._pipeline_bytes(block, cfg, in_flight).sum())  # exact per rank: their mean
+        return (states + float(in_flight.min()) * self.floor_memo[key] + pipeline) / cfg.pp + st.temporary
 
     def schedule(self, cfg: Config) -> tuple[np.ndarray, np.ndarray]:
         """Microbatches in flight and the fewest layers per pipeline rank: what the schedule alone decides."""
@@ -308,7 +312,24 @@ class StepModel:
         activation = np.diff(t.prefix["activation"])
         in_flight, min_layers = self.schedule(cfg)
         return StageProblem(t.time, st.static, activation, t.transient, in_flight, self.env.memory_limit_bytes,
-                            first, last, np.full(pp, p2p), np.full(pp, st.temporary), min_layers)
+                            first, last, np.full(pp, p2p), st.temporary + self._pipeline_bytes(block, cfg, in_flight),
+                            min_layers)
+
+    def _pipeline_bytes(self, block: BlockCosts, cfg: Config, in_flight: np.ndarray) -> np.ndarray:
+        """Per pipeline rank, the pipeline's receive buffers (`pipeline.pipeline_buffer_bytes`), the most outputs its
+        sends keep (`pipeline.sends_kept`) and each sending chunk's output of the microbatches in flight, less
+        each receiving chunk's input (its first layer's)."""
+        pp, m, v = cfg.pp, cfg.num_microbatches, cfg.virtual_stages
+        if pp == 1:
+            return np.zeros(1)
+        key = (id(block), cfg.context_parallel, cfg.mesh.expert_parallel > 1, pp, m, v)
+        if key not in self._pipeline:  # asked per configuration, by the memory floor too
+            boundary = block.boundary_bytes(cfg.context_parallel, cfg.mesh.expert_parallel > 1)
+            ends = [chunk_ends(s, pp, v) for s in range(pp)]
+            self._pipeline[key] = np.array([pipeline_buffer_bytes(s, pp, m, v, boundary)
+                                            + boundary * (sends_kept(s, pp, m, v) + in_flight[s] * (send - receive) / v)
+                                            for s, (receive, send) in enumerate(ends)])
+        return self._pipeline[key]
 
     def p2p_s(self, block: BlockCosts, cfg: Config) -> float:
         """The sends each pipeline rank pays per microbatch (`pipeline.p2p_per_microbatch_s`): they read of the
@@ -352,7 +373,7 @@ class StepModel:
             return bounds
         # in flight (pp, m, v), model states (ZeRO over the data ranks), temporaries and sends: the rest
         tight = key + (cfg.num_microbatches, cfg.zero_stage, cfg.data_ranks, float(problem.overhead_s[0]),
-                       float(problem.extra_bytes[0]))
+                       tuple(problem.extra_bytes.tolist()))
         if tight not in self._partitions:
             fitting = self.partition(problem)
             self._partitions[tight] = bounds if fitting is None else fitting.bounds

@@ -41,6 +41,13 @@ class Activations:
         """Whether the ep routing imbalance margins price some storage (else the same at the mean)."""
         return self.margins != (0.0, 0.0)
 
+    @property
+    def boundary_bytes(self) -> float:
+        """Bytes at the capture batch crossing a stage boundary: the batched storages a layer reads from
+        before it (the residual stream, float32 as the runtime's stages send it), the most of any layer."""
+        return max((sum(self.storages[k].nbytes for k in keys if self.storages[k].batched)
+                    for keys in self.inputs.values()), default=0.0)
+
     @functools.cached_property
     def _made(self) -> dict[tuple, list[str]]:
         """(layer, family) -> the storages its ops make."""

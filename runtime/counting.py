@@ -25,7 +25,8 @@ rank runs:
     cp > 1, attention:        fwd 4 all-to-alls (q, k, v to heads, output back), bwd 4, on the
                               context group (cp, or ep x cp under ep_as = "cp") when it has more
                               than one rank
-    experts spread, moe:      fwd 3 all-to-alls (counts, dispatch, combine), bwd 2, on the expert
+    experts spread, moe:      fwd 3 all-to-alls (counts, dispatch, combine; 2 under an expert capacity,
+                              whose row counts are known), bwd 2, on the expert
                               group (ep, or ep x tp / etp when etp < tp) when it has more than one rank
     1 < etp < tp, moe:        fwd 2 all-gathers (row counts, rows) + 1 reduce-scatter (partial
                               outputs), bwd 1 all-gather + 1 reduce-scatter, on the expert_tp group
@@ -175,7 +176,7 @@ def expected_collectives(plan: Plan, config: ModelConfig, pp_index: int = 0,
             add(["all_to_all"] * 4, "cp", recomputed)
             add(["all_to_all"] * 4, "cp")
         if local and mesh.expert_parallel > 1 and node.op_kind == "moe":
-            add(["all_to_all"] * 3, "expert", recomputed)
+            add(["all_to_all"] * (2 if config.capacity_factor else 3), "expert", recomputed)  # capacity: no counts
             add(["all_to_all"] * 2, "expert")
         if local and 1 < mesh.etp < mesh.tp and node.op_kind == "moe":
             add(["all_gather"] * 2 + ["reduce_scatter"], "expert_tp", recomputed)

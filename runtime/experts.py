@@ -36,7 +36,22 @@ so the expert weights' grads come from every token routed to them and need no fu
 
 Both data all-to-alls are autograd-aware (`all_to_all_uneven`: backward sends the grads back along
 the same rows), so the expert weights' grads come from every rank's tokens and the tokens' grads
-return to their ranks. Splits are uneven and carry every token: there is no capacity limit.
+return to their ranks. Without a capacity (`capacity` 0, dropless) splits are uneven and carry
+every token, so how many rows a rank's experts receive depends on the routing.
+
+Expert capacity C (`capacity` > 0, `models.config.expert_capacity`; GShard's padded dispatch): the
+tokens are G groups of `group_tokens` (the sequences, or this rank's slices of them), and each
+expert takes at most C rows of each group, the first in token order; the pairs past them are dropped
+(their output row is zero, their gate weight gets no gradient). Every expert's buffer is padded to
+exactly G C rows (`capacity_slots`: expert-major, then group, then slot; zero rows where fewer come):
+
+    buf    = rows of x at slots.gather (E G C, h), zero rows for padding          (`gather_slots`)
+    local  y = grouped_swiglu(buf) with G C rows per expert
+    ep     every rank sends E_l G C rows to each rank and receives as many (no count exchange),
+           the received rows run as above (`_local_experts`), and come back the same way
+    out_n  = sum_j w_nj * y[slots.pos[n, j]], a dropped pair reading a zero row    (`moe_combine`)
+
+so the rows a rank's experts hold are E G C whatever the routing: the bound the cost model prices.
 
 `backend` is `plan.kernels` ("auto": Triton on CUDA, torch on CPU; `kernels.dispatch.use_triton`);
 the torch path is the kernels' torch references, which compute the same values (bitwise in fp32
@@ -47,12 +62,15 @@ collectives in backward) is the same on every rank whatever the routing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from autoplan.runtime.collectives import (all_gather_dim, all_to_all_uneven, exchange,
                                           gather_rows_uneven, group_size,
                                           reduce_scatter_rows_uneven)
-from autoplan.runtime.kernels import Routing, moe_permute, moe_routing, moe_unpermute, silu_mul
+from autoplan.runtime.kernels import (Routing, moe_combine, moe_permute, moe_routing, moe_unpermute,
+                                     silu_mul)
 
 
 def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
@@ -75,12 +93,65 @@ def grouped_swiglu(rows: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tenso
                       for e, run in enumerate(runs)])
 
 
+@dataclass(frozen=True)
+class Slots:
+    """A padded dispatch buffer of E experts x G groups x C rows (module docstring); int64."""
+
+    gather: torch.Tensor  # (E G C,) the token of each buffer row; N (a zero row) where it is padding
+    pos: torch.Tensor  # (N, k) the buffer row of each (token, slot) pair; E G C (a zero row) if dropped
+    rows_per_expert: int  # G C
+
+
+def capacity_slots(top_idx: torch.Tensor, experts: int, group_tokens: int, capacity: int) -> Slots:
+    """The slots of the pairs routed to `top_idx` (N, k) over `experts`, at most `capacity` rows per
+    expert of each group of `group_tokens` consecutive tokens, the first in token order."""
+    tokens, k = top_idx.shape
+    if group_tokens <= 0 or tokens % group_tokens:
+        raise ValueError(f"capacity_slots: {tokens} tokens are not groups of {group_tokens}")
+    groups = tokens // group_tokens
+    flat = top_idx.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)  # pairs by expert, then token
+    token = order // k
+    key = flat[order] * groups + token // group_tokens  # (expert, group) of each sorted pair: ascending
+    counts = torch.bincount(key, minlength=experts * groups)
+    rank = torch.arange(key.numel(), device=key.device) - (counts.cumsum(0) - counts)[key]
+    keep = rank < capacity
+    row = key * capacity + rank
+    size = experts * groups * capacity
+    gather = torch.full((size,), tokens, dtype=torch.long, device=flat.device)
+    gather[row[keep]] = token[keep]
+    pos = torch.full((tokens * k,), size, dtype=torch.long, device=flat.device)
+    pos[order[keep]] = row[keep]
+    return Slots(gather, pos.view(tokens, k), groups * capacity)
+
+
+def gather_slots(x: torch.Tensor, slots: Slots) -> torch.Tensor:
+    """x (N, h) -> the buffer (E G C, h): each slot's token row, zero where it is padding."""
+    return _with_zero_row(x).index_select(0, slots.gather)
+
+
+def combine_slots(y: torch.Tensor, weights: torch.Tensor, slots: Slots, backend: str) -> torch.Tensor:
+    """sum_j weights[:, j] * y[slots.pos[:, j]] for the buffer's outputs y (E G C, h): (N, h)."""
+    return moe_combine(_with_zero_row(y), weights, slots.pos, backend)
+
+
+def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros(1, x.shape[1])])
+
+
 def local_experts_ffn(x: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor,
                       w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                      backend: str = "auto") -> torch.Tensor:
-    """sum_j weights[:, j] * swiglu_{top_idx[:, j]}(x) for x (N, h), every expert on this rank
-    (module docstring); returns (N, h)."""
-    routing = moe_routing(top_idx, w_gate.shape[0])
+                      backend: str = "auto", capacity: int = 0, group_tokens: int = 0) -> torch.Tensor:
+    """sum_j weights[:, j] * swiglu_{top_idx[:, j]}(x) for x (N, h), every expert on this rank, at most
+    `capacity` rows per expert of each group of `group_tokens` tokens where `capacity` > 0 (module
+    docstring); returns (N, h)."""
+    experts = w_gate.shape[0]
+    if capacity:
+        slots = capacity_slots(top_idx, experts, group_tokens, capacity)
+        counts = torch.full((experts,), slots.rows_per_expert, dtype=torch.long)
+        y = grouped_swiglu(gather_slots(x, slots), counts, w_gate, w_up, w_down, backend)
+        return combine_slots(y, weights, slots, backend)
+    routing = moe_routing(top_idx, experts)
     xp = moe_permute(x, routing, backend)  # (N k, h) grouped by expert
     yp = grouped_swiglu(xp, routing.tokens_per_expert, w_gate, w_up, w_down, backend)
     return moe_unpermute(yp, weights, routing, backend)
@@ -95,11 +166,16 @@ def _inverse(routing: Routing, segments: torch.Tensor) -> Routing:
 
 def expert_parallel_ffn(x: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor,
                         w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                        group, backend: str = "auto", etp_group=None) -> torch.Tensor:
+                        group, backend: str = "auto", etp_group=None, capacity: int = 0,
+                        group_tokens: int = 0) -> torch.Tensor:
     """sum_j weights[:, j] * swiglu_{top_idx[:, j]}(x) for x (N, h) with E_l local experts of
-    E_l * n over the n ranks of `group`, each expert's FFN split over `etp_group` when given
-    (module docstring); returns (N, h)."""
+    E_l * n over the n ranks of `group`, each expert's FFN split over `etp_group` when given, at most
+    `capacity` rows per expert of each group of `group_tokens` tokens where `capacity` > 0 (module
+    docstring); returns (N, h)."""
     n, local = group_size(group), w_gate.shape[0]
+    if capacity:
+        return _padded_dispatch(x, weights, capacity_slots(top_idx, local * n, group_tokens, capacity),
+                                (w_gate, w_up, w_down), group, backend, etp_group)
     routing = moe_routing(top_idx, local * n)
     send = moe_permute(x, routing, backend)  # (N k, h) in expert order
     counts = routing.tokens_per_expert.view(n, local)  # (n, E_l) to each rank
@@ -109,6 +185,20 @@ def expert_parallel_ffn(x: torch.Tensor, top_idx: torch.Tensor, weights: torch.T
     y_received = _local_experts(received, recv_counts, (w_gate, w_up, w_down), backend, etp_group)
     back = all_to_all_uneven(y_received, recv_rows, send_rows, group)  # (N k, h) expert order
     return moe_unpermute(back, weights, routing, backend)
+
+
+def _padded_dispatch(x: torch.Tensor, weights: torch.Tensor, slots: Slots, experts: tuple, group,
+                     backend: str, etp_group=None) -> torch.Tensor:
+    """`expert_parallel_ffn` with an expert capacity: every rank sends and receives E_l G C rows per
+    rank, so the row counts are known without an exchange (module docstring)."""
+    n, local = group_size(group), experts[0].shape[0]
+    send = gather_slots(x, slots)  # (E G C, h): expert-major, so rank r's experts are one run
+    rows = [local * slots.rows_per_expert] * n
+    received = all_to_all_uneven(send, rows, rows, group)  # (n E_l G C, h) by source, expert
+    counts = torch.full((n, local), slots.rows_per_expert, dtype=torch.long, device=x.device)
+    y_received = _local_experts(received, counts, experts, backend, etp_group)
+    back = all_to_all_uneven(y_received, rows, rows, group)  # (E G C, h) in send's order
+    return combine_slots(back, weights, slots, backend)
 
 
 def _local_experts(received: torch.Tensor, recv_counts: torch.Tensor, experts: tuple,

@@ -62,7 +62,8 @@ class KernelLMLoss(LMLoss):
 
 class KernelMoEFeedForward(MoEFeedForward):
     """MoEFeedForward (same routing, same parameters) with its experts run by
-    `experts.local_experts_ffn`: one permute, a SwiGLU per expert's run of rows, one unpermute."""
+    `experts.local_experts_ffn`: one permute, a SwiGLU per expert's run of rows, one unpermute (or with
+    an expert capacity, the padded buffer of each sequence's first C rows per expert)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_meta:  # the model's dense equivalent: routing has no meta kernel
@@ -70,8 +71,8 @@ class KernelMoEFeedForward(MoEFeedForward):
         flat = x.reshape(-1, x.shape[-1])  # (N, h)
         top_logits, top_idx = self.router(flat).topk(self.top_k, dim=-1)  # (N, k)
         weights = F.softmax(top_logits.float(), dim=-1).to(x.dtype)  # (N, k)
-        return local_experts_ffn(flat, top_idx, weights, self.w_gate, self.w_up, self.w_down,
-                                 self.kernels).view(x.shape)
+        return local_experts_ffn(flat, top_idx, weights, self.w_gate, self.w_up, self.w_down, self.kernels,
+                                 self.capacity(x.shape[-2]), x.shape[-2]).view(x.shape)
 
 
 class RopeTables:
@@ -134,7 +135,7 @@ def kernel_module(module: nn.Module, backend: str, rope_tables: RopeTables | Non
     elif kind is MoEFeedForward:
         experts, hidden, ffn = module.w_gate.shape
         with torch.device("meta"):  # no memory for the weights about to be replaced
-            new = KernelMoEFeedForward(hidden, ffn, experts, module.top_k)
+            new = KernelMoEFeedForward(hidden, ffn, experts, module.top_k, module.capacity_factor)
         new.router, new.w_gate, new.w_up, new.w_down = (module.router, module.w_gate,
                                                         module.w_up, module.w_down)
     else:

@@ -82,8 +82,11 @@ class _StorageTracker(TorchDispatchMode):
         self.regions = 0  # region calls open
         self.recompute_bytes = 0
 
+    def in_backward(self) -> bool:
+        return self.backward
+
     def phase(self) -> str:
-        if not self.backward:
+        if not self.in_backward():
             return "forward"
         return "recompute" if self.regions else "backward"
 
@@ -97,7 +100,7 @@ class _StorageTracker(TorchDispatchMode):
 
     def exit_region(self, output) -> None:
         self.regions -= 1
-        if self.backward:  # a re-run ends: what it made and still holds (but the outputs the
+        if self.in_backward():  # a re-run ends: what it made and still holds (but the outputs the
             # re-run drops on return) is the region's backward's
             _settle()
             dropped = {_key(t) for t in tree_leaves(output) if isinstance(t, torch.Tensor)}
@@ -168,3 +171,38 @@ def measure_saved_bytes(forward: Callable[[], torch.Tensor], module: nn.Module,
             loss.backward()
     hooked = sum(n for k, n in live.items() if k in packed)
     return loss, MeasuredMemory(sum(live.values()), hooked, tracker.recompute_bytes)
+
+
+class _StepTracker(_StorageTracker):
+    """`_StorageTracker` over a whole pipelined step, whose forwards and backwards interleave: an op
+    runs in backward when the autograd engine runs it (a graph task is current). Samples the bytes the
+    forwards made that are alive after each stage's forward."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        super().__init__(params)
+        self.peak_bytes = 0
+
+    def in_backward(self) -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def sample(self) -> None:
+        _settle()
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes("forward"))
+        self.made = {k: v for k, v in self.made.items() if not v[0].expired()}
+
+
+def measure_step_peak(step: Callable[[], object], module: nn.Module, stages: Iterable[nn.Module]) -> MeasuredMemory:
+    """Run `step()` (a pipelined training step of `module`, whose stage modules are `stages`) and measure
+    on this rank, as `measure_saved_bytes` does for one forward (parameters and what is made from them
+    alone left out): `saved_bytes` the most bytes the step's forwards left alive at once, sampled after
+    each stage forward (the microbatches in flight, and the pipeline's own buffers made in the step);
+    `recompute_bytes` the most a recomputed region's re-run holds as it ends; `hooked_bytes` 0."""
+    tracker = _StepTracker(p for _, p in module.named_parameters())
+    handles = [stage.register_forward_hook(lambda *_: tracker.sample()) for stage in stages]
+    try:
+        with tracker, _watch_regions(tracker, module):
+            step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return MeasuredMemory(tracker.peak_bytes, 0, tracker.recompute_bytes)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from autoplan.models.config import expert_capacity
 from autoplan.runtime.collectives import (all_reduce, copy_to_region, group_size,
                                           reduce_from_region, reduce_scatter_along)
 from autoplan.runtime.experts import expert_parallel_ffn, local_experts_ffn
@@ -135,9 +136,10 @@ class ParallelMoE(nn.Module):
     in backward) is the same on every rank whatever the routing."""
 
     def __init__(self, hidden: int, ffn_local: int, experts: int, top_k: int, group,
-                 mode: str, ep_group=None, etp_group=None) -> None:
+                 mode: str, ep_group=None, etp_group=None, capacity_factor: float = 0.0) -> None:
         super().__init__()
         self.top_k, self.group, self.mode, self.ep_group = top_k, group, mode, ep_group
+        self.capacity_factor = capacity_factor  # 0: dropless; else `config.expert_capacity` per sequence slice
         self.etp_group = etp_group  # the expert_tp group under 1 < etp < tp, else None
         self.kernels = "auto"  # plan.kernels for the permute / silu * mul kernels (runtime.rewrite)
         self.ep = ep = group_size(ep_group) if ep_group is not None else 1
@@ -145,6 +147,11 @@ class ParallelMoE(nn.Module):
         self.w_gate = _meta_param(experts, hidden, ffn_local)
         self.w_up = _meta_param(experts, hidden, ffn_local)
         self.w_down = _meta_param(experts, ffn_local, hidden)
+
+    def capacity(self, group_tokens: int) -> int:
+        """C per expert of a group of `group_tokens` tokens over all E experts (0: dropless)."""
+        experts = self.w_gate.shape[0] * self.ep
+        return expert_capacity(self.capacity_factor, group_tokens, self.top_k, experts) if self.capacity_factor else 0
 
     def extra_repr(self) -> str:
         experts, hidden, ffn = self.w_gate.shape
@@ -168,12 +175,13 @@ class ParallelMoE(nn.Module):
         expert_in = flat
         if ffn:  # partial grads from the FFN shards: sum them over tp in backward
             weights, expert_in = copy_to_region(weights, g), copy_to_region(flat, g)
+        limit = (self.capacity(shape[-2]), shape[-2])  # each sequence (slice) on this rank is a group
         if self.ep > 1:
             out = expert_parallel_ffn(expert_in, top_idx, weights, w_gate, w_up, w_down,
-                                      self.ep_group, self.kernels, self.etp_group)
+                                      self.ep_group, self.kernels, self.etp_group, *limit)
         else:
             out = local_experts_ffn(expert_in, top_idx, weights, w_gate, w_up, w_down,
-                                    self.kernels)
+                                    self.kernels, *limit)
         if ffn:
             return reduce_from_region(out.view(shape), g)
         return out.view(shape)

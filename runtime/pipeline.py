@@ -13,7 +13,7 @@ and head): `stage_walk`. The loss and the nodes that depend only on the targets 
 Each stage is a GraphModule (`StageProgram.module`, readable with `.code`) whose inputs are the
 values that earlier stages make and it or later ones use, and whose outputs are those that later
 stages use (cast to fp32, so that boundaries have one dtype under autocast too); on the last stage
-the output is the loss's input. Boundary shapes are static: the whole per-rank graph runs once on
+the output is the loss's input, as made (not sent: the loss keeps it as it would in one stage). Boundary shapes are static: the whole per-rank graph runs once on
 the meta device (collectives on meta tensors only compute shapes) at one microbatch's local shape.
 
 Schedules: "1f1b" -> Schedule1F1B (one stage per rank; needs microbatches >= pp), "gpipe" ->
@@ -139,7 +139,9 @@ def split(gm: fx.GraphModule, infos: dict[str, NodeInfo], plan: Plan
         inputs = [tokens] if s == 0 else boundaries[s - 1]
         outputs = boundaries[s] if s < count - 1 else [pred]
         nodes = [n for n in gm.graph.nodes if stage.get(n) == s]
-        module = _subgraph(gm, nodes, inputs, outputs, f"stage{s}", cast=True)
+        # the last stage's output (the logits) goes to the loss on this rank, not over a link: kept as made,
+        # a float32 copy would be what the loss keeps for backward
+        module = _subgraph(gm, nodes, inputs, outputs, f"stage{s}", cast=s < count - 1)
         programs.append(StageProgram(s, module, tuple(n.name for n in inputs),
                                      tuple(n.name for n in outputs)))
     loss_nodes = [n for n in gm.graph.nodes if n in loss_part]
@@ -226,7 +228,9 @@ class PipelineRunner:
         """Forward and backward of this rank's share of the batch; returns the mean microbatch
         loss on the rank holding the last stage, 0 elsewhere."""
         losses: list[torch.Tensor] = []
-        self.schedule.step(tokens, target=targets, losses=losses)
+        # return_outputs=False: the last stage keeps no microbatch's output (its logits) to the end of the
+        # step, only the losses (as runtime.module_pipeline does)
+        self.schedule.step(tokens, target=targets, losses=losses, return_outputs=False)
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach().float() for loss in losses]).mean()

@@ -330,7 +330,8 @@ def _parallel_module(module: nn.Module, info: NodeInfo, strategy: Strategy, tp: 
             raise PlanError(f"node {info.name!r}: the experts' FFN width {ffn} cannot be split over "
                             f"{split} ranks (etp); plan an etp that divides {ffn}")
         return ParallelMoE(hidden, ffn // split, experts // ep.size, module.top_k, g, name,
-                           ep_group=ep.group, etp_group=etp.group if etp is not None else None)
+                           ep_group=ep.group, etp_group=etp.group if etp is not None else None,
+                           capacity_factor=module.capacity_factor)
     if name == "replicate" or (kind, name) == ("attention", "heads"):
         return module
     if kind == "linear" and name == "column":
@@ -355,6 +356,7 @@ def _parallel_module(module: nn.Module, info: NodeInfo, strategy: Strategy, tp: 
     if kind == "moe" and name in ("ffn", "sequence"):
         experts, hidden, ffn = module.w_gate.shape
         ffn_local = ffn // n if name == "ffn" else ffn
-        return ParallelMoE(hidden, ffn_local, experts, module.top_k, g, name)
+        return ParallelMoE(hidden, ffn_local, experts, module.top_k, g, name,
+                           capacity_factor=module.capacity_factor)
     raise PlanError(f"node {info.name!r}: the runtime has no implementation of strategy {name!r} "
                     f"for op kind {kind!r} ({info.target})")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
@@ -66,6 +67,7 @@ class ModelConfig:
     dense_ffn_hidden: int = 0  # moe only: that MLP's width (> 0 exactly when dense_layers > 0)
     expert_hidden: int = 0  # moe only: BigMac's low width r < hidden the experts run at (0: hidden)
     parameters: int = 0  # the exact count where the model itself gives it (a captured Hugging Face model); 0: the formula
+    capacity_factor: float = 0.0  # moe only: each expert takes at most `expert_capacity` rows per sequence; 0: dropless
 
     def __post_init__(self) -> None:
         check_str("model name", self.name)
@@ -76,6 +78,8 @@ class ModelConfig:
             check_int(f"model {self.name!r}: {key}", getattr(self, key), minimum=0)
         for key in ("norm_eps", "rope_theta"):
             check_number(f"model {self.name!r}: {key}", getattr(self, key))
+        check_number(f"model {self.name!r}: capacity_factor", self.capacity_factor, strict=False,
+                     hint="0 for dropless routing, or e.g. 1.25 for buffers of 1.25x the mean rows per expert")
         if self.hidden % self.heads:
             raise ConfigError(f"model {self.name!r}: hidden={self.hidden} is not divisible by "
                               f"heads={self.heads}; choose hidden as a multiple of heads")
@@ -100,7 +104,7 @@ class ModelConfig:
 
     def _check_moe_fields(self) -> None:
         if self.family != "moe":
-            extra = {k: getattr(self, k) for k in ("experts", "top_k") + _MOE_LAYOUT_FIELDS
+            extra = {k: getattr(self, k) for k in ("experts", "top_k", "capacity_factor") + _MOE_LAYOUT_FIELDS
                      if getattr(self, k)}
             if extra:
                 given = ", ".join(f"{k}={v}" for k, v in extra.items())
@@ -132,6 +136,12 @@ class ModelConfig:
         return self.expert_hidden or self.hidden
 
     @property
+    def dispatched_rows_per_token(self) -> float:
+        """Rows an expert-parallel dispatch moves per token: top_k, or with an expert capacity the padded
+        buffer's capacity_factor * top_k (`expert_capacity` before its rounding up)."""
+        return self.top_k * (self.capacity_factor or 1.0)
+
+    @property
     def moe_layers(self) -> int:
         """Layers with a mixture of experts (0 outside the moe family)."""
         return self.num_layers - self.dense_layers if self.family == "moe" else 0
@@ -144,7 +154,8 @@ class ModelConfig:
     def rule_info(self) -> dict:
         """What the strategy rules (`autoplan.strategies`) and the activation model
         (`cost_model.activations`: RoPE's tables and rotated q, k) read of the model besides its graph."""
-        return {"head_dim": self.head_dim, "ffn_hidden": self.ffn_hidden, "rope": self.family != "gpt"}
+        info = {"head_dim": self.head_dim, "ffn_hidden": self.ffn_hidden, "rope": self.family != "gpt"}
+        return info | ({"capacity_factor": self.capacity_factor} if self.capacity_factor else {})
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -161,7 +172,7 @@ class ModelConfig:
     def fingerprint(self) -> str:
         """First 16 hex chars of sha256 over the canonical (sorted-key) JSON of the shape fields."""
         shape = {k: getattr(self, k) for k in _SHAPE_FIELDS}
-        shape |= {k: getattr(self, k) for k in _MOE_LAYOUT_FIELDS if getattr(self, k)}
+        shape |= {k: getattr(self, k) for k in _MOE_LAYOUT_FIELDS + ("capacity_factor",) if getattr(self, k)}
         text = json.dumps(shape, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -190,6 +201,15 @@ class ModelConfig:
         """Parameters of the routed experts' weights (w_gate, w_up, w_down: 3 E r f per MoE layer),
         the ones expert parallelism divides; the router, shared experts and projections are dense."""
         return self.moe_layers * 3 * self.experts * self.expert_width * self.ffn_hidden
+
+
+def expert_capacity(factor: float, tokens: int, top_k: int, experts: int) -> int:
+    """C = ceil(factor * tokens * top_k / experts): the most rows each expert takes of a group of `tokens`
+    tokens (one sequence, or a rank's slice of it) routed to `top_k` of `experts` experts; the routed
+    (token, slot) pairs past the first C of an expert in token order are dropped (GShard, Lepikhin et
+    al. 2020; Megatron-Core's --moe-expert-capacity-factor). The runtime pads each expert's buffer to
+    exactly C rows per group (runtime.experts), so its memory is that of C rows whatever the routing."""
+    return max(1, math.ceil(factor * tokens * top_k / experts))
 
 
 def load_model_config(path: str | Path) -> ModelConfig:

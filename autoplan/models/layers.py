@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoplan.errors import ConfigError
+from autoplan.models.config import expert_capacity
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -124,15 +125,19 @@ def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: to
 
 
 class MoEFeedForward(nn.Module):
-    """Mixtral-style mixture of SwiGLU experts, exact (no capacity, no dropped tokens).
+    """Mixtral-style mixture of SwiGLU experts: dropless, or with an expert capacity.
 
     For token x: l = router(x) (E logits); (v, i) = top_k(l); w = softmax(v);
     y = sum_j w_j * swiglu(x, w_gate[i_j], w_up[i_j], w_down[i_j]).
+    With `capacity_factor` > 0 each expert takes at most C = `config.expert_capacity` rows of each
+    sequence (x's second-to-last dim), the first in token order; the terms of the pairs past them are
+    dropped (GShard). 0: every pair is kept.
     """
 
-    def __init__(self, hidden: int, ffn_hidden: int, experts: int, top_k: int) -> None:
+    def __init__(self, hidden: int, ffn_hidden: int, experts: int, top_k: int,
+                 capacity_factor: float = 0.0) -> None:
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.capacity_factor = top_k, capacity_factor
         self.router = nn.Linear(hidden, experts, bias=False)
         self.w_gate = nn.Parameter(torch.empty(experts, hidden, ffn_hidden))
         self.w_up = nn.Parameter(torch.empty(experts, hidden, ffn_hidden))
@@ -153,12 +158,28 @@ class MoEFeedForward(nn.Module):
             return self._dense(flat, top_idx, weights).view(shape)
         out = torch.zeros_like(flat)  # (N, h)
         for e in range(self.w_gate.shape[0]):
-            token, slot = torch.where(top_idx == e)  # tokens routed to expert e, and their slot
+            token, slot = torch.where(top_idx == e)  # tokens routed to expert e (ascending), and their slot
+            if self.capacity_factor:
+                token, slot = self._within_capacity(token, slot, shape[-2])
             if token.numel() == 0:
                 continue
             y = swiglu(flat.index_select(0, token), self.w_gate[e], self.w_up[e], self.w_down[e])
             out.index_add_(0, token, y * weights[token, slot].unsqueeze(-1))
         return out.view(shape)
+
+    def capacity(self, group_tokens: int) -> int:
+        """C: the most rows one expert takes of a group of `group_tokens` tokens (0: no limit)."""
+        experts = self.w_gate.shape[0]
+        return expert_capacity(self.capacity_factor, group_tokens, self.top_k, experts) if self.capacity_factor else 0
+
+    def _within_capacity(self, token: torch.Tensor, slot: torch.Tensor, group_tokens: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first C of an expert's (ascending) tokens in each group of `group_tokens` tokens."""
+        group = token // group_tokens
+        counts = torch.bincount(group)
+        rank = torch.arange(token.numel(), device=token.device) - (counts.cumsum(0) - counts)[group]
+        keep = rank < self.capacity(group_tokens)
+        return token[keep], slot[keep]
 
     def _dense(self, flat: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor
                ) -> torch.Tensor:

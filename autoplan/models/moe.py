@@ -35,7 +35,7 @@ class MoELayer(nn.Module):
         super().__init__()
         c, r = config, config.expert_width
         self.descend = nn.Linear(c.hidden, r, bias=False) if r != c.hidden else None
-        self.experts = MoEFeedForward(r, c.ffn_hidden, c.experts, c.top_k)
+        self.experts = MoEFeedForward(r, c.ffn_hidden, c.experts, c.top_k, c.capacity_factor)
         self.shared = SwiGLUMLP(r, c.shared_experts * c.ffn_hidden) if c.shared_experts else None
         self.ascend = nn.Linear(r, c.hidden, bias=False) if r != c.hidden else None
 
@@ -59,4 +59,4 @@ class Mixtral(Llama):
             return SwiGLUMLP(c.hidden, c.dense_ffn_hidden)
         if c.shared_experts or c.expert_width != c.hidden:
             return MoELayer(c)
-        return MoEFeedForward(c.hidden, c.ffn_hidden, c.experts, c.top_k)
+        return MoEFeedForward(c.hidden, c.ffn_hidden, c.experts, c.top_k, c.capacity_factor)

@@ -19,10 +19,10 @@ from autoplan.runtime.kernels.activations import bias_gelu, silu_mul
 from autoplan.runtime.kernels.cross_entropy import (cross_entropy_grad, cross_entropy_stats,
                                                     vocab_parallel_cross_entropy)
 from autoplan.runtime.kernels.dispatch import Backend, use_triton
-from autoplan.runtime.kernels.moe_permute import Routing, moe_permute, moe_routing, moe_unpermute
+from autoplan.runtime.kernels.moe_permute import Routing, moe_combine, moe_permute, moe_routing, moe_unpermute
 from autoplan.runtime.kernels.norms import layer_norm, rms_norm
 from autoplan.runtime.kernels.rope import apply_rope
 
 __all__ = ["Backend", "Routing", "apply_rope", "bias_gelu", "cross_entropy_grad",
-           "cross_entropy_stats", "layer_norm", "moe_permute", "moe_routing", "moe_unpermute",
+           "cross_entropy_stats", "layer_norm", "moe_combine", "moe_permute", "moe_routing", "moe_unpermute",
            "rms_norm", "silu_mul", "use_triton", "vocab_parallel_cross_entropy"]

@@ -13,7 +13,8 @@ expert sees its tokens in token order, as `MoEFeedForward`'s loop over `torch.wh
 
 Each output row is written by exactly one program, so there are no atomics and the results do
 not depend on scheduling. `tokens_per_expert` gives the split sizes of an expert-parallel
-all-to-all. Dropping tokens over an expert capacity is not done (the models here are exact).
+all-to-all. `moe_combine` is the unpermute's sum over rows in any layout: runtime.experts uses it
+for the padded buffers of an expert capacity, whose dropped pairs read a zero row.
 """
 
 from __future__ import annotations
@@ -64,7 +65,12 @@ def permute_torch(x: torch.Tensor, routing: Routing) -> torch.Tensor:
 
 def unpermute_torch(y: torch.Tensor, weights: torch.Tensor, routing: Routing) -> torch.Tensor:
     """y (N*k, h) in expert order, weights (N, k) -> (N, h), summed in fp32."""
-    rows = upcast(y[routing.pos])  # (N, k, h)
+    return combine_torch(y, weights, routing.pos)
+
+
+def combine_torch(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """out[n] = sum_j w[n, j] * y[pos[n, j]] for y (M, h), weights and pos (N, k): (N, h), fp32 sums."""
+    rows = upcast(y[pos])  # (N, k, h)
     return (rows * upcast(weights).unsqueeze(-1)).sum(dim=1).to(y.dtype)
 
 
@@ -189,7 +195,9 @@ class _Unpermute(Function):
         y, weights, pos = ctx.saved_tensors
         g = _unit_cols(dout)
         (tokens, k), hidden = pos.shape, y.shape[1]
-        dy = torch.empty_like(y, memory_format=torch.contiguous_format)
+        # every row of a permutation is some pair's; a padded buffer's (runtime.experts) may be no pair's: 0
+        fill = torch.empty_like if y.shape[0] == tokens * k else torch.zeros_like
+        dy = fill(y, memory_format=torch.contiguous_format)
         dw = torch.empty((tokens, k), dtype=torch.float32, device=y.device)
         cfg = config(tokens, hidden, y.is_cuda)
         with device_guard(y):
@@ -217,6 +225,13 @@ def moe_unpermute(y: torch.Tensor, weights: torch.Tensor, routing: Routing,
         raise ValueError(f"moe_unpermute: y {tuple(y.shape)} must be (N*k, h) with N*k = "
                          f"{routing.token.numel()}, weights {tuple(weights.shape)} must be "
                          f"{tuple(routing.pos.shape)}")
+    return moe_combine(y, weights, routing.pos, backend)
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor,
+                backend: Backend = "auto") -> torch.Tensor:
+    """out[n] = sum_j w[n, j] * y[pos[n, j]] for rows y (M, h) in any layout (`moe_unpermute`'s sum;
+    the padded buffers of an expert capacity, runtime.experts); differentiable in y and the weights."""
     if y.numel() == 0 or not use_triton(y.device, backend):
-        return unpermute_torch(y, weights, routing)
-    return _Unpermute.apply(y, weights, routing.pos)
+        return combine_torch(y, weights, pos)
+    return _Unpermute.apply(y, weights, pos)
