@@ -86,8 +86,8 @@ def test_the_floor_holds_under_every_fewer_recomputed_layers_that_fit(mid):
     `fewer_recomputed` = j is under every "full:k", k >= j, that fits, and under "full" itself."""
     configs = [c for c in enumerate_configs(MID, mid.cluster, 64, 4096, SearchOptions(max_microbatch_size=2))
                if c.recompute == "full"]
-    bisected = [c for c in random.Random(7).sample(configs, 60)
-                if mid.price(c).fits and not mid.price(c.replace(recompute="none")).fits][:10]
+    bisected = [c for c in random.Random(7).sample(configs, min(120, len(configs)))
+                if mid.price(c).fits and not mid.price(c.replace(recompute="none")).fits][:12]
     checked = 0
     for cfg in bisected:
         block = _block(mid, cfg)
