@@ -48,6 +48,7 @@ chunks t_s still sums the rank's chunks, and the fill and drain are priced at it
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -174,8 +175,12 @@ def chunk_in_flight(stage: int, pp: int, num_microbatches: int, virtual_stages: 
     return states
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of four ints, asked per stage of every configuration a search prices
 def sends_kept(stage: int, pp: int, num_microbatches: int, virtual_stages: int = 1) -> int:
-    """The most outputs rank `stage`'s sends keep alive besides those in flight (`chunk_in_flight`)."""
+    """The most outputs rank `stage`'s sends keep alive besides those in flight (`chunk_in_flight`); under
+    1F1B (one chunk) one output while a send is waited on, none on the last rank, without the walk."""
+    if virtual_stages == 1:
+        return int(stage < pp - 1 and num_microbatches > 0)
     return max(kept for _, kept in chunk_in_flight(stage, pp, num_microbatches, virtual_stages))
 
 
