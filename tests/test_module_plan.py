@@ -201,6 +201,26 @@ def test_checkpoint_loads_into_a_meta_model(tmp_path):
         torch.testing.assert_close(loaded(input_ids=tokens).logits, saved(input_ids=tokens).logits)
 
 
+def test_checkpoint_names_follow_transformers_renamings(tmp_path):
+    """GPT-NeoX: transformers 5's model says `lm_head` where its checkpoints keep `embed_out` (renamed on
+    load by transformers' conversion mapping); the loaded model gives the saved one's logits."""
+    from autoplan.runtime.weights import load_checkpoint
+
+    config = transformers.GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=128, vocab_size=256, max_position_embeddings=64)
+    saved = transformers.AutoModelForCausalLM.from_config(config)
+    saved.save_pretrained(tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
+        assert "embed_out.weight" in handle.keys() and "lm_head.weight" not in handle.keys()
+    loaded = _meta_model(config)
+    load_checkpoint(loaded, tmp_path, torch.device("cpu"))
+    tokens = torch.randint(0, 256, (2, T))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=tokens).logits, saved(input_ids=tokens).logits)
+
+
 def test_local_index_is_torch_chunk():
     from autoplan.runtime.weights import local_index
 
