@@ -183,10 +183,11 @@ def test_architecture_without_sdpa_is_captured_with_eager_attention():
             assert chosen[node.name] == "replicate" and f"x {node.op_kind} {node.target} (" in note
 
 
-def test_eager_attention_with_window_per_layer_type():
-    """Gemma 2 (soft-capping off) runs eager attention: one core per layer, its sliding layers priced
-    with the window, its full ones with T."""
+@pytest.mark.parametrize("softcap", [None, 50.0])
+def test_eager_attention_with_window_per_layer_type(softcap):
+    """Gemma 2 (soft-capping off, or on as its configs have it: tanh inside the core) runs eager attention:
+    one core per layer, its sliding layers priced with the window, its full ones with T."""
     config = _config("gemma2", **(SMALL | dict(num_key_value_heads=2, head_dim=16, sliding_window=8,
-                                               attn_logit_softcapping=None, final_logit_softcapping=None)))
+                                               attn_logit_softcapping=softcap, final_logit_softcapping=softcap)))
     _, graph, _ = _capture(config)
     assert [attention_keys(c) for c in _cores(graph)] == [8, T]
