@@ -169,8 +169,8 @@ class GraphConverter:
             members.add(out.name)
         sources = [self._source(a, members) for a in (qkv or sdpa.args[:3])]
         latent = self._latent_sources(sources, (qkv or sdpa.args[:3])[1], members)
-        members &= self._downstream(latent or [s for s in sources if s is not None], members) | {out.name}
-        for m in members - {out.name}:
+        computed = self._downstream(latent or [s for s in sources if s is not None], members)
+        for m in computed - {out.name}:
             if any(u.name not in members and _target_name(u) not in SKIPPED for u in self.by_name[m].users):
                 return None  # an inner tensor is used outside the core
         if None in sources:
@@ -211,8 +211,8 @@ class GraphConverter:
 
     def _downstream(self, sources: list[fx.Node], members: set[str]) -> set[str]:
         """The members computed from the core's input activations; the others compute positions only (rotary
-        tables cast in the module, such as DeepSeek V2's complex frequencies, which the next layer reuses):
-        not the core's, they stay ordinary ops."""
+        tables cast in the module, such as DeepSeek V2's complex frequencies, which export shares with the next
+        layer): another core may read those."""
         found, todo = set(), list(sources)
         while todo:
             for u in todo.pop().users:
@@ -246,8 +246,8 @@ class GraphConverter:
         return [sources[0], sources[1], rotary[0]] if len(rotary) == 1 and None not in filled else None
 
     def _latent_tensors(self) -> set[str]:
-        """Single-head 4-D views of token activations, (B, 1, T, F) for (B, T, F), and the linears applied to
-        them (DeepSeek's kv_b_proj on its compressed latent): described as the (B, T, F) they are
+        """Single-head 4-D views of token activations, (B, 1, T, F) for (B, T, F), that a linear reads, and
+        those linears (DeepSeek's kv_b_proj on its compressed latent): described as the (B, T, F) they are
         (`_meta_of`), so the projection is an ordinary linear and its output an activation."""
         found: set[str] = set()
         for n in self.graph.nodes:
@@ -259,11 +259,15 @@ class GraphConverter:
             if not isinstance(x, fx.Node):
                 continue
             if target in RESHAPES | {"unsqueeze"} and self._is_activation(x) \
-                    and x.meta["val"].shape[-1] == val.shape[-1]:
+                    and x.meta["val"].shape[-1] == val.shape[-1] and any(self._is_linear(u) for u in n.users):
                 found.add(n.name)
-            elif target in MATMUL_TARGETS and x.name in found:
+            elif self._is_linear(n) and x.name in found:
                 found.add(n.name)
         return found
+
+    def _is_linear(self, n: fx.Node) -> bool:
+        """A matmul with a parameter (a projection)."""
+        return _target_name(n) in MATMUL_TARGETS and any(a.name in self.params for a in n.all_input_nodes)
 
     def _meta_of(self, n: fx.Node) -> TensorMeta | None:
         """The canonical meta of fx node `n`'s value (a latent (B, 1, T, F) as (B, T, F): `_latent_tensors`)."""
