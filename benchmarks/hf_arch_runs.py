@@ -291,6 +291,15 @@ def runs_cell(row: dict) -> str:
 
 
 def _replicated_note(regions) -> str:
-    """" with self_attn replicated": the kinds of region (last path component) a plan kept replicated."""
-    kinds = sorted({r.rpartition(".")[2] for r in regions})
+    """" with self_attn replicated": the kinds of region a plan kept replicated (`replicated_kinds`)."""
+    kinds = sorted(replicated_kinds(regions))
     return f" with {', '.join(kinds)} replicated" if kinds else ""
+
+
+def replicated_kinds(regions) -> set[str]:
+    """The last path component of each region ("self_attn", "mlp"), or "layers.*" for a whole layer."""
+    kinds = set()
+    for region in regions:
+        parent, _, last = region.rpartition(".")
+        kinds.add(f"{parent.rpartition('.')[2]}.*" if last.isdigit() else last)
+    return kinds
