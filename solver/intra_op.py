@@ -52,6 +52,14 @@ def solve_tp(graph: CapturedGraph, registry: StrategyRegistry, info: Mapping, cl
                        solver, status)
 
 
+def _keeping_features(options, placements: list) -> str:
+    """The first strategy of a view that takes its feature-sharded inputs as they are, else "replicate"."""
+    if not placements or any(p != FEAT for p in placements):
+        return "replicate"
+    return next((s.name for s in options if len(s.inputs) == len(placements)
+                 and all(spec.placement == FEAT for spec in s.inputs)), "replicate")
+
+
 def megatron_assignment(graph: CapturedGraph, registry: StrategyRegistry, tp: int, info: Mapping,
                         sequence_parallel: bool = False) -> dict[str, str]:
     """Megatron-LM's tensor parallelism as an assignment: column for the projections into attention
@@ -86,6 +94,8 @@ def megatron_assignment(graph: CapturedGraph, registry: StrategyRegistry, tp: in
                 wanted = "features"
             elif sequence_parallel and SEQ in placements and FEAT not in placements:
                 wanted = "sequence"
+        elif node.op_kind == "view":  # between column and row (a Conv1D's reshapes, a dropout's copy): keep the shard
+            wanted = _keeping_features(options[node.name], [output[u] for u in node.inputs])
         node_options = options[node.name]
         if id(node_options) not in tables:
             valid = {s.name: s for s in node_options}

@@ -160,7 +160,8 @@ def test_fused_qkv_and_gate_up_linears_refused_column():
     regions = (("self_attn_qkv_proj", 128, "self_attn_o_proj"), ("mlp_gate_up_proj", 256, "mlp_down_proj"))
     for proj, out, rows in regions:
         split = {f"model_layers_{i}_{name}": "replicate" for i in (0, 1) for r in regions for name in r[::2]}
-        split |= {f"model_layers_{i}_self_attn_core": "replicate" for i in (0, 1) if proj.startswith("mlp")}
+        split |= {f"model_layers_{i}_self_attn_core{piece}": "replicate" for i in (0, 1) for piece in ("", "_q", "_k", "_v")
+                  if proj.startswith("mlp")}  # the core and its q, k, v pieces (views of qkv_proj's output)
         split |= {f"model_layers_{i}_{proj}": "column" for i in (0, 1)} | {f"model_layers_{i}_{rows}": "row" for i in (0, 1)}
         with pytest.raises(PlanError, match=rf"{out} outputs\) is planned 'column' but the row projections .* "
                                             r"its output is fused"):
