@@ -120,7 +120,7 @@ class StepEnv:
     seq_len: int
     dtype: str
     efficiency: Efficiency
-    head_dim: int = 0  # the attention cores' (a captured model's may differ from hidden / heads); 0: the model's
+    head_dim: int = 0  # the strategy rules' (a Hugging Face config's head_dim may differ from hidden / heads); 0: the model's
 
     @property
     def memory_limit_bytes(self) -> float:
