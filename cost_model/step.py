@@ -122,6 +122,7 @@ class StepEnv:
     seq_len: int
     dtype: str
     efficiency: Efficiency
+    head_dim: int = 0  # the strategy rules' (a Hugging Face config's head_dim may differ from hidden / heads); 0: the model's
 
     @property
     def memory_limit_bytes(self) -> float:
@@ -183,7 +184,7 @@ class StepModel:
         env, itemsize, total = self.env, ITEMSIZE[self.env.dtype], 0.0
         context = cfg.context_parallel  # the Ulysses group: cp, or ep x cp under ep_as = "cp"
         if context > 1 and part.q_width:
-            head_dim = env.model.head_dim  # kv heads repeated as the runtimes send them (validity.ulysses_kv_heads)
+            head_dim = env.head_dim or env.model.head_dim  # kv heads repeated as the runtimes send them (validity.ulysses_kv_heads)
             kv_width = ulysses_kv_heads(round(part.q_width / head_dim), round(part.kv_width / head_dim), context) * head_dim
             total += ulysses_all_to_all_s(cfg.microbatch_size * env.seq_len, part.q_width, kv_width, itemsize,
                                           env.cluster, self.group(cfg, cfg.mesh.context_axes),

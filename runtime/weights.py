@@ -32,17 +32,21 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from autoplan.errors import ConfigError
-from autoplan.runtime.expert_checkpoint import read_per_expert, stored_names
+from autoplan.runtime.checkpoint_names import checkpoint_renamer, model_names
+from autoplan.runtime.expert_checkpoint import read_per_expert
 
 INDEX = "model.safetensors.index.json"
 
 
 class CheckpointFiles(contextlib.AbstractContextManager):
-    """The tensors of a safetensors checkpoint directory, by name, opened lazily."""
+    """The tensors of a safetensors checkpoint directory, opened lazily, by the model's names of them:
+    `where` maps each to its file; `rename` (`runtime.checkpoint_names`) gives a stored key's model name."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, rename=None) -> None:
         self.directory = Path(directory)
-        self.where = self._index()
+        stored = self._index()
+        self._stored = model_names(list(stored), rename)
+        self.where = {name: stored[key] for name, key in self._stored.items()}
         self._stack = contextlib.ExitStack()
         self._open: dict[str, object] = {}
 
@@ -75,11 +79,11 @@ class CheckpointFiles(contextlib.AbstractContextManager):
         return self._open[file]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return tuple(self._handle(name).get_slice(self._stored[name]).get_shape())
 
     def read(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
-        """The tensor `name`, or only `index` (one slice per leading dim) of it."""
-        part = self._handle(name).get_slice(name)
+        """The tensor the model names `name`, or only `index` (one slice per leading dim) of it."""
+        part = self._handle(name).get_slice(self._stored[name])
         return part[index] if index else part[:]
 
     def __exit__(self, *exc) -> None:
@@ -104,9 +108,8 @@ def local_index(shape: tuple[int, ...], placements, coords: list[int], sizes: li
 
 
 def _checkpoint_name(names: list[str], files: CheckpointFiles) -> str:
-    """The name a tensor is stored under: the first of its names (tied aliases, and the names of
-    `expert_checkpoint.stored_names`) in the checkpoint."""
-    for name in (stored for name in names for stored in stored_names(name)):
+    """The first of a tensor's names (tied aliases) that the checkpoint holds (under the model's names)."""
+    for name in names:
         if name in files.where:
             return name
     sample = ", ".join(sorted(files.where)[:4])
@@ -118,7 +121,7 @@ def _checkpoint_name(names: list[str], files: CheckpointFiles) -> str:
 def _load_tensor(names: list[str], current: torch.Tensor, files: CheckpointFiles, device) -> torch.Tensor:
     """This rank's part of the tensor `names[0]` (a DTensor when `current` is one), read from `files`;
     fused expert weights stored per expert read from those (`runtime.expert_checkpoint`)."""
-    if not any(s in files.where for n in names for s in stored_names(n)):
+    if not any(n in files.where for n in names):
         found = _load_per_expert(names[0], current, files, device)
         if found is not None:
             return found
@@ -166,7 +169,7 @@ def load_checkpoint(model: nn.Module, directory: str | Path, device: torch.devic
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     done: dict[int, nn.Parameter] = {}
-    with CheckpointFiles(directory) as files:
+    with CheckpointFiles(directory, checkpoint_renamer(model)) as files:
         for path, module in model.named_modules():
             for attr, p in list(module._parameters.items()):
                 if p is None:

@@ -74,7 +74,7 @@ class SearchContext:
         self.head_dim = attention_head_dim(self.graph)
         self.fold_map = fold_graph(self.graph) if fold else None
         self._layer_runs: LayerRuns | None = None
-        self.steps = StepModel(StepEnv(config, cluster, seq_len, dtype, self.efficiency), partition_bounds)
+        self.steps = StepModel(StepEnv(config, cluster, seq_len, dtype, self.efficiency, int(self.info.get("head_dim") or 0)), partition_bounds)
         self._blocks: dict[tuple, BlockCosts] = {}
         self._solutions: dict[tuple, SolutionParts] = {}
         self._by_assignment: dict[tuple, SolutionParts] = {}  # (tp, etp, assignment): `_parts`

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Mapping
 
 from autoplan.capture.blocks import FoldedGraph, fold_graph
+from autoplan.capture.tp_roles import tp_roles
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.assignment import TpSolution, tp_solution
 from autoplan.cost_model.compute import Efficiency
@@ -51,10 +52,20 @@ def solve_tp(graph: CapturedGraph, registry: StrategyRegistry, info: Mapping, cl
                        solver, status)
 
 
+def _keeping_features(options, placements: list) -> str:
+    """The first strategy of a view that takes its feature-sharded inputs as they are, else "replicate"."""
+    if not placements or any(p != FEAT for p in placements):
+        return "replicate"
+    return next((s.name for s in options if len(s.inputs) == len(placements)
+                 and all(spec.placement == FEAT for spec in s.inputs)), "replicate")
+
+
 def megatron_assignment(graph: CapturedGraph, registry: StrategyRegistry, tp: int, info: Mapping,
                         sequence_parallel: bool = False) -> dict[str, str]:
-    """Megatron-LM's tensor parallelism as an assignment: column for q/k/v/fc/gate/up projections and
-    the lm_head, row for o_proj/proj/down_proj, vocab for embeddings and cross-entropy, heads for
+    """Megatron-LM's tensor parallelism as an assignment: column for the projections into attention
+    cores, MLP activations and the loss, row for those out of attention cores and column projections
+    (`autoplan.capture.tp_roles`: by the data flow, so fused and differently named projections are found;
+    where it finds no role, by name: q/k/v/fc/gate/up and lm_head column, o_proj/proj/down_proj row), vocab for embeddings and cross-entropy, heads for
     attention, ffn for MoE (expert under etp < tp, its only strategy), features for pointwise ops between
     column and row, replicate elsewhere (and wherever the wanted strategy is not valid at this tp).
 
@@ -63,6 +74,7 @@ def megatron_assignment(graph: CapturedGraph, registry: StrategyRegistry, tp: in
     sequence shards, and column projections all-gather their input."""
     column = ("q_proj", "k_proj", "v_proj", "fc", "gate_proj", "up_proj", "lm_head")
     row = ("o_proj", "proj", "down_proj")
+    roles = tp_roles(graph)  # by the data flow; the names above where it finds no role
     wanted_by_kind = {"embedding": "vocab", "cross_entropy": "vocab", "attention": "heads", "moe": "ffn"}
     if sequence_parallel:
         wanted_by_kind |= {"embedding": "vocab_sp", "norm": "sequence"}
@@ -74,13 +86,16 @@ def megatron_assignment(graph: CapturedGraph, registry: StrategyRegistry, tp: in
         wanted = wanted_by_kind.get(node.op_kind, "replicate")
         if node.op_kind == "linear":
             leaf = node.module_path.rsplit(".", 1)[-1]
-            wanted = "column" if leaf in column else ("row_sp" if sequence_parallel else "row") if leaf in row else "replicate"
+            role = roles.get(node.name) or ("column" if leaf in column else "row" if leaf in row else "replicate")
+            wanted = ("row_sp" if sequence_parallel else "row") if role == "row" else role
         elif node.op_kind == "elementwise":
             placements = [output[u] for u in node.inputs]
             if placements and all(p == FEAT for p in placements):
                 wanted = "features"
             elif sequence_parallel and SEQ in placements and FEAT not in placements:
                 wanted = "sequence"
+        elif node.op_kind == "view":  # between column and row (a Conv1D's reshapes, a dropout's copy): keep the shard
+            wanted = _keeping_features(options[node.name], [output[u] for u in node.inputs])
         node_options = options[node.name]
         if id(node_options) not in tables:
             valid = {s.name: s for s in node_options}

@@ -108,6 +108,29 @@ def test_per_head_norms_are_in_the_core_and_their_gradients_summed():
     assert {p.name: p.grad_partial for p in op.resolved.params} == {"q_norm.weight": True, "k_norm.weight": True}
 
 
+@pytest.mark.parametrize("q_lora_rank", [None, 512])  # DeepSeek V2-Lite's q_proj, V2 / V3's q_a_proj -> q_b_proj
+def test_latent_attention_is_one_core_split_on_heads(q_lora_rank):
+    """DeepSeek's multi-head latent attention: one core per layer reading q, the expanded latent (kv_b_proj's
+    output, run on a (B, 1, T, r) view) and the shared rotary key; its FLOPs with the value width (dv), not
+    q's; under tp = 2 split on heads with kv_b_proj and the q projection column-parallel."""
+    heads, nope, rope, value = 16, 128, 64, 96
+    config = _config("deepseek_v3", **(WIDE | dict(num_key_value_heads=heads, kv_lora_rank=256, q_lora_rank=q_lora_rank,
+                                                   qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=value,
+                                                   first_k_dense_replace=2, n_routed_experts=4, n_group=1,
+                                                   topk_group=1, num_experts_per_tok=2)))
+    summary, graph, info = _capture(config, WIDE_T)
+    cores = _cores(graph)
+    assert len(cores) == 2 and all(c.target == "latent_attention" for c in cores)
+    assert [m.shape[-1] for m in cores[0].input_metas] == [heads * (nope + rope), heads * (nope + value), rope]
+    assert cores[0].output.shape[-1] == heads * value
+    assert cores[0].fwd_flops == 2 * WIDE_T * WIDE_T * heads * (nope + rope + value)
+    plan = _tp2_plan(summary, graph, info)
+    strategies = {op.module.rsplit(".", 1)[-1]: op.strategy for op in plan.ops if op.module.startswith("model.layers.0.")}
+    assert strategies["self_attn"] == "heads"
+    assert strategies["kv_b_proj"] == "column" and strategies["q_b_proj" if q_lora_rank else "q_proj"] == "column"
+    assert strategies["o_proj"] != "replicate"
+
+
 @pytest.mark.parametrize("model_type, extra", [
     ("stablelm", dict(partial_rotary_factor=0.25, num_key_value_heads=4)),
     ("phi", dict(partial_rotary_factor=0.5)),
@@ -183,10 +206,11 @@ def test_architecture_without_sdpa_is_captured_with_eager_attention():
             assert chosen[node.name] == "replicate" and f"x {node.op_kind} {node.target} (" in note
 
 
-def test_eager_attention_with_window_per_layer_type():
-    """Gemma 2 (soft-capping off) runs eager attention: one core per layer, its sliding layers priced
-    with the window, its full ones with T."""
+@pytest.mark.parametrize("softcap", [None, 50.0])
+def test_eager_attention_with_window_per_layer_type(softcap):
+    """Gemma 2 (soft-capping off, or on as its configs have it: tanh inside the core) runs eager attention:
+    one core per layer, its sliding layers priced with the window, its full ones with T."""
     config = _config("gemma2", **(SMALL | dict(num_key_value_heads=2, head_dim=16, sliding_window=8,
-                                               attn_logit_softcapping=None, final_logit_softcapping=None)))
+                                               attn_logit_softcapping=softcap, final_logit_softcapping=softcap)))
     _, graph, _ = _capture(config)
     assert [attention_keys(c) for c in _cores(graph)] == [8, T]

@@ -279,7 +279,6 @@ LLAMA = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "nu
 
 @pytest.mark.parametrize("model_type, fragment", [
     ("bert", "'bert' is an encoder-only"), ("t5", "'t5' is an encoder-decoder"),
-    ("gemma2", "'gemma2' caps its attention scores or logits"),
 ])
 def test_configs_autoplan_cannot_model_faithfully_are_refused_by_name(tmp_path, capsys, model_type, fragment):
     pytest.importorskip("transformers")

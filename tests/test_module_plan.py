@@ -160,7 +160,8 @@ def test_fused_qkv_and_gate_up_linears_refused_column():
     regions = (("self_attn_qkv_proj", 128, "self_attn_o_proj"), ("mlp_gate_up_proj", 256, "mlp_down_proj"))
     for proj, out, rows in regions:
         split = {f"model_layers_{i}_{name}": "replicate" for i in (0, 1) for r in regions for name in r[::2]}
-        split |= {f"model_layers_{i}_self_attn_core": "replicate" for i in (0, 1) if proj.startswith("mlp")}
+        split |= {f"model_layers_{i}_self_attn_core{piece}": "replicate" for i in (0, 1) for piece in ("", "_q", "_k", "_v")
+                  if proj.startswith("mlp")}  # the core and its q, k, v pieces (views of qkv_proj's output)
         split |= {f"model_layers_{i}_{proj}": "column" for i in (0, 1)} | {f"model_layers_{i}_{rows}": "row" for i in (0, 1)}
         with pytest.raises(PlanError, match=rf"{out} outputs\) is planned 'column' but the row projections .* "
                                             r"its output is fused"):
@@ -195,6 +196,26 @@ def test_checkpoint_loads_into_a_meta_model(tmp_path):
     saved = transformers.AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa")
     saved.save_pretrained(tmp_path)
     loaded = _meta_model(_config())
+    load_checkpoint(loaded, tmp_path, torch.device("cpu"))
+    tokens = torch.randint(0, 256, (2, T))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=tokens).logits, saved(input_ids=tokens).logits)
+
+
+def test_checkpoint_names_follow_transformers_renamings(tmp_path):
+    """GPT-NeoX: transformers 5's model says `lm_head` where its checkpoints keep `embed_out` (renamed on
+    load by transformers' conversion mapping); the loaded model gives the saved one's logits."""
+    from autoplan.runtime.weights import load_checkpoint
+
+    config = transformers.GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=128, vocab_size=256, max_position_embeddings=64)
+    saved = transformers.AutoModelForCausalLM.from_config(config)
+    saved.save_pretrained(tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
+        assert "embed_out.weight" in handle.keys() and "lm_head.weight" not in handle.keys()
+    loaded = _meta_model(config)
     load_checkpoint(loaded, tmp_path, torch.device("cpu"))
     tokens = torch.randint(0, 256, (2, T))
     with torch.no_grad():

@@ -22,15 +22,24 @@ and v, but builds q, k and v differently. What the converter's attention group a
                        (Phi-2, StableLM, GPT-NeoX, GPT-J): inside the core.
     sliding windows    a layer whose module says so (`key_window`) attends to at most `window` keys
                        per query; its core is priced with key length min(T, window).
+    latent attention   DeepSeek V2 / V3's multi-head latent attention: kv_a_proj compresses the tokens to a
+                       latent c (and one rotary key k_r all heads share), kv_b_proj expands c per head into
+                       the no-rotary key | value, q comes from q_proj or q_a_proj -> norm -> q_b_proj. The
+                       core (target LATENT_ATTENTION) takes three inputs: q (B, T, H (dn + dr)), the expanded
+                       latent (B, T, H (dn + dv)) and k_r (B, T, dr); its output is (B, T, H dv), the value
+                       width, not q's. kv_b_proj runs on a single-head 4-D view of c, (B, 1, T, r), taken
+                       as the (B, T, r) it is. Heads: H = (q - kv + out) / dr (`latent_heads`).
 
-FLOPs of a core: 4 B T K (Hq d) forward, K = min(T, window) keys per query (the full count: the causal
-half is not discounted, as for full attention), 2 x that backward.
+FLOPs of a core: 2 B T K (Hq dqk + Hq dv) forward (q k^T, then probs v: 4 B T K (Hq d) where the value width
+is the query's), K = min(T, window) keys per query (the full count: the causal half is not discounted, as
+for full attention), 2 x that backward.
 """
 
 from __future__ import annotations
 
 import re
 
+LATENT_ATTENTION = "latent_attention"  # the target of a multi-head latent attention core
 CORE_SUBMODULE = re.compile(r"(RMSNorm|LayerNorm|Dropout)$", re.IGNORECASE)  # per-head norms, attention dropout
 
 
@@ -63,7 +72,17 @@ def key_window(module: object) -> int | None:
     return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
 
 
-def attention_flops(batch: int, seq: int, q_width: int, window: int | None) -> float:
-    """Forward FLOPs of one core (module docstring)."""
+def attention_flops(batch: int, seq: int, q_width: int, window: int | None, v_width: int | None = None) -> float:
+    """Forward FLOPs of one core (module docstring): `v_width` the output's (the values'), q's when None."""
     keys = min(seq, window) if window else seq
-    return 4.0 * batch * seq * keys * q_width
+    return 2.0 * batch * seq * keys * (q_width + (q_width if v_width is None else v_width))
+
+
+def latent_heads(q_width: int, kv_width: int, out_width: int, rotary_width: int) -> int | None:
+    """H of a latent attention core from its widths (module docstring): q = H (dn + dr), kv = H (dn + dv),
+    out = H dv, so q - kv + out = H dr; None when that is not a whole number of heads."""
+    rotary = q_width - kv_width + out_width
+    if rotary_width <= 0 or rotary <= 0 or rotary % rotary_width:
+        return None
+    heads = rotary // rotary_width
+    return heads if out_width % heads == 0 and (kv_width - out_width) % heads == 0 else None

@@ -8,9 +8,11 @@ and logits are the ones the capture and the strategy rules price. Refused by nam
     encoder-only      a masked-LM architecture that is not configured as a decoder (BERT, RoBERTa, ...):
                       bidirectional attention, planned as a causal LM it would be priced and run wrongly
     no causal LM      a model_type transformers has no causal-LM class for (vision, audio, ...)
-    soft-capping      `attn_logit_softcapping` / `final_logit_softcapping` set (Gemma 2): tanh-capped
-                      attention scores and logits, which the fused attention and vocab-parallel
-                      cross-entropy do not compute
+
+Soft-capping (Gemma 2's `attn_logit_softcapping` / `final_logit_softcapping`: c tanh(x / c) of the attention
+scores and of the logits) is planned: it is elementwise, so it runs in the model's own eager attention on
+each rank's heads and in its own head on each rank's vocabulary shard (`hf_attention`: captured inside
+the core). Only context parallelism, whose attention is SDPA's, refuses it (`runtime.module_context`).
 
 The numbers the summary reads (`hf_count`, `hf_number`) are checked for type, range and finiteness:
 a float is never truncated to an int, and bool is not a count.
@@ -20,8 +22,6 @@ from __future__ import annotations
 
 from autoplan.errors import ConfigError
 from autoplan.validate import check_int, check_number
-
-SOFT_CAPPING_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")
 
 
 def unsupported_reason(config) -> str | None:
@@ -38,10 +38,6 @@ def unsupported_reason(config) -> str | None:
                 f"decoder-only causal language models and would price and run it as one")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return f"{model_type!r} has no causal-LM class in transformers; autoplan plans decoder-only causal language models"
-    capped = [f"{k}={getattr(config, k)}" for k in SOFT_CAPPING_KEYS if getattr(config, k, None) is not None]
-    if capped:
-        return (f"{model_type!r} caps its attention scores or logits with tanh ({', '.join(capped)}, as in Gemma 2), "
-                f"which autoplan's attention and cross-entropy do not compute")
     return None
 
 

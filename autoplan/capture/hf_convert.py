@@ -20,7 +20,7 @@ from torch import nn
 
 from autoplan.capture import NodeInfo, TensorMeta
 from autoplan.capture.hf_moe import MoeBlock, moe_blocks, moe_forward_flops, moe_region
-from autoplan.capture.hf_attention import attention_flops, fused_widths, in_attention, key_window
+from autoplan.capture.hf_attention import LATENT_ATTENTION, attention_flops, fused_widths, in_attention, key_window
 from autoplan.capture.graph import COMPOSITE
 from autoplan.capture.hf_ops import (ACTIVATION_CLASS, ATTENTION_TARGETS, COPIES, EXTRA_ELEMENTWISE, FLOAT_DTYPES, HfLayout, LOSS_TARGETS, MATMUL_TARGETS, NLL_TARGETS, NORM_CLASS, NORM_TARGETS, PERMUTES, RESHAPES, SKIPPED, SOFTMAX, SPLITS, VIEW_OTHERS, _canonical_perm, _costs, _elementwise_name, _first_getitem, _is_pointwise, _is_tuple, _meta, _module_path, _ordered_unique, _permutation, _readable_names, _swaps_last_two, _target_name, _zero_dead, layer_of)
 
@@ -98,6 +98,7 @@ class GraphConverter:
     # ------------------------------------------------------------------ groups
 
     def _find_groups(self) -> None:
+        self.latent = self._latent_tensors()
         for block in moe_blocks(self.model):
             self._add(self._moe_group(block))
         for n in self.graph.nodes:
@@ -158,6 +159,7 @@ class GraphConverter:
                 continue
             members.add(a.name)
             todo.extend(a.all_input_nodes)
+            todo.extend(self._in_place_fills(a))
         out = sdpa
         while not self._is_activation(out):  # forwards to the (B, T, Hq*d) result
             users = [u for u in out.users if _target_name(u) not in SKIPPED]
@@ -166,11 +168,15 @@ class GraphConverter:
             out = users[0]
             members.add(out.name)
         sources = [self._source(a, members) for a in (qkv or sdpa.args[:3])]
-        for m in members - {out.name}:
+        latent = self._latent_sources(sources, (qkv or sdpa.args[:3])[1], members)
+        computed = self._downstream(latent or [s for s in sources if s is not None], members)
+        for m in computed - {out.name}:
             if any(u.name not in members and _target_name(u) not in SKIPPED for u in self.by_name[m].users):
                 return None  # an inner tensor is used outside the core
         if None in sources:
             return None
+        if latent is not None:  # multi-head latent attention (DeepSeek): q, the expanded latent, the shared rotary key
+            return _Group(self._free_name(f"{path}.core"), "attention", LATENT_ATTENTION, path, members, out, latent)
         pieces = None
         sliced = self._fused_slices(sources, members)
         if sliced is not None:  # q, k, v sliced from one fused QKV projection (Phi-3)
@@ -202,6 +208,73 @@ class GraphConverter:
             seen_softmax = seen_softmax or target in SOFTMAX
             a = next((x for x in a.all_input_nodes if x.name not in self.params and x.name not in self.constants), None)
         return None
+
+    def _downstream(self, sources: list[fx.Node], members: set[str]) -> set[str]:
+        """The members computed from the core's input activations; the others compute positions only (rotary
+        tables cast in the module, such as DeepSeek V2's complex frequencies, which export shares with the next
+        layer): another core may read those."""
+        found, todo = set(), list(sources)
+        while todo:
+            for u in todo.pop().users:
+                if u.name in members and u.name not in found:
+                    found.add(u.name)
+                    todo.append(u)
+        return found
+
+    def _in_place_fills(self, n: fx.Node) -> list[fx.Node]:
+        """The slices of `n` that copy_ fills in place, and those copy_s (DeepSeek's key, built as new_empty
+        with its no-rotary and rotary parts copied in): they write `n`'s values, so a core reading `n`
+        takes them in."""
+        found = []
+        for s in n.users:
+            copies = list(s.users)
+            if _target_name(s) == "slice" and copies and all(_target_name(c) == "copy_" and c.args[0] is s
+                                                             for c in copies):
+                found += [s, *copies]
+        return found
+
+    def _latent_sources(self, sources: list, k: object, members: set[str]) -> list[fx.Node] | None:
+        """[q's, the expanded latent's, the shared rotary key's] activations of a multi-head latent attention
+        core (`autoplan.capture.hf_attention`): k and v from one activation (kv_b_proj's, per head its
+        no-rotary key | value), k also filled from a second, narrower one (the rotary key all heads share);
+        else None."""
+        if len(sources) != 3 or None in sources or sources[1] is not sources[2] or sources[0] is sources[1]:
+            return None
+        fills = self._in_place_fills(k) if isinstance(k, fx.Node) else []
+        filled = {self._source(c.args[1], members) for c in fills if _target_name(c) == "copy_"}
+        rotary = [f for f in filled if f is not None and f is not sources[1]]
+        return [sources[0], sources[1], rotary[0]] if len(rotary) == 1 and None not in filled else None
+
+    def _latent_tensors(self) -> set[str]:
+        """Single-head 4-D views of token activations, (B, 1, T, F) for (B, T, F), that a linear reads, and
+        those linears (DeepSeek's kv_b_proj on its compressed latent): described as the (B, T, F) they are
+        (`_meta_of`), so the projection is an ordinary linear and its output an activation."""
+        found: set[str] = set()
+        for n in self.graph.nodes:
+            val = n.meta.get("val")
+            if n.op != "call_function" or not isinstance(val, torch.Tensor) or not val.is_floating_point() \
+                    or tuple(val.shape[:3]) != (self.layout.batch, 1, self.layout.seq) or val.dim() != 4:
+                continue
+            target, x = _target_name(n), n.args[0] if n.args else None
+            if not isinstance(x, fx.Node):
+                continue
+            if target in RESHAPES | {"unsqueeze"} and self._is_activation(x) \
+                    and x.meta["val"].shape[-1] == val.shape[-1] and any(self._is_linear(u) for u in n.users):
+                found.add(n.name)
+            elif self._is_linear(n) and x.name in found:
+                found.add(n.name)
+        return found
+
+    def _is_linear(self, n: fx.Node) -> bool:
+        """A matmul with a parameter (a projection)."""
+        return _target_name(n) in MATMUL_TARGETS and any(a.name in self.params for a in n.all_input_nodes)
+
+    def _meta_of(self, n: fx.Node) -> TensorMeta | None:
+        """The canonical meta of fx node `n`'s value (a latent (B, 1, T, F) as (B, T, F): `_latent_tensors`)."""
+        meta = _meta(n.meta.get("val"), self.layout)
+        if meta is not None and n.name in getattr(self, "latent", ()):
+            return TensorMeta((meta.shape[0],) + meta.shape[2:], meta.dtype)
+        return meta
 
     def _fused_slices(self, sources: list[fx.Node], members: set[str]
                       ) -> tuple[list[fx.Node], tuple[int, int, int]] | None:
@@ -257,6 +330,8 @@ class GraphConverter:
         val = n.meta.get("val")
         if not isinstance(val, torch.Tensor) or not val.is_floating_point():
             return False
+        if n.name in getattr(self, "latent", ()):
+            return True
         shape = self.layout.shape(tuple(val.shape))
         return len(shape) == 3 and shape[:2] == (self.layout.batch, self.layout.seq)
 
@@ -306,7 +381,7 @@ class GraphConverter:
         names, metas = [], []
         for a in nodes:
             name = self._resolve(a)
-            meta = _meta(a.meta.get("val"), self.layout)
+            meta = self._meta_of(a)
             if name is not None and meta is not None and name not in names:
                 names.append(name)
                 metas.append(meta)
@@ -347,8 +422,9 @@ class GraphConverter:
             pieces = self._fused_pieces(g)
             inputs, input_metas = tuple(p.name for p in pieces), tuple(p.output for p in pieces)
         params = self._param_metas((a for m in members for a in m.all_input_nodes), g.path)
-        output = _meta(g.output.meta["val"], self.layout)
-        fwd = {"attention": lambda: attention_flops(*input_metas[0].shape, key_window(self._module(g.path))),
+        output = self._meta_of(g.output)
+        fwd = {"attention": lambda: attention_flops(*input_metas[0].shape, key_window(self._module(g.path)),
+                                                    output.shape[-1]),
                "norm": lambda: 5 * output.numel,
                "moe": lambda: moe_forward_flops(input_metas[0].shape, {n.rsplit(".", 1)[-1]: m.shape for n, m in params},
                                                 self.layout.top_k),
@@ -366,7 +442,7 @@ class GraphConverter:
         tensor_args = [a for a in op_node.all_input_nodes]
         inputs, input_metas = self._inputs(tensor_args)
         params = self._param_metas(tensor_args, path)
-        output = _meta(n.meta.get("val"), self.layout)
+        output = self._meta_of(n)
         kind, target = self._classify(n, op_node, params)
         if kind == "linear":  # the activation only: grouped_mm's expert offsets are routing metadata
             keep = [k for k, m in enumerate(input_metas) if m.dtype in FLOAT_DTYPES][:1]

@@ -13,7 +13,10 @@ linears whose weights are not nn.Linear's.
                  On (B, T, F) inputs of the output's shape this is the default rule.
     attention    the default rule (split on heads); a core holding per-head q / k norm weights (Qwen3,
                  Gemma 3: `autoplan.capture.hf_attention`) keeps them whole on every tp rank, their
-                 gradients partial sums all-reduced over tp in backward.
+                 gradients partial sums all-reduced over tp in backward. A multi-head latent attention
+                 core (DeepSeek) splits on its H heads: q and the expanded latent on features (their
+                 producers q_proj / q_b_proj and kv_b_proj column-parallel), the rotary key all heads
+                 share read whole, its gradient a partial sum over the rank's heads (all-reduced).
     linear       nn.Linear (weight (out, in)) as the default rule; GPT-2's Conv1D (weight (in, out),
                  target "linear_in_out") and MoE expert weights (experts, out, in) ("grouped_linear",
                  or (experts, in, out) "grouped_linear_in_out") split on their own out / in dims.
@@ -39,6 +42,7 @@ import math
 import re
 from typing import TYPE_CHECKING, Callable
 
+from autoplan.capture.hf_attention import LATENT_ATTENTION, latent_heads
 from autoplan.placement import Placement, Replicate, Shard
 from autoplan.strategies import (Comm, InputSpec, ParamSpec, Strategy, StrategyRegistry, attention_strategies,
                                  default_registry, divides, elementwise_strategies, linear_strategies, replicate_only)
@@ -107,13 +111,26 @@ def _broadcast_spec(meta: "TensorMeta", out: "TensorMeta", d: int, tp: int) -> P
 def hf_attention_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy]:
     """The default attention rule; per-head norm weights of the core whole on every rank under a split,
     their gradients partial sums over the heads each rank holds (module docstring)."""
-    found = attention_strategies(node, tp, info)
+    found = latent_attention_strategies(node, tp, info) if node.target == LATENT_ATTENTION \
+        else attention_strategies(node, tp, info)
     if not node.params:
         return found
     params = tuple(ParamSpec(_relative(node, name), R, grad_partial=True) for name, _ in node.params)
     return [s if s.name == "replicate" else
             dataclasses.replace(s, params=params, bwd_comm=s.bwd_comm + (Comm("all_reduce", "params"),))
             for s in found]
+
+
+def latent_attention_strategies(node: "NodeInfo", tp: int, info: dict) -> list[Strategy]:
+    """A multi-head latent attention core, inputs (q, expanded latent, shared rotary key): replicated, or
+    split on its heads where tp divides them (module docstring)."""
+    found = replicate_only(node, tp, info)
+    widths = [m.shape[-1] for m in node.input_metas]
+    heads = latent_heads(*widths[:2], node.output.shape[-1], widths[2]) if len(widths) == 3 else None
+    if heads is not None and divides(tp, heads):
+        inputs = (InputSpec(Shard(2)), InputSpec(Shard(2)), InputSpec(R, grad_partial=True))
+        found.append(Strategy("heads", inputs, Shard(2), (), 1 / tp))
+    return found
 
 
 # ---------------------------------------------------------------------------------- elementwise
