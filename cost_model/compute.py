@@ -196,8 +196,11 @@ class Efficiency:
 
     def floor_note(self) -> str:
         """The fixed costs this efficiency prices, and where they come from (for a plan's notes)."""
+        host = (f"; the host's dispatch {self.host_kernel_s * 1e6:.1f} us per kernel, which paces ops too small to "
+                f"hide it ({'measured by `autoplan profile`' if self.host_kernel_s != HOST_KERNEL_S else 'measured on a lent H200'})"
+                if self.host_kernel_s else "")
         return (f"fixed costs: {self.kernel_floor_s * 1e6:.1f} us per kernel, {self.collective_call_s * 1e6:.1f} us "
-                f"per collective call outside a profile's fits ({self.floor_source})")
+                f"per collective call outside a profile's fits ({self.floor_source}){host}")
 
     def kernels_s(self, roofline_s: float, kernels: int = 1) -> float:
         """An op's time: its roofline, and at least `kernels` launches at the floor (module docstring)."""
