@@ -109,6 +109,7 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
     import torch.distributed as dist
 
     from autoplan.profiler.collectives import measure_collectives
+    from autoplan.profiler.fsdp import measure_fsdp_unit_s
     from autoplan.profiler.launch import measure_kernel_floor
 
     distributed = dist.is_initialized()
@@ -118,10 +119,11 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
     fused, why = kernel_samples(device, quick, dtype) if rank == 0 and kernels else ((), None)
     if why is not None:
         print(f"fused-kernel efficiencies skipped: {why}; the cost model keeps its assumed efficiencies")
-    samples, fits = (), ()
+    samples, fits, fsdp_unit_s = (), (), None
     if distributed and collectives and dist.get_world_size() > 1:
         dist.barrier()  # the other ranks wait here while rank 0 measures alone
         samples, fits = measure_collectives(device, quick=quick)
+        fsdp_unit_s = measure_fsdp_unit_s(device, fits, quick=quick)
     if rank != 0:
         return None
     return HardwareProfile(
@@ -138,6 +140,7 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
         fits=fits,
         kernels=fused,
         kernel_floor_s=floor,
+        fsdp_unit_s=fsdp_unit_s,
     )
 
 
@@ -166,6 +169,9 @@ def render_profile(profile: HardwareProfile, console=None) -> None:
 
         effs = ", ".join(f"{k} {e:.0%}" for k, e in measured_efficiencies(profile))
         table.add_row(f"fused kernels ({len(profile.kernels)} samples)", f"of copy bandwidth: {effs}")
+    if profile.fsdp_unit_s is not None:
+        table.add_row("FSDP2 unit", f"{profile.fsdp_unit_s * 1e6:,.1f} us per unit and microbatch beyond its calls' "
+                      f"fitted latencies (hooks, fixed copies)")
     for fit in profile.fits:
         table.add_row(f"{fit.kind} x{fit.group_size} ({profile.collective_backend})",
                       f"bus bandwidth {fit.bandwidth_bytes_per_s / 1e9:,.3f} GB/s, latency {fit.latency_s * 1e6:,.1f} us, "
