@@ -8,9 +8,15 @@ On CUDA, rank 0 also times the runtime's fused Triton kernels (`profiler.kernels
 then prices the nodes they run at their measured HBM efficiency (`cost_model.kernels`). Elsewhere
 that step is skipped, saying why, and the cost model keeps its assumed efficiencies.
 
-Under torchrun every rank takes part in the collectives; rank 0 alone runs the GEMM and memory
-sweeps (the other ranks wait, so on a CPU they do not compete for its cores), prints the table and
-writes the file. The process group is made here (NCCL on CUDA, gloo on CPU) unless the caller has
+Under torchrun every rank runs the GEMM sweep, the copy and the launch floor at the same time, as
+training keeps every device busy, and the profile keeps the slowest rank's time of each (a step ends
+when its last rank does; `slowest_rank`); every rank takes part in the collectives; rank 0 prints the
+table and writes the file. Why all at once: devices that share a package share its caches, memory
+bandwidth and power. On the 2-core development machine (2026-11-26) the GEMM shapes of
+benchmarks/step_fidelity.py's plans ran 3-16% slower per second of thread time with the other core
+busy than a profile measured by rank 0 alone predicted (the sum over one microbatch's GEMMs: 11% and
+11%, dp and tp shapes), and so every plan ran slower than priced. GPUs of one node run at the sustained
+clocks of a busy node, which the default curve assumes too (`cost_model.calibration`). The process group is made here (NCCL on CUDA, gloo on CPU) unless the caller has
 already initialised one, and destroyed here only if made here.
 """
 
@@ -112,16 +118,18 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
     from autoplan.profiler.fsdp import measure_fsdp_unit_s
     from autoplan.profiler.launch import measure_kernel_floor
 
-    distributed = dist.is_initialized()
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
-    gemm, memory = _measure_device(device, quick, dtype) if rank == 0 else (None, None)
-    floor = measure_kernel_floor(device, quick) if rank == 0 else None
+    gemm, memory = _measure_device(device, quick, dtype)
+    floor = measure_kernel_floor(device, quick)
+    if distributed:
+        gemm, memory, floor = slowest_rank((gemm, memory, floor))
     fused, why = kernel_samples(device, quick, dtype) if rank == 0 and kernels else ((), None)
     if why is not None:
         print(f"fused-kernel efficiencies skipped: {why}; the cost model keeps its assumed efficiencies")
     samples, fits, fsdp_unit_s = (), (), None
-    if distributed and collectives and dist.get_world_size() > 1:
-        dist.barrier()  # the other ranks wait here while rank 0 measures alone
+    if distributed and collectives:
+        dist.barrier()  # the other ranks wait here while rank 0 times the fused kernels
         samples, fits = measure_collectives(device, quick=quick)
         fsdp_unit_s = measure_fsdp_unit_s(device, fits, quick=quick)
     if rank != 0:
@@ -142,6 +150,18 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
         kernel_floor_s=floor,
         fsdp_unit_s=fsdp_unit_s,
     )
+
+
+def slowest_rank(measured: tuple) -> tuple:
+    """(GEMM samples, memory sample, launch floor) with each time the largest over the ranks (every
+    rank measured the same shapes in the same order)."""
+    import torch.distributed as dist
+
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, measured)
+    gemms, memories, floors = zip(*everyone)
+    gemm = tuple(max(same, key=lambda s: s.time_s) for same in zip(*gemms))
+    return gemm, max(memories, key=lambda m: m.time_s), max(floors)
 
 
 def render_profile(profile: HardwareProfile, console=None) -> None:
