@@ -225,12 +225,7 @@ def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "Har
     ProfileError): the measured HBM bandwidth (`device_spec_from_profile`), the measured GEMM
     efficiencies (`GemmEfficiency.from_profile`; they replace a flat `matmul`), and the measured
     collective fits for groups inside a node, its measured launch floor and FSDP2 unit cost where it has
-    them; the attention kernel and memory fraction stay as given. A CPU profile also turns off the
-    overlap of data-parallel traffic with backward (`overlap_grad_reduce`): there the cores that compute
-    are the cores that move a collective's bytes (gloo copies through loopback sockets on them), so a
-    bucket reduced while backward runs takes its time from that backward. On the 2-core development
-    machine (2 gloo ranks, benchmarks/step_fidelity.py's Llama, dp 2 ZeRO 0) the wait for the gradient
-    sync after backward was 0.015 to 0.034 s, about the whole all-reduce's time, not the last bucket's.
+    them; the attention kernel and memory fraction stay as given.
     `kernels` (plan.kernels; None keeps `efficiency.kernels`): the fused kernels on this cluster, with
     the profile's measured kernel efficiencies where they are Triton (`cost_model.kernels`). `dtype`: the
     plan's; a profile without GEMMs of that dtype is refused (ProfileError) rather than priced from the
@@ -248,8 +243,6 @@ def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "Har
                                                          f"{profile.device_name!r} ({profile.created})")
     if profile.fsdp_unit_s is not None:
         calibrated = replace(calibrated, fsdp_unit_s=profile.fsdp_unit_s)
-    if profile.device_kind == "cpu":
-        calibrated = replace(calibrated, overlap_grad_reduce=False)
     if profile.kernel_floor_s is not None:
         calibrated = replace(calibrated, kernel_floor_s=profile.kernel_floor_s,
                              floor_source=f"kernel floor measured by `autoplan profile` on {profile.device_name!r}; "
