@@ -165,7 +165,10 @@ class Efficiency:
             value = getattr(self, name)
             if value is not None and not 0 < value <= 1:
                 raise ConfigError(f"efficiency {name}={value!r} must be in (0, 1]")
-        for name in ("kernel_floor_s", "collective_call_s", "fsdp_unit_s"):
+        if not 0 <= self.fsdp_unit_s < 1:
+            raise ConfigError(f"efficiency fsdp_unit_s={self.fsdp_unit_s!r} must be in [0, 1) seconds (FSDP2's fixed "
+                              f"cost per unit and microbatch; 0 turns it off)")
+        for name in ("kernel_floor_s", "collective_call_s"):
             if not 0 <= getattr(self, name) < 1e-2:
                 raise ConfigError(f"efficiency {name}={getattr(self, name)!r} must be in [0, 0.01) seconds "
                                   f"(a fixed cost per kernel or call, microseconds; 0 turns it off)")

@@ -12,14 +12,19 @@ whatever its size:
 with step_s the slowest rank's fastest window of one forward + backward of UNITS tiny linear layers
 (64 x 64: their bytes are nil), plain or each `fully_shard`ed over the world (reshard_after_forward,
 as ZeRO 3), and latency_s the profile's alpha-beta fits of those collectives over the world (what the
-cost model already prices per call), floored at 0. Timed by wall clock between world barriers, as the
-collectives are (`profiler.collectives`): the hooks wait on the collectives.
+cost model already prices per call), floored at 0. Windows start after a world barrier. On a CPU they
+are timed by the process's CPU time (every thread: the hooks and copies on the compute thread, gloo's
+on its own), which other jobs on a shared machine do not stretch: by wall clock, one profile at a load
+average of 16 on the 2-core development machine read 22 ms per unit. On CUDA: events, as the
+collectives (`profiler.collectives`).
 
-On the 2-core development machine (2 gloo ranks, 2026-11-26, load average about 11): 1.6 ms of CPU per
-unit and step (16 units: 27 ms against 0.5 ms plain), about five times the three calls' fitted latencies.
+On that machine (2 gloo ranks, 2026-11-26, load average about 11): 1.6 ms of CPU per unit and step
+(16 units: 27 ms against 0.5 ms plain), about five times the three calls' fitted latencies.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -49,12 +54,14 @@ def _step_fn(device: torch.device, sharded: bool):
 
 
 def _step_s(fn, world: _World, budget_s: float) -> float:
-    """The slowest rank's fastest window per step; every rank runs the same windows."""
+    """The slowest rank's fastest window per step (the process's CPU time on a CPU); every rank runs
+    the same windows."""
+    clock = time.process_time if world.device.type == "cpu" else time.perf_counter
     for _ in range(WARMUP_CALLS):
         fn()
-    one_call_s = world.max(timed_windows_s(fn, world.device, 1, 1, before=world.barrier)[0])
+    one_call_s = world.max(timed_windows_s(fn, world.device, 1, 1, before=world.barrier, clock=clock)[0])
     repeats, inner = plan_windows(one_call_s, budget_s)
-    return world.max(min(timed_windows_s(fn, world.device, repeats, inner, before=world.barrier)))
+    return world.max(min(timed_windows_s(fn, world.device, repeats, inner, before=world.barrier, clock=clock)))
 
 
 def fitted_latency_s(fits: tuple[CollectiveFit, ...], group_size: int) -> float:

@@ -9,6 +9,7 @@ import pytest
 
 from autoplan.cluster import parse_cluster
 from autoplan.cost_model.compute import Efficiency, adamw_step_bytes, memory_time_s
+from autoplan.errors import ConfigError
 from autoplan.models import get_model_config
 
 
@@ -83,6 +84,8 @@ def test_profile_prices_fsdp2_units():
     gpu = replace(cpu, device_name="NVIDIA H100 80GB HBM3", device_kind="cuda", fsdp_unit_s=None)
     _, eff = calibrate(parse_cluster("1x2xh100"), None, gpu, dtype="float32")
     assert eff.fsdp_unit_s == 0.0
+    with pytest.raises(ConfigError, match=r"fsdp_unit_s=2.0 must be in \[0, 1\) seconds"):
+        Efficiency(fsdp_unit_s=2.0)
 
 
 def test_fsdp_units_are_layers():
