@@ -49,6 +49,8 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), help="device to measure (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=GEMM_DTYPES, help="GEMM dtype (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--no-collectives", action="store_true", help="skip collectives even under torchrun")
+    p.add_argument("--fsdp-units", action="store_true", help="also measure FSDP2's fixed cost per unit (ZeRO 3; under "
+                   "torchrun); off by default: on gloo it aborts about 1 run in 8 at exit (profiler/fsdp.py)")
     p.add_argument("--no-kernels", action="store_true", help="skip timing the fused Triton kernels (CUDA only)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's; 1 under torchrun); "
                    "on a shared CPU, 1 avoids stalls of threads waiting for a descheduled sibling")
@@ -107,7 +109,7 @@ def kernel_samples(device: "torch.device", quick: bool, dtype: str | None) -> tu
 
 
 def run_profile(device: "torch.device", quick: bool = False, dtype: str | None = None, collectives: bool = True,
-                kernels: bool = True) -> HardwareProfile | None:
+                kernels: bool = True, fsdp_units: bool = False) -> HardwareProfile | None:
     """Measure and return the profile on rank 0 (None on the other ranks); needs every rank to call it
     when a process group is initialised. `kernels`: time the fused Triton kernels too, where they run
     (`kernel_samples`; printed when skipped)."""
@@ -131,7 +133,7 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
     if distributed and collectives:
         dist.barrier()  # the other ranks wait here while rank 0 times the fused kernels
         samples, fits = measure_collectives(device, quick=quick)
-        fsdp_unit_s = measure_fsdp_unit_s(device, fits, quick=quick)
+        fsdp_unit_s = measure_fsdp_unit_s(device, fits, quick=quick) if fsdp_units else None
     if rank != 0:
         return None
     return HardwareProfile(
@@ -221,7 +223,7 @@ def cmd_profile(args) -> int:
     made_group = _init_distributed(device)
     try:
         profile = run_profile(device, quick=args.quick, dtype=args.dtype, collectives=not args.no_collectives,
-                              kernels=not args.no_kernels)
+                              kernels=not args.no_kernels, fsdp_units=args.fsdp_units)
         if profile is not None:
             if not profile.collectives and not args.no_collectives:
                 print("collectives skipped: one process (run under torchrun --nproc-per-node N to measure them)")
