@@ -161,7 +161,9 @@ class Efficiency:
     overlap_grad_reduce: data-parallel gradient buckets are reduced while the backward runs (PyTorch
     DDP / FSDP2, Megatron-Core's --overlap-grad-reduce; `autoplan.cost_model.step`), or, when False, after the
     whole backward (Megatron-LM of 2021). kernels: the plan's fused kernels and their measured HBM
-    efficiencies (`cost_model.kernels`), which replace `memory` for the nodes they run (`for_node`)."""
+    efficiencies (`cost_model.kernels`), which replace `memory` for the nodes they run (`for_node`).
+    fsdp_unit_s: FSDP2's fixed cost per unit and microbatch beyond its calls' latencies (ZeRO 3), as a
+    profile measured it (`profiler.fsdp`); 0 without one (not priced)."""
 
     matmul: float | None = None
     memory: float = 0.80
@@ -173,6 +175,7 @@ class Efficiency:
     kernels: FusedKernels = FusedKernels()
     kernel_floor_s: float = KERNEL_FLOOR_S
     collective_call_s: float = COLLECTIVE_CALL_S
+    fsdp_unit_s: float = 0.0
     floor_source: str = ("kernel floor: meta-pytorch/autoparallel's 7 us; collective call: NCCL's ring LL base "
                          "latency, 6.6 us (cost_model.compute)")
     host_kernel_s: float | None = None  # None: the device's default (`resolved`: HOST_KERNEL_S on a GPU, 0 on a CPU)
@@ -184,6 +187,9 @@ class Efficiency:
             value = getattr(self, name)
             if value is not None and not 0 < value <= 1:
                 raise ConfigError(f"efficiency {name}={value!r} must be in (0, 1]")
+        if not 0 <= self.fsdp_unit_s < 1:
+            raise ConfigError(f"efficiency fsdp_unit_s={self.fsdp_unit_s!r} must be in [0, 1) seconds (FSDP2's fixed "
+                              f"cost per unit and microbatch; 0 turns it off)")
         for name in ("kernel_floor_s", "collective_call_s", "host_kernel_s"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) < 1e-2:
                 raise ConfigError(f"efficiency {name}={getattr(self, name)!r} must be in [0, 0.01) seconds "
@@ -263,8 +269,8 @@ def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "Har
     and the device's default GEMM curve. With one (it must be of the cluster's kind of device, else
     ProfileError): the measured HBM bandwidth (`device_spec_from_profile`), the measured GEMM
     efficiencies (`GemmEfficiency.from_profile`; they replace a flat `matmul`), and the measured
-    collective fits for groups inside a node, and its measured launch floor where it has one; the attention
-    kernel and memory fraction stay as given.
+    collective fits for groups inside a node, its measured launch floor and FSDP2 unit cost where it has
+    them; the attention kernel and memory fraction stay as given.
     `kernels` (plan.kernels; None keeps `efficiency.kernels`): the fused kernels on this cluster, with
     the profile's measured kernel efficiencies where they are Triton (`cost_model.kernels`). `dtype`: the
     plan's; a profile without GEMMs of that dtype is refused (ProfileError) rather than priced from the
@@ -282,6 +288,8 @@ def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "Har
                                                          f"{profile.device_name!r} ({profile.created})")
     if profile.host_kernel_s is not None:
         calibrated = replace(calibrated, host_kernel_s=profile.host_kernel_s)
+    if profile.fsdp_unit_s is not None:
+        calibrated = replace(calibrated, fsdp_unit_s=profile.fsdp_unit_s)
     if profile.kernel_floor_s is not None:
         calibrated = replace(calibrated, kernel_floor_s=profile.kernel_floor_s,
                              floor_source=f"kernel floor measured by `autoplan profile` on {profile.device_name!r}; "

@@ -48,7 +48,9 @@ and the embedding), which is ready only when the backward ends:
               local parameter and microbatch, each all-gather's copy-in of the shard and copy-out into
               the unsharded parameters (2 w / g + 2 w, forward and again in backward) and the
               reduce-scatter's copy of the gradients into its input and of the reduced shard out
-              (2 gr + 2 gr / g); w, gr: weight and gradient bytes, g: the group's size
+              (2 gr + 2 gr / g); w, gr: weight and gradient bytes, g: the group's size; + m * units *
+              FSDP2's fixed cost per unit beyond its calls' latencies (hooks; `Efficiency.fsdp_unit_s`,
+              measured by the profile, `profiler.fsdp`)
 
 `dp_sync_parts` names these parts (the all-reduce / reduce-scatter left after backward, the
 all-gather of the parameters).
@@ -472,7 +474,8 @@ class StepModel:
         return {"parameter all-gathers (FSDP2)": m * hidden_behind(ag, window_f),
                 "backward all-gathers and reduce-scatters (FSDP2)": m * hidden_behind(
                     (ag[0] + rs[0], ag[1] + rs[1], ag[2]), window_b),
-                "all-gather and reduce-scatter copies (FSDP2)": m * self._fsdp_copies_s(groups)}
+                "all-gather and reduce-scatter copies (FSDP2)": m * self._fsdp_copies_s(groups),
+                "fixed cost per unit (FSDP2)": m * ag[2] * self.env.efficiency.fsdp_unit_s}
 
     def dp_groups(self, cfg: Config, sums: dict[str, float]) -> tuple[tuple[float, AxisGroup], ...]:
         """(parameters, group) of the dense and the expert parameters' data-parallel sync."""

@@ -8,9 +8,15 @@ On CUDA, rank 0 also times the runtime's fused Triton kernels (`profiler.kernels
 then prices the nodes they run at their measured HBM efficiency (`cost_model.kernels`). Elsewhere
 that step is skipped, saying why, and the cost model keeps its assumed efficiencies.
 
-Under torchrun every rank takes part in the collectives; rank 0 alone runs the GEMM and memory
-sweeps (the other ranks wait, so on a CPU they do not compete for its cores), prints the table and
-writes the file. The process group is made here (NCCL on CUDA, gloo on CPU) unless the caller has
+Under torchrun every rank runs the GEMM sweep, the copy and the launch floor at the same time, as
+training keeps every device busy, and the profile keeps the slowest rank's time of each (a step ends
+when its last rank does; `slowest_rank`); every rank takes part in the collectives; rank 0 prints the
+table and writes the file. Why all at once: devices that share a package share its caches, memory
+bandwidth and power. On the 2-core development machine (2026-11-26) the GEMM shapes of
+benchmarks/step_fidelity.py's plans ran 3-16% slower per second of thread time with the other core
+busy than a profile measured by rank 0 alone predicted (the sum over one microbatch's GEMMs: 11% and
+11%, dp and tp shapes), and so every plan ran slower than priced. GPUs of one node run at the sustained
+clocks of a busy node, which the default curve assumes too (`cost_model.calibration`). The process group is made here (NCCL on CUDA, gloo on CPU) unless the caller has
 already initialised one, and destroyed here only if made here.
 """
 
@@ -43,6 +49,8 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), help="device to measure (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=GEMM_DTYPES, help="GEMM dtype (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--no-collectives", action="store_true", help="skip collectives even under torchrun")
+    p.add_argument("--fsdp-units", action="store_true", help="also measure FSDP2's fixed cost per unit (ZeRO 3; under "
+                   "torchrun); off by default: on gloo it aborts about 1 run in 8 at exit (profiler/fsdp.py)")
     p.add_argument("--no-kernels", action="store_true", help="skip timing the fused Triton kernels (CUDA only)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's; 1 under torchrun); "
                    "on a shared CPU, 1 avoids stalls of threads waiting for a descheduled sibling")
@@ -117,7 +125,7 @@ def host_dispatch_s(device: "torch.device", quick: bool) -> float | None:
 
 
 def run_profile(device: "torch.device", quick: bool = False, dtype: str | None = None, collectives: bool = True,
-                kernels: bool = True) -> HardwareProfile | None:
+                kernels: bool = True, fsdp_units: bool = False) -> HardwareProfile | None:
     """Measure and return the profile on rank 0 (None on the other ranks); needs every rank to call it
     when a process group is initialised. `kernels`: time the fused Triton kernels too, where they run
     (`kernel_samples`; printed when skipped)."""
@@ -125,20 +133,24 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
     import torch.distributed as dist
 
     from autoplan.profiler.collectives import measure_collectives
+    from autoplan.profiler.fsdp import measure_fsdp_unit_s
     from autoplan.profiler.launch import measure_kernel_floor
 
-    distributed = dist.is_initialized()
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
-    gemm, memory = _measure_device(device, quick, dtype) if rank == 0 else (None, None)
-    floor = measure_kernel_floor(device, quick) if rank == 0 else None
+    gemm, memory = _measure_device(device, quick, dtype)
+    floor = measure_kernel_floor(device, quick)
+    if distributed:
+        gemm, memory, floor = slowest_rank((gemm, memory, floor))
     host = host_dispatch_s(device, quick) if rank == 0 else None
     fused, why = kernel_samples(device, quick, dtype) if rank == 0 and kernels else ((), None)
     if why is not None:
         print(f"fused-kernel efficiencies skipped: {why}; the cost model keeps its assumed efficiencies")
-    samples, fits = (), ()
-    if distributed and collectives and dist.get_world_size() > 1:
-        dist.barrier()  # the other ranks wait here while rank 0 measures alone
+    samples, fits, fsdp_unit_s = (), (), None
+    if distributed and collectives:
+        dist.barrier()  # the other ranks wait here while rank 0 times the fused kernels
         samples, fits = measure_collectives(device, quick=quick)
+        fsdp_unit_s = measure_fsdp_unit_s(device, fits, quick=quick) if fsdp_units else None
     if rank != 0:
         return None
     return HardwareProfile(
@@ -156,7 +168,20 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
         kernels=fused,
         kernel_floor_s=floor,
         host_kernel_s=host,
+        fsdp_unit_s=fsdp_unit_s,
     )
+
+
+def slowest_rank(measured: tuple) -> tuple:
+    """(GEMM samples, memory sample, launch floor) with each time the largest over the ranks (every
+    rank measured the same shapes in the same order)."""
+    import torch.distributed as dist
+
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, measured)
+    gemms, memories, floors = zip(*everyone)
+    gemm = tuple(max(same, key=lambda s: s.time_s) for same in zip(*gemms))
+    return gemm, max(memories, key=lambda m: m.time_s), max(floors)
 
 
 def render_profile(profile: HardwareProfile, console=None) -> None:
@@ -187,6 +212,9 @@ def render_profile(profile: HardwareProfile, console=None) -> None:
 
         effs = ", ".join(f"{k} {e:.0%}" for k, e in measured_efficiencies(profile))
         table.add_row(f"fused kernels ({len(profile.kernels)} samples)", f"of copy bandwidth: {effs}")
+    if profile.fsdp_unit_s is not None:
+        table.add_row("FSDP2 unit", f"{profile.fsdp_unit_s * 1e6:,.1f} us per unit and microbatch beyond its calls' "
+                      f"fitted latencies (hooks, fixed copies)")
     for fit in profile.fits:
         table.add_row(f"{fit.kind} x{fit.group_size} ({profile.collective_backend})",
                       f"bus bandwidth {fit.bandwidth_bytes_per_s / 1e9:,.3f} GB/s, latency {fit.latency_s * 1e6:,.1f} us, "
@@ -216,7 +244,7 @@ def cmd_profile(args) -> int:
     made_group = _init_distributed(device)
     try:
         profile = run_profile(device, quick=args.quick, dtype=args.dtype, collectives=not args.no_collectives,
-                              kernels=not args.no_kernels)
+                              kernels=not args.no_kernels, fsdp_units=args.fsdp_units)
         if profile is not None:
             if not profile.collectives and not args.no_collectives:
                 print("collectives skipped: one process (run under torchrun --nproc-per-node N to measure them)")

@@ -134,12 +134,13 @@ def fastest_call_s(fn: Callable[[], object], device: torch.device, budget_s: flo
 
 
 def time_gemm_s(m: int, n: int, k: int, dtype: str, device: torch.device, budget_s: float) -> float:
-    """Seconds of torch.mm(A (m, k), B (k, n), out=C (m, n)) in `dtype` on `device` (`fastest_call_s`)."""
+    """Seconds of C (m, n) = torch.mm(A (m, k), B (k, n)) in `dtype` on `device` (`fastest_call_s`), C
+    a fresh tensor each call as eager linear layers allocate theirs (on a CPU, pages the allocator may
+    have to fault in; on CUDA, the caching allocator's block)."""
     torch_dtype = TORCH_DTYPES[dtype]
     a = torch.randn(m, k, device=device, dtype=torch_dtype)  # (m, k)
     b = torch.randn(k, n, device=device, dtype=torch_dtype)  # (k, n)
-    c = torch.empty(m, n, device=device, dtype=torch_dtype)  # (m, n), preallocated: no allocator in the loop
-    return fastest_call_s(lambda: torch.mm(a, b, out=c), device, budget_s)
+    return fastest_call_s(lambda: torch.mm(a, b), device, budget_s)
 
 
 def sweep_gemms(device: torch.device, dtype: str | None = None, shapes: Iterable[tuple[int, int, int]] | None = None,

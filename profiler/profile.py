@@ -16,6 +16,8 @@ anything the cost model uses from them:
   measurable, the least any kernel takes as the runtime issues them. Older files load with none.
 - host dispatch (`profiler.dispatch`, CUDA only): the host's seconds per priced kernel of a few-token
   layer's forward + backward as the runtime runs it. Older files load with none.
+- FSDP2's fixed cost per unit and microbatch beyond its calls' fitted latencies (`profiler.fsdp`),
+  measured over the world under torchrun. Older files, and profiles of one process, have none.
 
 `HardwareProfile.load` refuses, naming the problem, a file that is not JSON, lacks or adds keys,
 has another version, holds a non-positive or non-finite number, or was measured on another device
@@ -226,6 +228,7 @@ class HardwareProfile:
     kernels: tuple[KernelSample, ...] = ()
     kernel_floor_s: float | None = None  # `profiler.launch`; None: not measured
     host_kernel_s: float | None = None  # `profiler.dispatch` (CUDA); None: not measured
+    fsdp_unit_s: float | None = None  # `profiler.fsdp`; None: not measured
     version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
@@ -242,6 +245,8 @@ class HardwareProfile:
         for name in ("kernel_floor_s", "host_kernel_s"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if self.fsdp_unit_s is not None:
+            _positive("fsdp_unit_s", self.fsdp_unit_s, allow_zero=True)
 
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -257,7 +262,7 @@ class HardwareProfile:
         version = data.get("version") if isinstance(data, dict) else None
         if isinstance(data, dict) and version != PROFILE_VERSION:  # first: other versions have other keys
             raise ProfileError(f"profile version {version!r} is not supported; this autoplan reads version {PROFILE_VERSION}. Re-run `autoplan profile`.")
-        older = {"kernels": [], "kernel_floor_s": None, "host_kernel_s": None}  # fields that older files lack
+        older = {"kernels": [], "kernel_floor_s": None, "host_kernel_s": None, "fsdp_unit_s": None}  # fields that older files lack
         data = _fields_from_json(cls, "profile", {**older, **data} if isinstance(data, dict) else data)
         for key in ("gemm", "collectives", "fits", "kernels"):
             if not isinstance(data[key], list):

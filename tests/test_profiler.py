@@ -12,7 +12,7 @@ import torch
 
 from autoplan.cluster import preset
 from autoplan.cost_model.calibration import E_MAX, GemmEfficiency, device_spec_from_profile, effective_link
-from autoplan.profiler.cli import add_profile_parser, cmd_profile
+from autoplan.profiler.cli import add_profile_parser, cmd_profile, slowest_rank
 from autoplan.profiler.collectives import fit_alpha_beta, group_sizes, ring_byte_factor
 from autoplan.profiler.profile import (
     CollectiveFit,
@@ -228,6 +228,11 @@ def _gloo_worker(rank: int, port: int, out_dir: str) -> None:
         samples, fits = measure_collectives(torch.device("cpu"), kinds=("all_gather",), sizes=(4096, 2**20))
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
             json.dump([vars(s) for s in samples] + [vars(f) for f in fits], handle)
+        # rank r's GEMMs: (r + 1) ms then (2 - r) ms; its copy (2 - r) ms; its floor r + 1 us
+        mine = (tuple(GemmSample(64, 64, 64, "float32", t * 1e-3) for t in (rank + 1, 2 - rank)),
+                MemorySample(2**20, (2 - rank) * 1e-3), (rank + 1) * 1e-6)
+        gemm, memory, floor = slowest_rank(mine)
+        assert [s.time_s for s in gemm] == [2e-3, 2e-3] and memory.time_s == 2e-3 and floor == 2e-6
     finally:
         dist.destroy_process_group()
 
@@ -240,5 +245,6 @@ def test_collectives_on_two_gloo_ranks_give_positive_fits(tmp_path, free_port):
     assert {(f.kind, f.group_size) for f in profile.fits} == {(k, 2) for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
     assert all(f.bandwidth_bytes_per_s > 0 and f.latency_s >= 0 for f in profile.fits)
     assert all(s.time_s > 0 for s in profile.collectives) and len(profile.collectives) == 12
+    assert profile.fsdp_unit_s is None  # measured only with --fsdp-units
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank0 == rank1  # every rank gets the slowest rank's times

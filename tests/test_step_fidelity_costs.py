@@ -9,6 +9,7 @@ import pytest
 
 from autoplan.cluster import parse_cluster
 from autoplan.cost_model.compute import Efficiency, adamw_step_bytes, memory_time_s
+from autoplan.errors import ConfigError
 from autoplan.models import get_model_config
 
 
@@ -46,6 +47,45 @@ def test_zero3_prices_fsdp2_copies_per_microbatch():
     per_param = 2 * (2 * 2 / g + 2 * 2) + 2 * 2 + 2 * 2 / g
     assert parts["all-gather and reduce-scatter copies (FSDP2)"] == pytest.approx(
         4 * memory_time_s(per_param * params, cluster.device, eff))
+
+
+def test_zero3_prices_fsdp2_fixed_cost_per_unit_and_microbatch():
+    from autoplan.cost_model.step import StepEnv, StepModel
+    from autoplan.cost_model.step_config import Config
+
+    cluster, params = parse_cluster("2x8xh100"), 100e6
+    parts = {}
+    for unit_s in (0.0, 1e-3):
+        steps = StepModel(StepEnv(get_model_config("gpt2-small"), cluster, 1024, "bfloat16", Efficiency(fsdp_unit_s=unit_s)),
+                          partition=None)
+        for dp, zero in ((16, 3), (16, 0), (1, 3)):
+            cfg = Config.of(tp=16 // dp, cp=1, pp=1, ep=1, dp=dp, microbatch_size=1, num_microbatches=4, zero_stage=zero,
+                            recompute="none")
+            sums = dict(dense=params, expert=0.0, buckets=13, forward=1.0, backward=2.0)
+            parts[unit_s, dp, zero] = steps.dp_sync_parts(cfg, sums)
+    assert parts[1e-3, 16, 3]["fixed cost per unit (FSDP2)"] == pytest.approx(4 * 13 * 1e-3)  # m x units
+    assert parts[0.0, 16, 3]["fixed cost per unit (FSDP2)"] == 0.0
+    assert parts[1e-3, 16, 0] == parts[0.0, 16, 0]  # ZeRO 0: no FSDP2
+    assert parts[1e-3, 1, 3]["fixed cost per unit (FSDP2)"] == 0.0  # one data rank: nothing sharded
+
+
+def test_profile_prices_fsdp2_units():
+    """A profile's measured FSDP2 unit cost is priced; a profile without one prices none."""
+    from dataclasses import replace
+
+    from autoplan.cost_model.compute import calibrate
+    from autoplan.profiler.profile import GemmSample, HardwareProfile, MemorySample
+
+    gemm = (GemmSample(64, 64, 64, "float32", 1e-5),)
+    cpu = HardwareProfile("AMD EPYC", "cpu", 2**30, 1, "2.13.0", "now", gemm, MemorySample(2**20, 1e-4), "gloo",
+                          fsdp_unit_s=1.5e-3)
+    _, eff = calibrate(parse_cluster("1x2xcpu"), None, cpu, dtype="float32")
+    assert eff.fsdp_unit_s == 1.5e-3
+    gpu = replace(cpu, device_name="NVIDIA H100 80GB HBM3", device_kind="cuda", fsdp_unit_s=None)
+    _, eff = calibrate(parse_cluster("1x2xh100"), None, gpu, dtype="float32")
+    assert eff.fsdp_unit_s == 0.0
+    with pytest.raises(ConfigError, match=r"fsdp_unit_s=2.0 must be in \[0, 1\) seconds"):
+        Efficiency(fsdp_unit_s=2.0)
 
 
 def test_fsdp_units_are_layers():
