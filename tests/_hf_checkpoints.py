@@ -95,8 +95,9 @@ def gpt2_tied_head(graph, registry, tp: int, info: dict, sp: bool = False) -> di
     kinds = {"embedding": "vocab", "cross_entropy": "vocab"}
     found = {n.name: kinds[n.op_kind] for n in graph.nodes if n.op_kind in kinds and n.module_path != "transformer.wpe"}
     if sp:
+        attention = {n.name for n in graph.nodes if ".attn." in f"{n.module_path}."}  # c_attn, core, c_proj: replicated
         found = {name: s for name, s in megatron_assignment(graph, registry, tp, info, True).items()
-                 if not name.endswith("attn_core")} | {n.name: "vocab" for n in graph.nodes if n.op_kind == "cross_entropy"}
+                 if name not in attention} | {n.name: "vocab" for n in graph.nodes if n.op_kind == "cross_entropy"}
     between = False
     for n in graph.nodes:
         linear = n.op_kind == "linear"
