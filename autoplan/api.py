@@ -54,6 +54,8 @@ from autoplan.strategies import StrategyRegistry
 from autoplan.validate import check_choice, check_int, check_number, check_tokens, shown
 
 if TYPE_CHECKING:
+    import torch
+
     from autoplan.profiler.profile import HardwareProfile
 
 Progress = Callable[[str], None]

@@ -17,7 +17,7 @@ from autoplan.cost_model.memory import comm_buffer_lines
 from autoplan.cost_model.parts import solution_parts
 from autoplan.models.config import ModelConfig
 from autoplan.recompute_policy import KINDS
-from autoplan.solver.context import VARIANT_ILP, VARIANT_MEGATRON
+from autoplan.solver.context import VARIANT_MEGATRON
 from autoplan.solver.space import SearchOptions
 
 LLAMA = ModelConfig("runs-llama", "llama", 16, 256, 8, 4, 704, 1024, 2048, rope_theta=500000.0)

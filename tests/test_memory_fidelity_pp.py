@@ -9,7 +9,6 @@ rank. Also: the step model's plan prices the same buffers (its temporary bytes).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from _dist import batches, make_plan, spawn
 
