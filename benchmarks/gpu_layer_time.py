@@ -31,14 +31,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from autoplan.profiler.dispatch import runtime_block
+
+sys.path.insert(0, str(Path(__file__).parent))
+from json_out import write_json  # noqa: E402
 
 HIDDENS = (2048, 4096, 8192, 12288)
 TPS = (1, 2, 4, 8)
@@ -198,15 +199,6 @@ def cmd_host(args) -> int:
         print(json.dumps(rows[-1]), flush=True)
         write_json(Path(args.output), {"device": torch.cuda.get_device_name(0), "rows": rows})
     return 0
-
-
-def write_json(path: Path, data: dict) -> None:
-    """`data` to `path` atomically (a temporary file in the same folder, then a rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(f.name, path)
 
 
 # ------------------------------------------------------------------------------------ predict

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_layer_time import write_json  # noqa: E402
+from json_out import write_json  # noqa: E402
 
 CLUSTER = "1xh200"
 # (name, family, layers, hidden, heads, kv heads, ffn, vocab, seq, microbatch, microbatches, recompute)

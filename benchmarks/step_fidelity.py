@@ -46,7 +46,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -55,6 +54,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
+from json_out import write_json  # noqa: E402
 from runtime_overhead import _free_port, join_gloo  # noqa: E402
 
 OUT = Path(__file__).parent / "out"
@@ -248,15 +248,6 @@ def measure(config, plans: dict, rounds: int, steps: int, partial: Path) -> dict
 
 
 # ------------------------------------------------------------------------------ the figures
-
-
-def write_json(path: Path, data: dict) -> None:
-    """Write `data` to `path` atomically (a temporary file in the same folder, then a rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(f.name, path)
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
