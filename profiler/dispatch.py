@@ -34,11 +34,10 @@ def runtime_block(config, tp: int, device: torch.device, dtype: torch.dtype, bac
     parallelism) holds it: column linears out / tp features, row linears in / tp, norms whole; on `device`
     in `dtype`, its leaves and gelu / silu * mul the runtime's kernels of `backend` (`runtime.kernel_ops`),
     parameters normal(0, 0.02). A module of (B, T, h) -> (B, T, h)."""
-    import torch.fx as fx
     from torch import nn
 
+    from autoplan.capture.fx import trace_model
     from autoplan.models.gpt import GPTBlock
-    from autoplan.models.layers import LEAF_MODULE_TYPES
     from autoplan.models.llama import LlamaBlock, SwiGLUMLP
     from autoplan.runtime.kernel_ops import RopeTables, apply_kernels, kernel_module
 
@@ -54,20 +53,12 @@ def runtime_block(config, tp: int, device: torch.device, dtype: torch.dtype, bac
     block = block.to_empty(device=device).to(dtype)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.02)
-
-    class Leaves(fx.Tracer):
-        def is_leaf_module(self, m, qualname):
-            return isinstance(m, LEAF_MODULE_TYPES) or super().is_leaf_module(m, qualname)
-
-    graph = Leaves().trace(block)
-    apply_kernels(graph, backend)
-    module = fx.GraphModule(block, graph)
-    tables = RopeTables()
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            swapped = kernel_module(child, backend, tables)
-            if swapped is not child:
-                setattr(parent, name, swapped)
+    module, tables = trace_model(block), RopeTables()  # the capture's leaves, swapped as runtime.rewrite does
+    for node in module.graph.nodes:
+        if node.op == "call_module":
+            module.set_submodule(node.target, kernel_module(module.get_submodule(node.target), backend, tables))
+    apply_kernels(module.graph, backend)
+    module.recompile()
     return module
 
 
