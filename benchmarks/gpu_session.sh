@@ -8,7 +8,8 @@
 # Sections (default: all but compile, in this order): profile (autoplan profile -> OUTDIR/h200.json,
 # GEMMs, copy bandwidth, launch floor), layers (benchmarks/gpu_layer_time.py measure), steps
 # (benchmarks/gpu_steps.py run, one-rank NCCL group), host (the host's dispatch per kernel on blocks of
-# several sizes: benchmarks/gpu_layer_time.py host), kernels (benchmarks/kernels.py against eager, its
+# several sizes: benchmarks/gpu_layer_time.py host), diagnose (the steps again, one process per case, with each
+# step's kernels by family and one microbatch's saved bytes), kernels (benchmarks/kernels.py against eager, its
 # Triton rows written into the profile: a kernel that fails to run leaves the profile as it was), tests
 # (the `gpu`-marked tests), compile (benchmarks/kernels.py with torch.compile too). The package is used from a copy of this
 # checkout's folders laid out as the installed package (no build step, no network needed); `python3 -P`
@@ -43,6 +44,11 @@ for s in $SECTIONS; do
                    -d gpu_run/plans -o "$OUTDIR/steps.json" ${STEPS_ARGS:-} ;;
         tests) section 70 python3 -P -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_compile.py \
                    tests/test_kernels_parallel.py tests/test_kernel_costs.py ;;
+        diagnose) for plan in gpu_run/plans/*.preset.json; do  # one process per case: no case's memory in another's
+                case=$(basename "$plan" .preset.json)
+                section 75 python3 -m torch.distributed.run --nproc-per-node 1 benchmarks/gpu_steps.py run -d gpu_run/plans \
+                    -o "$OUTDIR/steps_diagnosed.json" --append --diagnose --only "$case" ${STEPS_ARGS:-}
+            done ;;
         host) section 60 python3 benchmarks/gpu_layer_time.py host -o "$OUTDIR/host_dispatch.json" ;;
         kernels) section 60 python3 benchmarks/kernels.py --markdown --json "$OUTDIR/kernels.json" --no-compile \
                    --budget-s 0.1 --profile "$OUTDIR/h200.json" ;;

@@ -22,6 +22,7 @@ preset or a profile): error = predicted / measured - 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -41,6 +42,8 @@ CASES = (
     ("llama-h4096-8l-T4096-b1", "llama", 8, 4096, 32, 8, 14336, 128256, 4096, 1, 2, "none"),
     ("gpt-1.3b-T2048-b4", "gpt", 24, 2048, 16, 16, 8192, 51200, 2048, 4, 1, "none"),
     ("gpt-1.3b-T2048-b8-full", "gpt", 24, 2048, 16, 16, 8192, 51200, 2048, 8, 1, "full"),
+    ("llama-3b-T2048-b2", "llama", 28, 3072, 24, 8, 8192, 128256, 2048, 2, 2, "none"),
+    ("gpt-2.7b-T2048-b4-sel", "gpt", 32, 2560, 20, 20, 10240, 51200, 2048, 4, 1, "selective"),
 )
 
 
@@ -85,7 +88,7 @@ def _parts(obj) -> dict:
             if isinstance(getattr(obj, f.name), (int, float))}
 
 
-def run_plan(plan, config, warmup: int, steps: int) -> dict:
+def run_plan(plan, config, warmup: int, steps: int, diagnose: bool = False) -> dict:
     """Compile `plan` and time its steps (module docstring)."""
     import torch
 
@@ -103,14 +106,103 @@ def run_plan(plan, config, warmup: int, steps: int) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
-    for _ in range(steps):
+    with timed_optimizer(optimizer) as optimizer_s:
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            losses.append(program.train_step(tokens, targets, optimizer))
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    result = {"step_s": statistics.median(times), "steps_s": times, "peak_bytes": torch.cuda.max_memory_allocated(),
+              "losses": losses, "memory_phases": phases, "optimizer_s": statistics.median(optimizer_s())}
+    if diagnose:
+        result["kernels"] = kernel_breakdown(lambda: program.train_step(tokens, targets, optimizer))
+        result["saved_bytes"] = saved_bytes_per_microbatch(program, plan, tokens, targets)
+    return result
+
+
+@contextlib.contextmanager
+def timed_optimizer(optimizer):
+    """Time each `optimizer.step` by CUDA events while the block runs; yields a function that returns the
+    steps' seconds (read after the block: the events are synchronised there)."""
+    import torch
+
+    pairs, inner = [], optimizer.step
+
+    def step(*args, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = inner(*args, **kwargs)
+        end.record()
+        pairs.append((start, end))
+        return out
+
+    optimizer.step = step
+    try:
+        yield lambda: [a.elapsed_time(b) / 1e3 for a, b in pairs]
+    finally:
         torch.cuda.synchronize()
+        del optimizer.step
+
+
+KERNEL_FAMILIES = (  # (family, name fragments), first match wins: a coarse map of CUDA kernel names
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm100_")),
+    ("optimizer", ("multi_tensor", "foreach", "adam")),
+    ("loss", ("nll_loss", "log_softmax", "softmax_backward", "cross_entropy")),
+    ("triton", ("triton",)),
+    ("copy", ("memcpy", "memset", "copy_kernel", "cat_", "to_copy")),
+)
+
+
+def kernel_family(name: str) -> str:
+    low = name.lower()
+    return next((family for family, parts in KERNEL_FAMILIES if any(p in low for p in parts)), "elementwise")
+
+
+def kernel_breakdown(step) -> dict:
+    """One `step()` under torch.profiler: its wall time, the GPU's busy time (the union of kernel intervals),
+    the kernels' summed time and count per `kernel_family`, and the 25 costliest kernels by name."""
+    import torch
+    from torch.autograd import DeviceType
+
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        losses.append(program.train_step(tokens, targets, optimizer))
+        step()
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return {"step_s": statistics.median(times), "steps_s": times, "peak_bytes": torch.cuda.max_memory_allocated(),
-            "losses": losses, "memory_phases": phases}
+        wall = time.perf_counter() - start
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == DeviceType.CUDA]
+    families, names = {}, {}
+    for name, a, b in kernels:
+        fam = families.setdefault(kernel_family(name), [0.0, 0])
+        fam[0], fam[1] = fam[0] + (b - a) / 1e6, fam[1] + 1
+        names[name[:120]] = names.get(name[:120], 0.0) + (b - a) / 1e6
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:25]
+    return {"wall_s": wall, "busy_s": _union_s(sorted((a, b) for _, a, b in kernels)), "families": families,
+            "top": top, "kernel_count": len(kernels)}
+
+
+def _union_s(intervals) -> float:
+    """Seconds covered by the union of sorted (start_us, end_us) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in intervals:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e6
+
+
+def saved_bytes_per_microbatch(program, plan, tokens, targets) -> dict:
+    """What one microbatch's forward leaves for backward on the GPU (runtime.memory_probe), as on CPU."""
+    from autoplan.runtime.memory_probe import measure_saved_bytes
+
+    rows = plan.microbatch_size
+    _, measured = measure_saved_bytes(lambda: program(tokens[:rows], targets[:rows]), program)
+    program.zero_grad(set_to_none=True)
+    return {"saved_bytes": measured.saved_bytes, "recompute_bytes": measured.recompute_bytes}
 
 
 def memory_phases(program, optimizer, tokens, targets) -> dict:
@@ -152,6 +244,8 @@ def cmd_run(args) -> int:
     plans = Path(args.dir)
     configs = {k: ModelConfig.from_json(v) for k, v in json.loads((plans / "configs.json").read_text()).items()}
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cases": []}
+    if args.append and Path(args.output).exists():  # one process per case: each adds its rows
+        result = json.loads(Path(args.output).read_text())
     for path in sorted(plans.glob("*.json")):
         if path.name == "configs.json":
             continue
@@ -162,7 +256,7 @@ def cmd_run(args) -> int:
         row = {"case": name, "priced_by": tag, "predicted": _predicted(plan)}
         try:
             if tag == "preset" or not any(r["case"] == name and "measured" in r for r in result["cases"]):
-                row["measured"] = run_plan(plan, configs[name], args.warmup, args.steps)
+                row["measured"] = run_plan(plan, configs[name], args.warmup, args.steps, args.diagnose)
             else:  # the same program: measured once, under the preset's file
                 row["measured"] = next(r["measured"] for r in result["cases"] if r["case"] == name and "measured" in r)
         except Exception as exc:  # recorded; the next case still runs
@@ -242,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--warmup", type=int, default=2)
     r.add_argument("--steps", type=int, default=5)
     r.add_argument("--only", nargs="+", metavar="CASE", help="run these cases alone")
+    r.add_argument("--append", action="store_true", help="add to OUTPUT's cases (one process per case)")
+    r.add_argument("--diagnose", action="store_true",
+                   help="also one step's kernels by family (torch.profiler) and one microbatch's saved bytes")
     c = sub.add_parser("compare")
     c.add_argument("measured")
     c.add_argument("--profile", help="price with this hardware profile of the device (default: its preset)")
