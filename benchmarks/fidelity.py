@@ -95,7 +95,7 @@ def megatron_rows() -> list[Published]:
 
 # Llama 3's training stack ran on Meta's hosts: their dispatch of kernels is not the one measured here (autoplan's
 # eager runtime on the lent H200, `cost_model.compute`), so it is not priced, as for Megatron-LM's runs
-META_HOSTS = Efficiency(host_kernel_s=0.0)
+META_HOSTS = Efficiency(host_kernel_s=0.0, host_recompute_s=())
 
 
 def llama3_price(gpus: int, cp: int, seq: int) -> tuple[Plan, float]:

@@ -129,6 +129,14 @@ COLLECTIVE_CALL_S = 6.6e-6
 # 13 host-bound layers of benchmarks/data/h200_layer_times.json (GPU busy under 60% of the layer's time;
 # 77-121 us, layers of 3.6-5.7 ms)
 HOST_KERNEL_S = 75e-6
+# host seconds per forward kernel of a recomputed layer, by recompute kind, where no profile measured them
+# (`profiler.dispatch.measure_recompute_host_s`: the checkpoint's bookkeeping, the re-run's dispatch and, where
+# the kind saves something, torch's selective checkpointing's Python dispatch modes over every op of forward
+# and of the re-run); CPU: a small Llama block on the 2-core development machine (benchmarks/README.md)
+CPU_RECOMPUTE_S = (("full", 45e-6), ("matmul-only", 185e-6), ("selective", 190e-6))
+# GPU: provisional (the host's 75 us per kernel for the re-run, with selective checkpointing's modes about 2.5x
+# it, as on the CPU above), until `autoplan profile` measures it on a lent GPU
+GPU_RECOMPUTE_S = (("full", 100e-6), ("matmul-only", 250e-6), ("selective", 250e-6))
 # memory-bound ops: kernels (forward, backward) each launches (module docstring)
 OP_KERNELS = {"norm": (1, 2), "elementwise": (1, 1), "embedding": (1, 2), "cross_entropy": (2, 3)}
 MOE_KERNELS = (3, 6)
@@ -179,6 +187,8 @@ class Efficiency:
     floor_source: str = ("kernel floor: meta-pytorch/autoparallel's 7 us; collective call: NCCL's ring LL base "
                          "latency, 6.6 us (cost_model.compute)")
     host_kernel_s: float | None = None  # None: the device's default (`resolved`: HOST_KERNEL_S on a GPU, 0 on a CPU)
+    # ((recompute kind, host s per forward kernel of a recomputed layer), ...); None: the device's default (`resolved`)
+    host_recompute_s: tuple[tuple[str, float], ...] | None = None
     _by_kernel: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
     _default_curve: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)  # by device
 
@@ -194,6 +204,10 @@ class Efficiency:
             if getattr(self, name) is not None and not 0 <= getattr(self, name) < 1e-2:
                 raise ConfigError(f"efficiency {name}={getattr(self, name)!r} must be in [0, 0.01) seconds "
                                   f"(a fixed cost per kernel or call, microseconds; 0 turns it off)")
+        for kind, seconds in self.host_recompute_s or ():
+            if not 0 <= seconds < 1e-2:
+                raise ConfigError(f"efficiency host_recompute_s[{kind!r}]={seconds!r} must be in [0, 0.01) seconds "
+                                  f"(the host's cost per forward kernel of a recomputed layer; 0 turns it off)")
 
     def collective_s(self, kind: str, nbytes: float, cluster: ClusterSpec, group: AxisGroup) -> float:
         """One collective over `group` (`comm.group_collective_time_s`): a profile's fit inside a node where
@@ -222,6 +236,8 @@ class Efficiency:
             out = replace(out, kernels=fused_kernels(out.kernels.option, device))
         if out.host_kernel_s is None:
             out = replace(out, host_kernel_s=0.0 if same_device(device.name, "cpu") else HOST_KERNEL_S)
+        if out.host_recompute_s is None:
+            out = replace(out, host_recompute_s=CPU_RECOMPUTE_S if same_device(device.name, "cpu") else GPU_RECOMPUTE_S)
         if out.matmul is not None or out.gemm is not None:
             return out
         return replace(out, gemm=GemmEfficiency.from_device_default(device))
@@ -290,6 +306,8 @@ def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "Har
         calibrated = replace(calibrated, host_kernel_s=profile.host_kernel_s)
     if profile.fsdp_unit_s is not None:
         calibrated = replace(calibrated, fsdp_unit_s=profile.fsdp_unit_s)
+    if profile.host_recompute_s:
+        calibrated = replace(calibrated, host_recompute_s=tuple(sorted(profile.host_recompute_s.items())))
     if profile.kernel_floor_s is not None:
         calibrated = replace(calibrated, kernel_floor_s=profile.kernel_floor_s,
                              floor_source=f"kernel floor measured by `autoplan profile` on {profile.device_name!r}; "
@@ -335,6 +353,16 @@ def host_paced_s(ops: "Sequence[tuple[float, int]]", host_kernel_s: float) -> fl
         end = max(max(end, issued + host_kernel_s) + device_s, issued + kernels * host_kernel_s + device_s / kernels)
         issued += kernels * host_kernel_s
     return max(end, issued)
+
+
+def rerun_s(ops: "Sequence[tuple[float, int]]", host_kernel_s: float, serial: bool) -> float:
+    """Seconds a recomputed layer adds to a microbatch: its re-run ops, each (the device seconds it re-runs,
+    its forward kernels k), the host paying `host_kernel_s` r per forward kernel of the layer
+    (`Efficiency.host_recompute_s`). On a GPU the host and the device overlap (`host_paced_s`); on a CPU,
+    which runs each op where it issues it, the host's seconds add to the ops' own: sum d + r sum k."""
+    if serial:
+        return sum(d for d, _ in ops) + host_kernel_s * sum(k for _, k in ops)
+    return host_paced_s(ops, host_kernel_s)
 
 
 def memory_time_s(nbytes: float, device: DeviceSpec, efficiency: Efficiency) -> float:

@@ -48,13 +48,14 @@ from autoplan.capture.graph import attention_keys
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.comm import AxisGroup
 from autoplan.cost_model.compute import (MOE_KERNELS, OP_KERNELS, Efficiency, attention_kernels, attention_time_s,
-                                         grad_accumulation_bytes, host_paced_s, linear_time_s, memory_op_bytes, memory_time_s,
+                                         grad_accumulation_bytes, host_paced_s, linear_time_s, memory_op_bytes, memory_time_s, rerun_s,
                                          op_time_s)
 from autoplan.cost_model.memory import StateBytes, comm_tensor_nbytes, local_nbytes, param_placements, scaled_nbytes
 from autoplan.errors import AutoplanError
 from autoplan.mesh import MeshShape
 from autoplan.placement import Partial, Placement, Replicate, Shard
-from autoplan.recompute_policy import captured_op_family
+from autoplan.profiler.profile import same_device
+from autoplan.recompute_policy import KINDS, captured_op_family
 from autoplan.strategies import InputSpec, Strategy, expert_dims
 
 if TYPE_CHECKING:
@@ -298,6 +299,8 @@ class AssignmentCost:
     layer_fwd_comm_s: float
     layer_saved_fwd_s: tuple[tuple[str, float], ...] = ()  # (family, the layers' forward of its ops):
     # what a recompute policy saving that family does not re-run (`autoplan.recompute_policy`)
+    layer_recompute_s: tuple[tuple[str, float], ...] = ()  # (recompute kind, seconds its re-run of the layers
+    # adds, the host's share priced: `layer_rerun_s`); empty without host pricing
     shared_comm_s: float = 0.0  # conversions shared by several consumers, counted again by the pairwise ILP
 
     @property
@@ -328,7 +331,9 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
 
     sums = dict.fromkeys(("fc", "bc", "fm", "bm", "lfc", "lfm", "shared"), 0.0)
     host_s = (ctx.efficiency.host_kernel_s or 0.0) if host else 0.0
+    count = host and (host_s or ctx.efficiency.host_recompute_s)  # kernels are counted for the host's share
     paced: dict[str, list[tuple[float, int]]] = {"f": [], "b": [], "lf": []}  # (device s, kernels) in run order
+    layer_ops: list[tuple[str, float, int]] = []  # (family, forward device s, forward kernels) of the layers' nodes
     families: dict[str, float] = {}
     for node in graph.nodes:
         strategy = strategies[node.name]
@@ -349,12 +354,13 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
             comm_f, comm_b = comm_f + edge_memo[edge][0], comm_b + edge_memo[edge][1]
         sums["fc"] += fwd
         sums["bc"] += bwd
-        if host_s:
+        if count:
             kernels = node_kernels(node, ctx)
             paced["f"].append((fwd, kernels[0]))
             paced["b"].append((bwd, kernels[1]))
             if node.layer is not None:
                 paced["lf"].append((fwd, kernels[0]))
+                layer_ops.append((captured_op_family(node.op_kind), fwd, kernels[0]))
         sums["fm"] += comm_f
         sums["bm"] += comm_b
         if node.layer is not None:
@@ -365,5 +371,20 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
     if host_s:  # the host issues forward in graph order, backward in reverse (`compute.host_paced_s`)
         sums["fc"], sums["lfc"] = host_paced_s(paced["f"], host_s), host_paced_s(paced["lf"], host_s)
         sums["bc"] = host_paced_s(paced["b"][::-1], host_s)
+    rerun = layer_rerun_s(layer_ops, ctx) if count else ()
     return AssignmentCost(sums["fc"], sums["bc"], sums["fm"], sums["bm"], sums["lfc"], sums["lfm"],
-                          tuple(sorted(families.items())), sums["shared"])
+                          tuple(sorted(families.items())), layer_recompute_s=rerun, shared_comm_s=sums["shared"])
+
+
+def layer_rerun_s(layer_ops: list[tuple[str, float, int]], ctx: CostContext) -> tuple[tuple[str, float], ...]:
+    """((recompute kind, seconds), ...): what re-running the layers' forward adds to a microbatch under each
+    kind the efficiency has a host cost for: the ops whose family the kind does not save re-run on the device,
+    and the host pays `host_recompute_s` per forward kernel of every op (`compute.rerun_s`; the saved ones
+    are replayed from the cache, which under selective checkpointing costs the host as much)."""
+    serial = same_device(ctx.cluster.device.name, "cpu")
+    out = []
+    for kind, host_s in ctx.efficiency.host_recompute_s or ():
+        saves = KINDS.get(kind, frozenset())
+        out.append((kind, rerun_s([(0.0 if family in saves else fwd, k) for family, fwd, k in layer_ops], host_s,
+                                  serial)))
+    return tuple(out)

@@ -256,8 +256,8 @@ def _part(graph: "CapturedGraph", nodes, sol: "TpSolution", ctx: CostContext, ta
     q_width, kv_width = _attention_widths(nodes, sol.strategies, sol.tp)
     moe = [n for n in nodes if n.op_kind == "moe"]
     share = (1.0 / sol.tp) if moe and isinstance(sol.strategies[moe[0].name].inputs[0].placement, Shard) else 1.0
-    saved = dict(cost.layer_saved_fwd_s)
-    recompute = tuple(0.0 if kind == "none" or not is_layer else
+    saved, rerun = dict(cost.layer_saved_fwd_s), dict(cost.layer_recompute_s)
+    recompute = tuple(0.0 if kind == "none" or not is_layer else rerun[kind] if kind in rerun else
                       cost.layer_fwd_compute_s - sum(saved.get(f, 0.0) for f in KINDS[kind]) for kind in KINDS)
     return PartCost(cost.fwd_compute_s, cost.bwd_compute_s, cost.fwd_comm_s, cost.bwd_comm_s, recompute,
                     cost.layer_fwd_comm_s if is_layer else 0.0, tally.params, tally.expert,

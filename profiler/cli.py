@@ -124,6 +124,20 @@ def host_dispatch_s(device: "torch.device", quick: bool) -> float | None:
     return per_kernel
 
 
+def recompute_host_s(device: "torch.device", quick: bool) -> dict[str, float] | None:
+    """The host's seconds per forward kernel of a recomputed layer, per recompute kind (`profiler.dispatch`);
+    None, saying why, where the timed block cannot run."""
+    from autoplan.profiler.dispatch import measure_recompute_host_s
+
+    try:
+        measured = measure_recompute_host_s(device, quick)
+    except Exception as exc:  # an optional measurement: report it, keep the rest of the profile
+        print(f"recompute host cost skipped: {type(exc).__name__}: {exc}; the cost model keeps its default")
+        return None
+    print("recompute host cost per forward kernel: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in measured.items()))
+    return measured
+
+
 def run_profile(device: "torch.device", quick: bool = False, dtype: str | None = None, collectives: bool = True,
                 kernels: bool = True, fsdp_units: bool = False) -> HardwareProfile | None:
     """Measure and return the profile on rank 0 (None on the other ranks); needs every rank to call it
@@ -143,6 +157,7 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
     if distributed:
         gemm, memory, floor = slowest_rank((gemm, memory, floor))
     host = host_dispatch_s(device, quick) if rank == 0 else None
+    rerun = recompute_host_s(device, quick) if rank == 0 else None
     fused, why = kernel_samples(device, quick, dtype) if rank == 0 and kernels else ((), None)
     if why is not None:
         print(f"fused-kernel efficiencies skipped: {why}; the cost model keeps its assumed efficiencies")
@@ -168,6 +183,7 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
         kernels=fused,
         kernel_floor_s=floor,
         host_kernel_s=host,
+        host_recompute_s=rerun,
         fsdp_unit_s=fsdp_unit_s,
     )
 
@@ -207,6 +223,9 @@ def render_profile(profile: HardwareProfile, console=None) -> None:
     if profile.host_kernel_s is not None:
         table.add_row("host dispatch", f"{profile.host_kernel_s * 1e6:,.1f} us per priced kernel (a small layer's forward + "
                       f"backward, `profiler.dispatch`)")
+    if profile.host_recompute_s:
+        table.add_row("recompute host", ", ".join(f"{k} {v * 1e6:,.1f} us" for k, v in profile.host_recompute_s.items())
+                      + " per forward kernel of a recomputed layer (`profiler.dispatch`)")
     if profile.kernels:
         from autoplan.cost_model.kernels import measured_efficiencies
 

@@ -105,3 +105,71 @@ def measure_host_kernel_s(device: torch.device, quick: bool = False, config=None
     per_block = statistics.median(windows)
     kernels = block_kernels(config, seq)
     return per_block / kernels, per_block, kernels
+
+
+# a block small enough that a CPU's kernels take little of its time, so that what a CPU window times is its host
+CPU_RECOMPUTE_BLOCK = dict(hidden=64, heads=4, kv_heads=2, ffn=128, seq=8)
+
+
+def forward_kernels(config, seq: int) -> int:
+    """The kernels the cost model counts for layer 0 of `config`'s forward (`block_kernels`' first half)."""
+    from autoplan.capture import capture
+    from autoplan.cluster import parse_cluster
+    from autoplan.cost_model.intra_op import make_context, node_kernels
+    from autoplan.mesh import MeshShape
+    from autoplan.models import build_model
+
+    graph = capture(build_model(config, "meta", torch.bfloat16), config, 1, seq, torch.bfloat16)
+    ctx = make_context(graph, parse_cluster("1xh200"), MeshShape(), 1)
+    return sum(node_kernels(n, ctx)[0] for n in graph.nodes if n.layer == 0)
+
+
+def recompute_block(device: torch.device) -> tuple[object, int, torch.dtype]:
+    """(config, tokens, dtype) of the block `measure_recompute_host_s` times on `device`: HOST_BLOCK in bf16
+    on a GPU, CPU_RECOMPUTE_BLOCK in fp32 on a CPU."""
+    from autoplan.models.config import ModelConfig
+
+    if device.type == "cuda":
+        return host_block_config(), HOST_BLOCK["seq"], torch.bfloat16
+    b = CPU_RECOMPUTE_BLOCK
+    config = ModelConfig("recompute-host-block", "llama", 1, b["hidden"], b["heads"], b["kv_heads"], b["ffn"], 256, 2048)
+    return config, b["seq"], torch.float32
+
+
+def measure_recompute_host_s(device: torch.device, quick: bool = False) -> dict[str, float]:
+    """{recompute kind: host seconds per priced forward kernel of a recomputed layer}, on any device:
+
+        (time of one forward + backward of the block as `runtime.recompute.recompute` runs it under the kind
+         - time without recomputation) / the block's forward kernels (`forward_kernels`)
+
+    where the block's device work is small (`recompute_block`), so that what is timed is the host's: the
+    checkpoint's bookkeeping, the re-run's dispatch and, under a kind that saves something, selective
+    checkpointing's Python dispatch modes over every op of forward and of the re-run. The cost model pays it
+    per forward kernel of each recomputed layer, with the re-run's device time, as a host/device pipeline
+    (`cost_model.intra_op.price_assignment`)."""
+    from autoplan.profiler.gemm import timed_windows_s
+    from autoplan.recompute_policy import KINDS
+    from autoplan.runtime.recompute import recompute
+
+    config, seq, dtype = recompute_block(device)
+    block = runtime_block(config, 1, device, dtype, "auto")
+    x = torch.randn(1, seq, config.hidden, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def timed(kind: str) -> float:
+        saves = tuple(sorted(KINDS[kind]))
+        run = (lambda: block(x).backward(dy)) if kind == "none" else \
+            (lambda: recompute(block, x, saves=saves).backward(dy))
+        for _ in range(5):
+            run()
+        return statistics.median(timed_windows_s(run, device, repeats=5 if quick else 15, inner=10))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the host's time is one thread's; a CPU's pool only adds waits to tiny ops
+    try:
+        plain = timed("none")
+        extra = {kind: max(0.0, timed(kind) - plain) for kind in KINDS if kind != "none"}
+    finally:
+        torch.set_num_threads(threads)
+    kernels = forward_kernels(config, seq)
+    return {kind: seconds / kernels for kind, seconds in extra.items()}

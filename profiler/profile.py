@@ -229,6 +229,7 @@ class HardwareProfile:
     kernel_floor_s: float | None = None  # `profiler.launch`; None: not measured
     host_kernel_s: float | None = None  # `profiler.dispatch` (CUDA); None: not measured
     fsdp_unit_s: float | None = None  # `profiler.fsdp`; None: not measured
+    host_recompute_s: dict[str, float] | None = None  # `profiler.dispatch.measure_recompute_host_s`; None: not measured
     version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
@@ -247,6 +248,12 @@ class HardwareProfile:
                 _positive(name, getattr(self, name))
         if self.fsdp_unit_s is not None:
             _positive("fsdp_unit_s", self.fsdp_unit_s, allow_zero=True)
+        if self.host_recompute_s is not None:
+            if not isinstance(self.host_recompute_s, dict):
+                raise ProfileError(f"host_recompute_s must be a JSON object of recompute kind -> seconds, got "
+                                   f"{self.host_recompute_s!r}")
+            for kind, seconds in self.host_recompute_s.items():
+                _positive(f"host_recompute_s[{kind!r}]", seconds, allow_zero=True)
 
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -262,7 +269,8 @@ class HardwareProfile:
         version = data.get("version") if isinstance(data, dict) else None
         if isinstance(data, dict) and version != PROFILE_VERSION:  # first: other versions have other keys
             raise ProfileError(f"profile version {version!r} is not supported; this autoplan reads version {PROFILE_VERSION}. Re-run `autoplan profile`.")
-        older = {"kernels": [], "kernel_floor_s": None, "host_kernel_s": None, "fsdp_unit_s": None}  # fields that older files lack
+        older = {"kernels": [], "kernel_floor_s": None, "host_kernel_s": None, "fsdp_unit_s": None,
+                 "host_recompute_s": None}  # fields that older files lack
         data = _fields_from_json(cls, "profile", {**older, **data} if isinstance(data, dict) else data)
         for key in ("gemm", "collectives", "fits", "kernels"):
             if not isinstance(data[key], list):

@@ -34,11 +34,11 @@ def test_explain_shows_time_memory_stages_and_op_families(plans):
 
 def test_op_family_costs_add_up_to_the_plan_compute(plans):
     """On the kernels' own times the families add up to the plan's compute but what recompute re-runs; with
-    the host's dispatch priced (the default on a GPU), the plan's compute is more, and explain says how much."""
+    the host's dispatch and re-run priced (the default on a GPU), the plan's compute is more, and explain says how much."""
     config = get_model_config("gpt3-1.3b")
     graph = capture_model(config, 1024)
     own = estimate("gpt3-1.3b", "2x8xh100", 64, 1024, mesh=MeshShape(dp=16), microbatch_size=2, zero_stage=1,
-                   recompute="selective", efficiency=Efficiency(host_kernel_s=0.0))
+                   recompute="selective", efficiency=Efficiency(host_kernel_s=0.0, host_recompute_s=()))
     for plan in (own, plans[0]):
         rows = op_family_costs(plan, graph, config)
         per_microbatch = sum(r[3] + r[4] for r in rows)

@@ -205,3 +205,24 @@ def test_bf16_computes_in_bf16_with_fp32_master_weights(results):
         assert torch.isfinite(losses).all()
         torch.testing.assert_close(losses, want, rtol=2e-3, atol=0)
         assert not torch.equal(losses, want)  # bf16 really ran
+
+
+@pytest.mark.parametrize("saves, selective", [((), False), (("attention", "matmul"), True)])
+def test_a_region_that_saves_nothing_runs_without_dispatch_modes(saves, selective):
+    """A region that saves nothing runs under plain checkpointing: no Python dispatch mode sees its ops in
+    forward or in the re-run (they cost the host a call per op: `Efficiency.host_recompute_s`); a region
+    that saves some families runs under torch's selective checkpointing, whose modes do. Both re-run it."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from autoplan.runtime.recompute import recompute
+
+    modes = []
+
+    def region(x):
+        modes.append(_get_current_dispatch_mode())
+        return (x @ x.T).relu().sum()
+
+    x = torch.randn(4, 4, requires_grad=True)
+    recompute(region, x, saves=saves).backward()
+    assert len(modes) == 2  # forward, and its re-run in backward
+    assert all((mode is not None) == selective for mode in modes)

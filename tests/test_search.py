@@ -30,7 +30,7 @@ OPTIONS = SearchOptions(max_microbatch_size=4, virtual_stages=(2,), zero_stages=
 # The search's mechanics on the kernels' own times: a mid-sized model's small kernels on an H100 are paced by
 # the host's dispatch (`cost_model.compute`, tested in test_cost_model), which would flatten the trade-offs
 # these tests steer the search through (microbatch size, recompute, ZeRO, expert tp).
-NO_HOST = Efficiency(host_kernel_s=0.0)
+NO_HOST = Efficiency(host_kernel_s=0.0, host_recompute_s=())
 
 
 def small_gpus(nodes: int, memory_gb: float) -> ClusterSpec:
