@@ -173,8 +173,9 @@ def kernel_breakdown(step) -> dict:
         step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == DeviceType.CUDA]
+    kernels = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                      if e.device_type == DeviceType.CUDA and "#" not in e.name),  # "Optimizer.step#AdamW.step":
+                     key=lambda k: k[1])  # a user annotation on the GPU's timeline, not a kernel
     families, names = {}, {}
     for name, a, b in kernels:
         fam = families.setdefault(kernel_family(name), [0.0, 0])
@@ -182,7 +183,22 @@ def kernel_breakdown(step) -> dict:
         names[name[:120]] = names.get(name[:120], 0.0) + (b - a) / 1e6
     top = sorted(names.items(), key=lambda kv: -kv[1])[:25]
     return {"wall_s": wall, "busy_s": _union_s(sorted((a, b) for _, a, b in kernels)), "families": families,
-            "top": top, "kernel_count": len(kernels)}
+            "top": top, "kernel_count": len(kernels), "gaps": idle_gaps(kernels)}
+
+
+def idle_gaps(kernels, least_us: float = 20.0) -> dict:
+    """Where the GPU waited between kernels (sorted (name, start_us, end_us)): the gaps of more than `least_us`,
+    their count and seconds, and the 30 longest as (ms, where in the step as a fraction of its kernels' span,
+    the kernel after the gap)."""
+    if not kernels:
+        return {"count": 0, "s": 0.0, "longest": []}
+    first, last = kernels[0][1], max(b for _, _, b in kernels)
+    gaps, end = [], kernels[0][2]
+    for name, a, b in kernels[1:]:
+        if a - end > least_us:
+            gaps.append(((a - end) / 1e3, (a - first) / max(last - first, 1.0), name[:80]))
+        end = max(end, b)
+    return {"count": len(gaps), "s": sum(g[0] for g in gaps) / 1e3, "longest": sorted(gaps, key=lambda g: -g[0])[:30]}
 
 
 def _union_s(intervals) -> float:
