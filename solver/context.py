@@ -6,7 +6,6 @@ baselines (`solver.baselines`); and the Plan of a priced configuration.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Mapping
@@ -158,8 +157,9 @@ class SearchContext:
               assignment: Mapping[str, str] | None = None, mesh: MeshShape | None = None,
               etp: int | None = None) -> BlockCosts:
         """The tp solution for `microbatch` sequences per rank (mbs / cp, maybe below 1), priced part by part
-        at exactly that microbatch (cached). The strategies are those solved at ceil(microbatch) sequences:
-        the solver works on whole microbatches, and its choice barely moves between neighbouring sizes.
+        at exactly that microbatch (cached). The strategies are solved at that microbatch too, the tokens a rank
+        really holds: under cp > mbs a rank holds a slice of one sequence, and a whole one (16x the tokens at cp
+        16, microbatch 1) made splitting the tokens and replicating the weights look cheaper.
         `mesh`: the configuration's, whose order may spread its tp groups over nodes (cp or ep innermost): the
         tp communication of the same strategies (solved with tp inside a node) is then priced over those links.
         `etp`: the experts' tensor-parallel degree (None: tp)."""
@@ -168,7 +168,7 @@ class SearchContext:
         key = (tp, microbatch, variant, tuple(sorted(assignment.items())) if assignment is not None else None, spread,
                etp)
         if key not in self._blocks:
-            parts = self.solution(tp, math.ceil(microbatch), variant, assignment, etp)
+            parts = self.solution(tp, microbatch, variant, assignment, etp)
             mesh = mesh if spread is not None else MeshShape(dp=self.cluster.world_size // tp, tp=tp)
             ctx = CostContext(self.cluster, mesh, self.dtype, self.efficiency, self.graph.batch_size,
                               float(microbatch) / self.graph.batch_size, head_dim=self.head_dim)
