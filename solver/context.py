@@ -12,6 +12,7 @@ from typing import Callable, Mapping
 
 from autoplan import __version__
 from autoplan.capture.blocks import fold_graph
+from autoplan.capture.tp_roles import tp_roles
 from autoplan.capture.graph import CapturedGraph
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.assignment import tp_solution
@@ -78,6 +79,7 @@ class SearchContext:
         self._solutions: dict[tuple, SolutionParts] = {}
         self._by_assignment: dict[tuple, SolutionParts] = {}  # (tp, etp, assignment): `_parts`
         self._assignments: dict[tuple, dict[str, str]] = {}
+        self._roles: dict[str, str] | None = None  # `capture.tp_roles` of the graph, for Megatron's assignments
         self._spread: dict[tuple, AxisGroup | None] = {}
         self._no_less: dict[AxisGroup, bool] = {}
         self.ilp_solves = 0
@@ -98,8 +100,11 @@ class SearchContext:
             raise ConfigError(f"unknown strategy variant {variant!r}; expected {VARIANT_ILP!r} or {VARIANT_MEGATRON!r}")
         etp = tp if etp is None else etp
         if (variant, tp, etp) not in self._assignments:
+            if self._roles is None:  # the same at every tp: a deep model's retries ask at several
+                self._roles = tp_roles(self.graph)
             self._assignments[(variant, tp, etp)] = megatron_assignment(
-                self.graph, self.registry, tp, strategy_info(self.info, tp, etp), sequence_parallel=True)
+                self.graph, self.registry, tp, strategy_info(self.info, tp, etp), sequence_parallel=True,
+                roles=self._roles)
         return self._assignments[(variant, tp, etp)]
 
     def solution(self, tp: int, microbatch: int, variant: str = VARIANT_ILP,
