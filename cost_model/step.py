@@ -372,8 +372,7 @@ class StepModel:
                                                   min_layers=problem.min_layers))
             self._partitions[key] = fastest.bounds
         bounds = self._partitions[key]
-        if cfg.pp == 1 or max(problem.stage_memory_bytes(s, a, b) for s, (a, b) in
-                              enumerate(zip(bounds[:-1], bounds[1:]))) <= problem.memory_limit_bytes:
+        if cfg.pp == 1 or problem.fits(bounds):
             return bounds
         # in flight (pp, m, v), model states (ZeRO over the data ranks), temporaries and sends: the rest
         tight = key + (cfg.num_microbatches, cfg.zero_stage, cfg.data_ranks, float(problem.overhead_s[0]),

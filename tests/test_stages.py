@@ -223,3 +223,22 @@ def test_identical_layers_from_counts_give_the_dp_bounds(seed):
     mine, theirs = evaluate_partition(problem, counted.bounds), evaluate_partition(problem, swept.bounds)
     assert mine.bottleneck_s == pytest.approx(theirs.bottleneck_s, rel=1e-12)
     assert max(mine.stage_memory_bytes) <= problem.memory_limit_bytes * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_vectorised_fit_of_a_partition_is_the_per_stage_one(seed):
+    """`StageProblem.fits` (prefix sums over every stage at once) against `stage_memory_bytes` stage by stage,
+    limits at and around the largest stage's memory, stages holding no layer among them."""
+    rng = np.random.default_rng(900 + seed)
+    pp, layers = int(rng.integers(1, 6)), int(rng.integers(1, 12))
+    problem = StageProblem(rng.uniform(0.5, 2, layers), rng.uniform(0, 3, layers), rng.uniform(0, 1, layers),
+                           rng.uniform(0, 2, layers) * rng.integers(0, 2), rng.integers(1, 5, pp).astype(float), np.inf,
+                           Part(0.1, float(rng.uniform(0, 3)), 0.5, float(rng.uniform(0, 3))),
+                           Part(0.2, 2.0, float(rng.uniform(0, 1)), float(rng.uniform(0, 3))),
+                           extra_bytes=rng.uniform(0, 1, pp), min_layers=np.zeros(pp))
+    bounds = (0, *sorted(rng.integers(0, layers + 1, pp - 1).tolist()), layers)
+    largest = max(problem.stage_memory_bytes(s, a, b) for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])))
+    assert problem.fits(bounds)
+    for limit in (largest, np.nextafter(largest, 0), largest * (1 + 1e-6), largest * (1 - 1e-6)):
+        limited = StageProblem(**{**problem.__dict__, "memory_limit_bytes": limit})
+        assert limited.fits(bounds) == (largest <= limit)
