@@ -1,7 +1,7 @@
 """The stage partition of identical layers, from block counts: `solver.stages`' problem where every layer has
 the same t, w, a and p (a model of one repeated block under one recompute policy), without the O(pp L^2) DP.
-The first layer may differ (its input comes from the embedding, resharded) where stage 0 holds at least one
-layer (interleaved ranks hold v - 1 or more): it is then always stage 0's first (`counts_decide`).
+The first layer may differ (the search's GPT-3 blocks often price it apart from the rest) where stage 0 holds at
+least one layer (interleaved ranks hold v - 1 or more): it is then always stage 0's first (`counts_decide`).
 
 A stage's time and memory then depend only on how many layers n it holds (and on the stage: its sends, its
 in-flight microbatches, the embedding on the first, the head on the last; stage 0's first layer its own t, w,
