@@ -57,23 +57,30 @@ def _end_terms(problem: StageProblem) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return seconds, nbytes, transient
 
 
-def count_tables(problem: StageProblem) -> tuple[np.ndarray, np.ndarray]:
-    """T[s, n] (seconds) and M[s, n] (bytes) over n = 0..L layers (module docstring); stage 0's n >= 1 layers
-    start with the first layer, whose values may differ (`counts_decide`)."""
+def count_tables(problem: StageProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, row, caps): the distinct rows T[., n] over n = 0..L layers (module docstring; the stages' differ only
+    by their constant, and stage 0's where its first layer differs, `counts_decide`), each stage's row, and the
+    most layers each stage's memory M[s, n] fits (-1: not even none)."""
     pp, L = problem.num_stages, problem.num_layers
     seconds, nbytes, transient = _end_terms(problem)
     first = [float(getattr(problem, a)[0]) for a in ARRAYS]
     t, w, a, p = [float(getattr(problem, name)[-1]) for name in ARRAYS]
+    odd = first != [t, w, a, p]  # stage 0: the first layer, then n - 1 of the rest
     n = np.arange(L + 1, dtype=np.float64)
-    times = n[None, :] * t + seconds[:, None]
+    keys = [(float(seconds[s]), odd and s == 0) for s in range(pp)]
+    distinct = list(dict.fromkeys(keys))
+    rows = np.array([np.concatenate(([c], first[0] + n[:-1] * t + c)) if own else n * t + c for c, own in distinct])
+    row = np.array([distinct.index(k) for k in keys])
+    if not np.isfinite(problem.memory_limit_bytes):
+        return rows, row, np.full(pp, L)
     memory = (n * w + problem.in_flight[:, None] * (n * a) + nbytes[:, None]
               + np.maximum(np.where(n > 0, p, 0.0), transient[:, None]))
-    if first != [t, w, a, p]:  # stage 0: the first layer, then n - 1 of the rest
+    if odd:
         rest = n[:-1]
-        times[0, 1:] = first[0] + rest * t + seconds[0]
         peak = np.maximum(np.where(rest > 0, np.maximum(p, first[3]), first[3]), transient[0])
         memory[0, 1:] = (first[1] + rest * w + problem.in_flight[0] * (first[2] + rest * a) + nbytes[0] + peak)
-    return times, memory
+    fits = memory <= problem.memory_limit_bytes * (1 + MEMORY_RTOL)  # True up to a stage's cap, then False
+    return rows, row, np.where(fits.all(axis=1), L, np.argmin(fits, axis=1) - 1)
 
 
 def partition_counts(problem: StageProblem) -> tuple[int, ...] | None:
@@ -81,16 +88,13 @@ def partition_counts(problem: StageProblem) -> tuple[int, ...] | None:
     (`counts_decide`; module docstring), or None where no partition fits."""
     pp, L = problem.num_stages, problem.num_layers
     least = problem.min_layers.astype(int)
-    times, memory = count_tables(problem)
-    fits = memory <= problem.memory_limit_bytes * (1 + MEMORY_RTOL)  # True up to a stage's cap, then False
-    caps = np.where(fits.all(axis=1), L, np.argmin(fits, axis=1) - 1)
+    rows, row, caps = count_tables(problem)
     if least.sum() > L or (caps < least).any():
         return None
-    rows, row = np.unique(times, axis=0, return_inverse=True)  # the stages' rows differ only at the ends
     candidates = np.unique(rows)
     # [s, c]: the most layers stage s may hold within candidates[c] (below its least: it cannot start)
     within = np.stack([np.searchsorted(r, candidates, side="right") - 1 for r in rows])
-    hi = np.minimum(within[row.reshape(-1)], caps[:, None])
+    hi = np.minimum(within[row], caps[:, None])
     ok = np.logical_and.accumulate(hi >= least[:, None], axis=0)
     reach = np.where(ok, np.cumsum(hi, axis=0), -1)  # [s, c]: F_s(candidates[c]), nondecreasing in c
     before = np.concatenate(([0], np.cumsum(least)))
