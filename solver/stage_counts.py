@@ -59,8 +59,8 @@ def _end_terms(problem: StageProblem) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 def count_tables(problem: StageProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(rows, row, caps): the distinct rows T[., n] over n = 0..L layers (module docstring; the stages' differ only
-    by their constant, and stage 0's where its first layer differs, `counts_decide`), each stage's row, and the
-    most layers each stage's memory M[s, n] fits (-1: not even none)."""
+    by their constant, and stage 0's where its first layer differs, `counts_decide`), each stage's row, and
+    `count_caps`."""
     pp, L = problem.num_stages, problem.num_layers
     seconds, nbytes, transient = _end_terms(problem)
     first = [float(getattr(problem, a)[0]) for a in ARRAYS]
@@ -70,17 +70,29 @@ def count_tables(problem: StageProblem) -> tuple[np.ndarray, np.ndarray, np.ndar
     keys = [(float(seconds[s]), odd and s == 0) for s in range(pp)]
     distinct = list(dict.fromkeys(keys))
     rows = np.array([np.concatenate(([c], first[0] + n[:-1] * t + c)) if own else n * t + c for c, own in distinct])
-    row = np.array([distinct.index(k) for k in keys])
+    return rows, np.array([distinct.index(k) for k in keys]), count_caps(problem, nbytes, transient)
+
+
+def count_caps(problem: StageProblem, nbytes: np.ndarray | None = None, transient: np.ndarray | None = None
+               ) -> np.ndarray:
+    """The most layers each stage's memory M[s, n] fits (-1: not even none; L under no limit); `nbytes` and
+    `transient`: `_end_terms`' (found here when not given)."""
+    pp, L = problem.num_stages, problem.num_layers
     if not np.isfinite(problem.memory_limit_bytes):
-        return rows, row, np.full(pp, L)
+        return np.full(pp, L)
+    if nbytes is None or transient is None:
+        _, nbytes, transient = _end_terms(problem)
+    first = [float(getattr(problem, a)[0]) for a in ARRAYS]
+    t, w, a, p = [float(getattr(problem, name)[-1]) for name in ARRAYS]
+    n = np.arange(L + 1, dtype=np.float64)
     memory = (n * w + problem.in_flight[:, None] * (n * a) + nbytes[:, None]
               + np.maximum(np.where(n > 0, p, 0.0), transient[:, None]))
-    if odd:
+    if first != [t, w, a, p]:
         rest = n[:-1]
         peak = np.maximum(np.where(rest > 0, np.maximum(p, first[3]), first[3]), transient[0])
         memory[0, 1:] = (first[1] + rest * w + problem.in_flight[0] * (first[2] + rest * a) + nbytes[0] + peak)
     fits = memory <= problem.memory_limit_bytes * (1 + MEMORY_RTOL)  # True up to a stage's cap, then False
-    return rows, row, np.where(fits.all(axis=1), L, np.argmin(fits, axis=1) - 1)
+    return np.where(fits.all(axis=1), L, np.argmin(fits, axis=1) - 1)
 
 
 def partition_counts(problem: StageProblem) -> tuple[int, ...] | None:
@@ -106,3 +118,10 @@ def partition_counts(problem: StageProblem) -> tuple[int, ...] | None:
         counts[s] = end if s == 0 else min(int(hi[s, at]), end - int(before[s]))
         end -= counts[s]
     return tuple(counts)
+
+
+def counts_fit(problem: StageProblem) -> bool:
+    """Whether any partition meets the memory limit, time aside, where counts decide: every stage's least
+    layers fit (least <= cap) and the caps hold every layer (any counts in those boxes that add up to L do)."""
+    least, caps = problem.min_layers.astype(int), count_caps(problem)
+    return bool((caps >= least).all() and least.sum() <= problem.num_layers <= caps.sum())

@@ -44,7 +44,7 @@ import numpy as np
 
 from autoplan.cost_model.pipeline import MEMORY_RTOL, StageProblem
 from autoplan.errors import AutoplanError
-from autoplan.solver.stage_counts import counts_decide, partition_counts
+from autoplan.solver.stage_counts import counts_decide, counts_fit, partition_counts
 
 @dataclass(frozen=True)
 class StageBounds:
@@ -202,7 +202,10 @@ def partition_fits(problem: StageProblem) -> bool:
     """Whether any partition meets the memory limit, time aside: whether `partition_stages` finds one, in
     O(pp L). Stage by stage, each takes the longest range that fits, leaving the later stages their
     minimums; a stage that starts later holds a sub-range of what it could have held, so reaching
-    further never hurts and the greedy walk is exact."""
+    further never hurts and the greedy walk is exact. Where counts decide, from the stages' caps in O(1) array
+    operations (`stage_counts.counts_fit`)."""
+    if counts_decide(problem):
+        return counts_fit(problem)
     pp, L = problem.num_stages, problem.num_layers
     later = np.concatenate((np.cumsum(problem.min_layers[::-1])[::-1], [0.0]))  # minimums of stages s..pp-1
     if later[0] > L:

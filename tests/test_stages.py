@@ -242,3 +242,10 @@ def test_the_vectorised_fit_of_a_partition_is_the_per_stage_one(seed):
     for limit in (largest, np.nextafter(largest, 0), largest * (1 + 1e-6), largest * (1 - 1e-6)):
         limited = StageProblem(**{**problem.__dict__, "memory_limit_bytes": limit})
         assert limited.fits(bounds) == (largest <= limit)
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_the_fit_check_from_counts_agrees_with_the_dp(seed):
+    """`partition_fits` where counts decide (`stage_counts.counts_fit`, from the stages' caps) against the DP."""
+    problem = identical_problem(np.random.default_rng(1700 + seed), integer=seed % 2 == 0)
+    assert partition_fits(problem) == (boundary_dp(problem) is not None)
