@@ -3,6 +3,7 @@ teraFLOP/s per GPU, each row with where it comes from.
 
     python benchmarks/fidelity.py                 # every row; benchmarks/out/fidelity.json and fidelity.png
     python benchmarks/fidelity.py --only llama    # the rows whose name holds "llama"
+    python benchmarks/fidelity.py --only llama --layout solver   # Llama 3 with the solver's tp strategies
 
 Rows (sources; what the source leaves unsaid is assumed the same way for every row of a group):
 
@@ -22,9 +23,9 @@ Rows (sources; what the source leaves unsaid is assumed the same way for every r
                  same rule), and the least recompute (none, selective, full) that the memory model fits in
                  80 GB, full where none does (the paper does not say). Priced with Megatron-LM's tensor-
                  parallel layout with sequence parallelism (`plan_from_assignment`; section 3.3.2: column and row
-                 projections, the norms on sequence shards), as the run had it, not the intra-op solver's choice:
-                 under cp the solver solves at whole sequences per rank (ceil(mbs / cp) = 1, 16x the 8K tokens a
-                 cp 16 rank holds at 128K), where it replicates the weights. Predicted TFLOP/s per GPU =
+                 projections, the norms on sequence shards), as the run had it; `--layout solver` prices them with
+                 the intra-op solver's own strategies (`estimate`), solved for the tokens a rank holds (under cp
+                 16 and microbatch 1, 8K of a 128K sequence). Predicted TFLOP/s per GPU =
                  predicted MFU x 989.4 TFLOP/s, the dense BF16 peak the paper's 430 = 43% implies.
 
 Not here yet: a GPT-3 175B row from Megatron-LM's own examples (none found with a published throughput
@@ -54,7 +55,7 @@ from rich.table import Table  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ as run by path: megatron_table1 beside it
 import megatron_table1 as table1  # noqa: E402
 
-from autoplan.api import capture_model, plan_from_assignment  # noqa: E402
+from autoplan.api import capture_model, estimate, plan_from_assignment  # noqa: E402
 from autoplan.cluster import parse_cluster  # noqa: E402
 from autoplan.cost_model.compute import Efficiency  # noqa: E402
 from autoplan.mesh import MeshShape  # noqa: E402
@@ -98,30 +99,36 @@ def megatron_rows() -> list[Published]:
 META_HOSTS = Efficiency(host_kernel_s=0.0, host_recompute_s=())
 
 
-def llama3_price(gpus: int, cp: int, seq: int) -> tuple[Plan, float]:
+def llama3_price(gpus: int, cp: int, seq: int, layout: str = "megatron") -> tuple[Plan, float]:
     """Llama 3 405B on `gpus` H100 (module docstring), with Megatron-LM's tensor-parallel layout and sequence
-    parallelism, as the run had it: the least recompute that fits, else full."""
+    parallelism, as the run had it (`layout` "solver": the intra-op solver's): the least recompute that fits,
+    else full."""
     config = dataclasses.replace(get_model_config("llama3-405b"), max_seq=max(seq, 8192))
     graph = capture_model(config, seq)
     mesh = MeshShape(pp=16, dp=gpus // (8 * 16 * cp), tp=8, cp=cp)
     assignment = megatron_assignment(graph, default_registry(), mesh.tp, config.rule_info(), sequence_parallel=True)
-    batch = 16 * 2**20 // seq
+    batch, cluster = 16 * 2**20 // seq, parse_cluster(f"{gpus // 8}x8xh100")
+    shared = dict(schedule="interleaved-1f1b", virtual_stages=8, stage_layers=(0,) + (1,) * 126 + (0,),
+                  efficiency=META_HOSTS)
     plans = []
     for recompute in RECOMPUTE_ORDER:
-        plans.append(plan_from_assignment(graph, config, parse_cluster(f"{gpus // 8}x8xh100"), mesh, assignment, 1,
-                                          batch // mesh.batch_shards, 1, recompute, schedule="interleaved-1f1b",
-                                          virtual_stages=8, stage_layers=(0,) + (1,) * 126 + (0,),
-                                          efficiency=META_HOSTS))
+        if layout == "solver":
+            plans.append(estimate(config, cluster, batch, seq, mesh=mesh, microbatch_size=1, zero_stage=1,
+                                  recompute=recompute, graph=graph, **shared))
+        else:
+            plans.append(plan_from_assignment(graph, config, cluster, mesh, assignment, 1, batch // mesh.batch_shards,
+                                              1, recompute, **shared))
         if plans[-1].predicted.peak_memory_bytes <= plans[-1].cluster.device.memory_bytes:
             break
     return plans[-1], plans[-1].predicted.mfu * H100_BF16_PEAK_TFLOPS
 
 
-def llama3_rows() -> list[Published]:
+def llama3_rows(layout: str = "megatron") -> list[Published]:
     runs = ((8192, 1, 8192, 430.0), (16384, 1, 8192, 400.0), (16384, 16, 131072, 380.0))
     return [Published(f"llama3-405b-{gpus // 1024}k-seq{seq // 1024}k", LLAMA3,
-                      f"tp 8 x cp {cp} x pp 16 (v 8, 0,1*126,0) x dp {gpus // (128 * cp)}, 16M tokens, H100",
-                      gpus, tflops, lambda g=gpus, c=cp, s=seq: llama3_price(g, c, s))
+                      f"tp 8 x cp {cp} x pp 16 (v 8, 0,1*126,0) x dp {gpus // (128 * cp)}, 16M tokens, H100"
+                      + ("" if layout == "megatron" else f", {layout}'s tp layout"),
+                      gpus, tflops, lambda g=gpus, c=cp, s=seq: llama3_price(g, c, s, layout))
             for gpus, cp, seq, tflops in runs]
 
 
@@ -177,9 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="price only the rows whose name holds this text")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--layout", choices=("megatron", "solver"), default="megatron",
+                        help="Llama 3's tensor-parallel strategies: Megatron-LM's, as the run had them, or the "
+                             "intra-op solver's (estimate)")
     args = parser.parse_args(argv)
     console = Console(width=220)
-    rows = [r for r in megatron_rows() + llama3_rows() if not args.only or args.only in r.name]
+    rows = [r for r in megatron_rows() + llama3_rows(args.layout) if not args.only or args.only in r.name]
     results = run(rows, console)
     print_table(results, console)
     within = sum(abs(r["error"]) <= TOLERANCE for r in results)

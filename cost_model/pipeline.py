@@ -140,6 +140,31 @@ class StageProblem:
                 transient.append(part.transient_bytes)
         return static + f * act + max(transient)
 
+    def fits(self, bounds: Sequence[int]) -> bool:
+        """Whether every stage of the partition `bounds` holds at most the memory limit, by `stage_memory_bytes`
+        (no tolerance). Vectorised over the stages from prefix sums, which differ from its slice sums in the last
+        bits: where the largest stage is within 1e-9 of the limit, the answer is `stage_memory_bytes`' own."""
+        if not np.isfinite(self.memory_limit_bytes):
+            return True
+        start, end = np.asarray(bounds[:-1]), np.asarray(bounds[1:])
+        sums = [np.concatenate(([0.0], np.cumsum(a)))
+                for a in (self.layer_static_bytes, self.layer_activation_bytes)]
+        static, act = (prefix[end] - prefix[start] for prefix in sums)
+        transient = np.zeros(len(start))
+        held = end > start
+        if held.any():
+            transient[held] = (np.maximum.reduceat(self.layer_transient_bytes, start) if held.all() else
+                               [self.layer_transient_bytes[a:b].max() for a, b in zip(start[held], end[held])])
+        for part, s in ((self.first, 0), (self.last, self.num_stages - 1)):
+            static[s] += part.static_bytes
+            act[s] += part.activation_bytes
+            transient[s] = max(transient[s], part.transient_bytes)
+        memory = static + self.extra_bytes + self.in_flight * act + transient
+        largest, limit = float(memory.max()), self.memory_limit_bytes
+        if abs(largest - limit) > 1e-9 * limit:
+            return largest <= limit
+        return max(self.stage_memory_bytes(s, a, b) for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))) <= limit
+
 
 def in_flight_microbatches(stage: int, pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
     """Microbatches' worth of activations stage `stage` keeps at its peak (module docstring)."""

@@ -172,7 +172,7 @@ class StepModel:
         self._schedules: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._p2p: dict[tuple, float] = {}
         self.floor_memo: dict[tuple, float] = {}  # `cost_model.step_bounds`' slowest-rank floors
-        self._pipeline: dict[tuple, np.ndarray] = {}
+        self._pipeline: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # (pp, m, v): per boundary byte
 
     def group(self, cfg: Config, axes: tuple[str, ...]) -> AxisGroup:
         key = (cfg.pp, cfg.dp, cfg.ep, cfg.cp, cfg.tp, cfg.order, axes, cfg.etp)  # etp: the tp halves' sizes
@@ -325,14 +325,15 @@ class StepModel:
         pp, m, v = cfg.pp, cfg.num_microbatches, cfg.virtual_stages
         if pp == 1:
             return np.zeros(1)
-        key = (id(block), cfg.context_parallel, cfg.mesh.expert_parallel > 1, pp, m, v)
-        if key not in self._pipeline:  # asked per configuration, by the memory floor too
-            boundary = block.boundary_bytes(cfg.context_parallel, cfg.mesh.expert_parallel > 1)
+        if (pp, m, v) not in self._pipeline:  # per boundary byte, what the schedule alone decides: a walk per rank
             ends = [chunk_ends(s, pp, v) for s in range(pp)]
-            self._pipeline[key] = np.array([pipeline_buffer_bytes(s, pp, m, v, boundary)
-                                            + boundary * (sends_kept(s, pp, m, v) + in_flight[s] * (send - receive) / v)
-                                            for s, (receive, send) in enumerate(ends)])
-        return self._pipeline[key]
+            self._pipeline[(pp, m, v)] = (
+                np.array([pipeline_buffer_bytes(s, pp, m, v, 1.0) / m for s in range(pp)]),  # r + s receive buffers
+                np.array([sends_kept(s, pp, m, v) + in_flight[s] * (send - receive) / v
+                          for s, (receive, send) in enumerate(ends)]))
+        buffers, held = self._pipeline[(pp, m, v)]
+        boundary = block.boundary_bytes(cfg.context_parallel, cfg.mesh.expert_parallel > 1)
+        return boundary * m * buffers + boundary * held  # `pipeline_buffer_bytes`' b m (r + s), then the rest
 
     def p2p_s(self, block: BlockCosts, cfg: Config) -> float:
         """The sends each pipeline rank pays per microbatch (`pipeline.p2p_per_microbatch_s`): they read of the
@@ -371,8 +372,7 @@ class StepModel:
                                                   min_layers=problem.min_layers))
             self._partitions[key] = fastest.bounds
         bounds = self._partitions[key]
-        if cfg.pp == 1 or max(problem.stage_memory_bytes(s, a, b) for s, (a, b) in
-                              enumerate(zip(bounds[:-1], bounds[1:]))) <= problem.memory_limit_bytes:
+        if cfg.pp == 1 or problem.fits(bounds):
             return bounds
         # in flight (pp, m, v), model states (ZeRO over the data ranks), temporaries and sends: the rest
         tight = key + (cfg.num_microbatches, cfg.zero_stage, cfg.data_ranks, float(problem.overhead_s[0]),

@@ -6,13 +6,13 @@ baselines (`solver.baselines`); and the Plan of a priced configuration.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Mapping
 
 from autoplan import __version__
 from autoplan.capture.blocks import fold_graph
+from autoplan.capture.tp_roles import tp_roles
 from autoplan.capture.graph import CapturedGraph
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.assignment import tp_solution
@@ -79,6 +79,7 @@ class SearchContext:
         self._solutions: dict[tuple, SolutionParts] = {}
         self._by_assignment: dict[tuple, SolutionParts] = {}  # (tp, etp, assignment): `_parts`
         self._assignments: dict[tuple, dict[str, str]] = {}
+        self._roles: dict[str, str] | None = None  # `capture.tp_roles` of the graph, for Megatron's assignments
         self._spread: dict[tuple, AxisGroup | None] = {}
         self._no_less: dict[AxisGroup, bool] = {}
         self.ilp_solves = 0
@@ -99,8 +100,11 @@ class SearchContext:
             raise ConfigError(f"unknown strategy variant {variant!r}; expected {VARIANT_ILP!r} or {VARIANT_MEGATRON!r}")
         etp = tp if etp is None else etp
         if (variant, tp, etp) not in self._assignments:
+            if self._roles is None:  # the same at every tp: a deep model's retries ask at several
+                self._roles = tp_roles(self.graph)
             self._assignments[(variant, tp, etp)] = megatron_assignment(
-                self.graph, self.registry, tp, strategy_info(self.info, tp, etp), sequence_parallel=True)
+                self.graph, self.registry, tp, strategy_info(self.info, tp, etp), sequence_parallel=True,
+                roles=self._roles)
         return self._assignments[(variant, tp, etp)]
 
     def solution(self, tp: int, microbatch: int, variant: str = VARIANT_ILP,
@@ -158,8 +162,9 @@ class SearchContext:
               assignment: Mapping[str, str] | None = None, mesh: MeshShape | None = None,
               etp: int | None = None) -> BlockCosts:
         """The tp solution for `microbatch` sequences per rank (mbs / cp, maybe below 1), priced part by part
-        at exactly that microbatch (cached). The strategies are those solved at ceil(microbatch) sequences:
-        the solver works on whole microbatches, and its choice barely moves between neighbouring sizes.
+        at exactly that microbatch (cached). The strategies are solved at that microbatch too, the tokens a rank
+        really holds: under cp > mbs a rank holds a slice of one sequence, and a whole one (16x the tokens at cp
+        16, microbatch 1) made splitting the tokens and replicating the weights look cheaper.
         `mesh`: the configuration's, whose order may spread its tp groups over nodes (cp or ep innermost): the
         tp communication of the same strategies (solved with tp inside a node) is then priced over those links.
         `etp`: the experts' tensor-parallel degree (None: tp)."""
@@ -168,7 +173,7 @@ class SearchContext:
         key = (tp, microbatch, variant, tuple(sorted(assignment.items())) if assignment is not None else None, spread,
                etp)
         if key not in self._blocks:
-            parts = self.solution(tp, math.ceil(microbatch), variant, assignment, etp)
+            parts = self.solution(tp, microbatch, variant, assignment, etp)
             mesh = mesh if spread is not None else MeshShape(dp=self.cluster.world_size // tp, tp=tp)
             ctx = CostContext(self.cluster, mesh, self.dtype, self.efficiency, self.graph.batch_size,
                               float(microbatch) / self.graph.batch_size, head_dim=self.head_dim)

@@ -61,7 +61,7 @@ def _keeping_features(options, placements: list) -> str:
 
 
 def megatron_assignment(graph: CapturedGraph, registry: StrategyRegistry, tp: int, info: Mapping,
-                        sequence_parallel: bool = False) -> dict[str, str]:
+                        sequence_parallel: bool = False, roles: Mapping[str, str] | None = None) -> dict[str, str]:
     """Megatron-LM's tensor parallelism as an assignment: column for the projections into attention
     cores, MLP activations and the loss, row for those out of attention cores and column projections
     (`autoplan.capture.tp_roles`: by the data flow, so fused and differently named projections are found;
@@ -71,10 +71,11 @@ def megatron_assignment(graph: CapturedGraph, registry: StrategyRegistry, tp: in
 
     With `sequence_parallel` (Korthikanti et al. 2022): row projections and embeddings reduce-scatter
     along the sequence (row_sp, vocab_sp), norms and the pointwise ops of the residual stream run on
-    sequence shards, and column projections all-gather their input."""
+    sequence shards, and column projections all-gather their input. `roles`: `tp_roles(graph)` found before
+    (it does not depend on tp)."""
     column = ("q_proj", "k_proj", "v_proj", "fc", "gate_proj", "up_proj", "lm_head")
     row = ("o_proj", "proj", "down_proj")
-    roles = tp_roles(graph)  # by the data flow; the names above where it finds no role
+    roles = tp_roles(graph) if roles is None else roles  # by the data flow; the names above where it finds none
     wanted_by_kind = {"embedding": "vocab", "cross_entropy": "vocab", "attention": "heads", "moe": "ffn"}
     if sequence_parallel:
         wanted_by_kind |= {"embedding": "vocab_sp", "norm": "sequence"}

@@ -53,6 +53,7 @@ from autoplan.solver.context import (VARIANT_ILP, VARIANT_MEGATRON, BaselineResu
                                      SearchContext)
 from autoplan.solver.intra_op import fold_note
 from autoplan.cost_model.step_config import Config
+from autoplan.solver.stage_counts import counts_decide
 from autoplan.solver.stages import partition_fits
 from autoplan.solver.space import (FlopsPerSequence, SearchOptions, enumerate_configs, fitting_configs, infeasible,
                                    memory_lower_bound, parameter_split, time_lower_bound_s)
@@ -218,12 +219,15 @@ def _cannot_fit(ctx: SearchContext, block, cfg: Config) -> bool:
     """Whether no partition of `cfg` into stages fits the memory: pricing would find the same, at the cost
     of a stage DP. First the O(1) floor under the busiest rank (`StepModel.memory_floor_bytes`, sound for
     every partition), then the exact check (`stages.partition_fits`, O(pp L)). Interleaved ranks of unequal
-    layers hold other layers than the contiguous ranges the exact check tries, so those are priced."""
+    layers hold other layers than the contiguous ranges the exact check tries, so those are priced, unless
+    a rank's sums depend on its count of layers alone (`stage_counts.counts_decide`: the same layers, or a
+    first layer of its own that rank 0's first chunk holds either way)."""
     if _over_floor(ctx, block, cfg):
         return True
-    if cfg.virtual_stages > 1 and len(block.distinct) > 1:
+    problem = ctx.steps.stage_problem(block, cfg)
+    if cfg.virtual_stages > 1 and len(block.distinct) > 1 and not counts_decide(problem):
         return False
-    return not partition_fits(ctx.steps.stage_problem(block, cfg))
+    return not partition_fits(problem)
 
 
 def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, *, top: int = 1,

@@ -27,7 +27,8 @@ over the starts and ends that leave every stage its least layers; the range maxi
     best[s][j] = min_{i <= j - n_min[s]} max(best[s-1][i], time(s, i, j))   over i where memory(s, i, j) fits
 
 Memory is compared with a relative tolerance of MEMORY_RTOL. The answer is best[pp-1][L]; ties go to the smallest start layer of each stage, walking back from the
-last, so the result is deterministic (`partition_bounds`: the bounds alone, as the search reads them).
+last, so the result is deterministic (`partition_bounds`: the bounds alone, as the search reads them). Where every
+layer is the same, the same partition is found from the stages' layer counts instead (`solver.stage_counts`).
 `partition_brute_force` tries every composition (tests only).
 `partition_fits` says, in O(pp L), whether any partition meets the memory limit: the search asks it
 before pricing a configuration, so that one that cannot fit costs no DP and no pricing.
@@ -43,6 +44,7 @@ import numpy as np
 
 from autoplan.cost_model.pipeline import MEMORY_RTOL, StageProblem
 from autoplan.errors import AutoplanError
+from autoplan.solver.stage_counts import counts_decide, counts_fit, partition_counts
 
 @dataclass(frozen=True)
 class StageBounds:
@@ -143,7 +145,17 @@ def partition_stages(problem: StageProblem) -> StagePartition | None:
 
 def partition_bounds(problem: StageProblem) -> StageBounds | None:
     """`partition_stages`' partition, its bounds alone: the step model sums its stages from prefix sums
-    itself, so the search skips the pp slices per stage that `evaluate_partition` takes."""
+    itself, so the search skips the pp slices per stage that `evaluate_partition` takes. Identical layers
+    (one repeated block under one recompute policy) are partitioned from their counts
+    (`solver.stage_counts`), the rest by the DP over boundaries (`boundary_dp`)."""
+    if counts_decide(problem):
+        counts = partition_counts(problem)
+        return None if counts is None else StageBounds(tuple(int(b) for b in np.cumsum((0,) + counts)))
+    return boundary_dp(problem)
+
+
+def boundary_dp(problem: StageProblem) -> StageBounds | None:
+    """The DP over (stage, end layer) of the module docstring, O(pp L^2)."""
     pp, L = problem.num_stages, problem.num_layers
     if problem.min_layers.sum() > L:
         return None
@@ -190,7 +202,10 @@ def partition_fits(problem: StageProblem) -> bool:
     """Whether any partition meets the memory limit, time aside: whether `partition_stages` finds one, in
     O(pp L). Stage by stage, each takes the longest range that fits, leaving the later stages their
     minimums; a stage that starts later holds a sub-range of what it could have held, so reaching
-    further never hurts and the greedy walk is exact."""
+    further never hurts and the greedy walk is exact. Where counts decide, from the stages' caps in O(1) array
+    operations (`stage_counts.counts_fit`)."""
+    if counts_decide(problem):
+        return counts_fit(problem)
     pp, L = problem.num_stages, problem.num_layers
     later = np.concatenate((np.cumsum(problem.min_layers[::-1])[::-1], [0.0]))  # minimums of stages s..pp-1
     if later[0] > L:

@@ -14,6 +14,7 @@ from autoplan.cost_model.compute import Efficiency
 from autoplan.cost_model.parallel_dims import axes_group, expert_all_to_all_s, ulysses_all_to_all_s
 from autoplan.errors import ConfigError, InfeasibleError
 from autoplan.mesh import MeshShape
+from autoplan.models import get_model_config
 from autoplan.models.config import ModelConfig
 from autoplan.api import search_context
 from autoplan.solver.context import VARIANT_ILP, VARIANT_MEGATRON, ProgressMessage, SearchContext
@@ -168,14 +169,17 @@ def test_pipelining_buys_memory_and_keeps_more_microbatches_on_the_first_stage(m
     piped = base.replace(pp=4, dp=2, num_microbatches=32)
     flat, deep = mid.price(base), mid.price(piped)
     assert deep.memory.parameters_bytes < 0.5 * flat.memory.parameters_bytes  # the embedding weighs on stage 0
-    assert deep.stage_memory_bytes[0] > deep.stage_memory_bytes[2]  # 4 microbatches in flight vs 2
+    # 4 microbatches in flight vs 2, the same layers on each (the stage DP's partition may give stage 2 one more)
+    even = mid.price(piped.replace(stage_layers=(2, 2, 2, 2)))
+    assert even.stage_memory_bytes[0] > even.stage_memory_bytes[2]
 
 
 def test_context_parallel_splits_the_sequence_and_pays_all_to_alls():
     ctx = search_context(MID, small_gpus(2, 80.0), 16, 8192)
     one = Config.of(tp=2, cp=1, pp=1, ep=1, dp=8, microbatch_size=1, num_microbatches=2, zero_stage=1, recompute="none")
     two = one.replace(cp=2, dp=4, num_microbatches=4)
-    p1, p2 = ctx.price(one), ctx.price(two)
+    # the same strategies (Megatron's): the solver chooses them for the tokens a rank holds, half as many at cp 2
+    p1, p2 = ctx.price(one, VARIANT_MEGATRON), ctx.price(two, VARIANT_MEGATRON)
     assert p2.memory.activations_bytes == pytest.approx(p1.memory.activations_bytes / 2, rel=0.05)
     # Ulysses: 4 all-to-alls forward and 4 backward per layer, on q (and output) and k, v widths per tp rank
     group = axes_group(two.mesh, ("cp",), 8)
@@ -433,3 +437,18 @@ def test_search_picks_a_non_default_order_when_it_is_strictly_better():
     redo = estimate(MID_MOE, cluster, 2, 4096, mesh=best.mesh, microbatch_size=best.microbatch_size,
                     zero_stage=best.zero_stage, recompute=best.recompute)
     assert redo.predicted.step_time_s == pytest.approx(best.predicted.step_time_s, rel=1e-9)
+
+
+def test_cp_beyond_the_microbatch_solves_tp_for_the_tokens_a_rank_holds():
+    """Under cp 16 and microbatch 1 a rank holds 1/16 of a 128K sequence, 8K tokens: the intra-op solver must
+    choose its tp strategies for those, as it does at cp 1 with 8K sequences (the same tokens per rank),
+    not for one whole sequence (16x the tokens), where splitting the tokens and replicating the weights
+    looked cheaper (Llama 3 405B's 128K row: 51 GB of weights per rank instead of 6.5 GB)."""
+    config = dataclasses.replace(get_model_config("llama3-405b"), num_layers=2, max_seq=131072)
+    plans = {cp: estimate(config, "16x8xh100", 16 // cp, 8192 * cp, mesh=MeshShape(dp=16 // cp, tp=8, cp=cp),
+                          microbatch_size=1, zero_stage=1, recompute="full", efficiency=NO_HOST)
+             for cp in (1, 16)}
+    split = {cp: {p.name for p in plan.params if isinstance(dict(p.placements)["tp"], Shard)}
+             for cp, plan in plans.items()}
+    assert split[1] and split[16] == split[1]  # every weight tp splits at cp 1 is split at cp 16 too
+    assert plans[16].predicted.memory.parameters_bytes == pytest.approx(plans[1].predicted.memory.parameters_bytes)

@@ -11,8 +11,9 @@ from autoplan.cost_model.pipeline import (chunk_ranges, chunk_sizes, in_flight_m
 from autoplan.errors import AutoplanError, ConfigError
 from autoplan.mesh import MeshShape
 from autoplan.cost_model.pipeline import Part, StageProblem
-from autoplan.solver.stages import (evaluate_partition, partition_brute_force, partition_fits,
-                                    partition_stages)
+from autoplan.solver.stage_counts import counts_decide
+from autoplan.solver.stages import (boundary_dp, evaluate_partition, partition_bounds, partition_brute_force,
+                                    partition_fits, partition_stages)
 from autoplan.validity import pipeline_problem, stage_layers_text, stage_min_layers, stages_problem
 
 
@@ -175,3 +176,76 @@ def test_p2p_crosses_the_link_of_the_pp_axis():
     inside = p2p_per_microbatch_s(1e9, cluster, MeshShape(pp=2, dp=2, tp=4, order=("dp", "pp", "ep", "cp", "tp")))
     assert across == pytest.approx(2 * (1e9 / 50e9 + 10e-6))
     assert inside == pytest.approx(2 * (1e9 / 450e9 + 5e-6))
+
+
+def identical_problem(rng: np.random.Generator, integer: bool) -> StageProblem:
+    """Identical layers (one repeated block; sometimes a first layer of its own), the embedding and head, sends,
+    uneven minimums, a memory limit (or none); `integer`: every time and byte an integer, so the DP's range sums
+    are exact."""
+    pp = int(rng.integers(1, 7))
+    layers = int(rng.integers(1, 40))
+    draw = (lambda hi: float(rng.integers(0, hi + 1))) if integer else (lambda hi: float(rng.uniform(0, hi)))
+    t, w, a, p = draw(4) + 1, draw(3), draw(2), draw(3) * int(rng.integers(0, 2))
+    in_flight = np.array([float(min(int(rng.integers(1, 6)), pp - s)) for s in range(pp)])
+    first, last = Part(draw(6), draw(5), draw(2)), Part(draw(9), draw(5), draw(3), draw(4))
+    minimums = rng.integers(0, 3, pp) if rng.integers(0, 2) else np.ones(pp)
+    arrays = [np.full(layers, x) for x in (t, w, a, p)]
+    if rng.integers(0, 2):  # a first layer of its own (its input resharded from the embedding), on stage 0
+        minimums[0] = max(1, minimums[0])
+        for values, hi in zip(arrays, (5, 3, 2, 3)):
+            values[0] = draw(hi) + (values is arrays[0])
+    unlimited = StageProblem(*arrays, in_flight, np.inf, first, last, np.array([draw(2)] * pp),
+                             np.array([draw(3) for _ in range(pp)]), minimums)
+    fastest = boundary_dp(unlimited)
+    if fastest is None or rng.integers(0, 4) == 0:
+        return unlimited
+    need = max(unlimited.stage_memory_bytes(s, i, j) for s, (i, j) in enumerate(fastest.ranges))
+    limit = need * float(rng.uniform(0.4, 1.1)) if not integer else float(int(need * rng.uniform(0.4, 1.1)))
+    return StageProblem(**{**unlimited.__dict__, "memory_limit_bytes": limit})
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_identical_layers_from_counts_give_the_dp_bounds(seed):
+    """`partition_bounds` of identical layers (from counts, `solver.stage_counts`) against the DP over boundaries,
+    with a first layer of its own on stage 0 or not:
+    the same bounds, ties included, where the sums are exact (integers); the same bottleneck and a partition
+    that fits otherwise."""
+    rng = np.random.default_rng(700 + seed)
+    integer = seed % 2 == 0
+    problem = identical_problem(rng, integer)
+    assert counts_decide(problem)
+    counted, swept = partition_bounds(problem), boundary_dp(problem)
+    assert (counted is None) == (swept is None)
+    if counted is None:
+        return
+    if integer:
+        assert counted == swept
+    mine, theirs = evaluate_partition(problem, counted.bounds), evaluate_partition(problem, swept.bounds)
+    assert mine.bottleneck_s == pytest.approx(theirs.bottleneck_s, rel=1e-12)
+    assert max(mine.stage_memory_bytes) <= problem.memory_limit_bytes * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_vectorised_fit_of_a_partition_is_the_per_stage_one(seed):
+    """`StageProblem.fits` (prefix sums over every stage at once) against `stage_memory_bytes` stage by stage,
+    limits at and around the largest stage's memory, stages holding no layer among them."""
+    rng = np.random.default_rng(900 + seed)
+    pp, layers = int(rng.integers(1, 6)), int(rng.integers(1, 12))
+    problem = StageProblem(rng.uniform(0.5, 2, layers), rng.uniform(0, 3, layers), rng.uniform(0, 1, layers),
+                           rng.uniform(0, 2, layers) * rng.integers(0, 2), rng.integers(1, 5, pp).astype(float), np.inf,
+                           Part(0.1, float(rng.uniform(0, 3)), 0.5, float(rng.uniform(0, 3))),
+                           Part(0.2, 2.0, float(rng.uniform(0, 1)), float(rng.uniform(0, 3))),
+                           extra_bytes=rng.uniform(0, 1, pp), min_layers=np.zeros(pp))
+    bounds = (0, *sorted(rng.integers(0, layers + 1, pp - 1).tolist()), layers)
+    largest = max(problem.stage_memory_bytes(s, a, b) for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])))
+    assert problem.fits(bounds)
+    for limit in (largest, np.nextafter(largest, 0), largest * (1 + 1e-6), largest * (1 - 1e-6)):
+        limited = StageProblem(**{**problem.__dict__, "memory_limit_bytes": limit})
+        assert limited.fits(bounds) == (largest <= limit)
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_the_fit_check_from_counts_agrees_with_the_dp(seed):
+    """`partition_fits` where counts decide (`stage_counts.counts_fit`, from the stages' caps) against the DP."""
+    problem = identical_problem(np.random.default_rng(1700 + seed), integer=seed % 2 == 0)
+    assert partition_fits(problem) == (boundary_dp(problem) is not None)
