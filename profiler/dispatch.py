@@ -15,7 +15,18 @@ cost model takes max(the kernels' device time, their count x host_kernel_s) for 
 (`cost_model.compute`). The median, not the fastest window (`profiler.gemm`): the host's time per layer
 varied 3.6-5.7 ms between layers on the lent H200 (benchmarks/gpu_layer_time.py), and a step pays the
 typical figure, not the best. CUDA only: a CPU runs each op where it issues it, so its measured op times
-hold the dispatch already.
+hold the dispatch already, up to the launch floor's bare op call.
+
+On a CPU the host is the device: every op's dispatch (the module call, the dispatcher, autograd's
+bookkeeping, the allocator) runs on the core that then runs its kernel, one after the other. A profiled
+kernel (a GEMM, a copy, the floor's one-element add) is timed as a bare call, which holds the dispatch of
+a bare op; what eager training adds per kernel beyond it is measured on a block whose kernels do nothing
+measurable (`measure_cpu_dispatch_s`, `CPU_BLOCK`: a Llama block of hidden 64, 8 tokens, fp32):
+
+    host_kernel_s (CPU) = max(0, fastest window's (block forward + backward) / kernels - kernel_floor_s)
+
+and the cost model adds it to each kernel's time (`cost_model.compute.host_paced_s`, serial). On the
+2-core development machine (2026-11-26, one thread): about 20 us per kernel against a 1.9 us floor.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import statistics
 import torch
 
 HOST_BLOCK = dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, seq=64)
+CPU_BLOCK = dict(hidden=64, heads=4, kv_heads=2, ffn=128, seq=8)
 COLUMN = ("q_proj", "k_proj", "v_proj", "fc", "gate_proj", "up_proj")  # Megatron's column-parallel linears
 ROW = ("o_proj", "proj", "down_proj")  # row-parallel: their input features split
 
@@ -62,11 +74,10 @@ def runtime_block(config, tp: int, device: torch.device, dtype: torch.dtype, bac
     return module
 
 
-def host_block_config():
-    """The zoo config of the timed block (`HOST_BLOCK`), one layer."""
+def host_block_config(b: dict = HOST_BLOCK):
+    """The zoo config of the timed block (`HOST_BLOCK`, or `CPU_BLOCK`), one layer."""
     from autoplan.models.config import ModelConfig
 
-    b = HOST_BLOCK
     return ModelConfig("host-dispatch-block", "llama", 1, b["hidden"], b["heads"], b["kv_heads"], b["ffn"], 256,
                        max(b["seq"], 2048))
 
@@ -105,3 +116,19 @@ def measure_host_kernel_s(device: torch.device, quick: bool = False, config=None
     per_block = statistics.median(windows)
     kernels = block_kernels(config, seq)
     return per_block / kernels, per_block, kernels
+
+
+def measure_cpu_dispatch_s(device: torch.device, kernel_floor_s: float, quick: bool = False
+                           ) -> tuple[float, float, int]:
+    """(host_kernel_s, seconds per block forward + backward, the block's kernels) on a CPU: `CPU_BLOCK`'s
+    fastest window, per kernel, less the launch floor each kernel's profiled time already holds (module
+    docstring)."""
+    from autoplan.profiler.gemm import fastest_call_s
+
+    config, seq = host_block_config(CPU_BLOCK), CPU_BLOCK["seq"]
+    block = runtime_block(config, 1, device, torch.float32, "auto")
+    x = torch.randn(1, seq, config.hidden, device=device, requires_grad=True)
+    dy = torch.randn_like(x)
+    per_block = fastest_call_s(lambda: block(x).backward(dy), device, 0.1 if quick else 0.5)
+    kernels = block_kernels(config, seq)
+    return max(0.0, per_block / kernels - kernel_floor_s), per_block, kernels
