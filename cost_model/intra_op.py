@@ -174,8 +174,8 @@ def node_compute_s(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tu
     fwd_bytes, bwd_bytes = memory_op_bytes(node, params)
     extra = params if node.op_kind != "embedding" else 0.0  # a norm reads its weights (the embedding's rows are in)
     kernels = OP_KERNELS.get(node.op_kind, (1, 1))
-    fwd = op_time_s(node.fwd_flops * share, fwd_bytes * share + extra, device, dtype, eff, kernels[0])
-    bwd = op_time_s(node.bwd_flops * share, bwd_bytes * share + extra, device, dtype, eff, kernels[1])
+    fwd = op_time_s(node.fwd_flops * share, fwd_bytes * share + extra, device, dtype, eff, kernels[0], allocates=True)
+    bwd = op_time_s(node.bwd_flops * share, bwd_bytes * share + extra, device, dtype, eff, kernels[1], allocates=True)
     return fwd, bwd + accumulate
 
 
@@ -363,7 +363,8 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
             family = captured_op_family(node.op_kind)
             families[family] = families.get(family, 0.0) + fwd
     if host_s:  # the host issues forward in graph order, backward in reverse (`compute.host_paced_s`)
-        sums["fc"], sums["lfc"] = host_paced_s(paced["f"], host_s), host_paced_s(paced["lf"], host_s)
-        sums["bc"] = host_paced_s(paced["b"][::-1], host_s)
+        serial = bool(ctx.efficiency.host_serial)
+        sums["fc"], sums["lfc"] = host_paced_s(paced["f"], host_s, serial), host_paced_s(paced["lf"], host_s, serial)
+        sums["bc"] = host_paced_s(paced["b"][::-1], host_s, serial)
     return AssignmentCost(sums["fc"], sums["bc"], sums["fm"], sums["bm"], sums["lfc"], sums["lfm"],
                           tuple(sorted(families.items())), sums["shared"])
