@@ -99,8 +99,8 @@ per kernel beyond the bare call its profiled time holds (the module call, autogr
 (`host_paced_s` with serial = `Efficiency.host_serial`: True on a CPU).
 
 Eager PyTorch on a CPU (`cost_model.eager`, where a profile measured them): a memory-bound op's bytes at
-the bandwidth of a fresh-allocation copy of the buffer one of its kernels moves (above glibc's mmap
-threshold every output is faulted in page by page), and the attention core at causal SDPA's measured
+the bandwidth of a fresh-allocation copy of the buffer one of its kernels moves where that is below the
+device's copy (above glibc's mmap threshold every output is faulted in page by page; `memory_time_s`), and the attention core at causal SDPA's measured
 rates, no faster than the best GEMM rate (the search's time bound relies on it).
 
 Ignored: overlap between kernels, L2 cache reuse between kernels, hidden dropout (the built-in models
@@ -363,10 +363,16 @@ def host_paced_s(ops: "Sequence[tuple[float, int]]", host_kernel_s: float, seria
 def memory_time_s(nbytes: float, device: DeviceSpec, efficiency: Efficiency, kernels: int = 0) -> float:
     """Seconds to move `nbytes` bytes of HBM traffic; `kernels` > 0: in that many kernels that each write
     a fresh output, at the profile's fresh-allocation copy of the buffer one of them moves where it has
-    that curve (`cost_model.eager`: bytes / (2 kernels)), else at the device's copy bandwidth."""
+    that curve (`cost_model.eager`: bytes / (2 kernels)) and it is slower than the device's copy, else at
+    the device's copy bandwidth. Never faster than that copy (as `cost_model.kernels` caps a kernel's
+    measured efficiency at 1): a cold source's small copy outruns the 256 MiB one (50 against 22 GB/s on
+    the development machine), but eager's memory-bound ops on a CPU thread do not (silu 38, RMSNorm 27,
+    log-softmax 20 GB/s on cached 4 MiB tensors, and slower than that in the steps of
+    benchmarks/step_fidelity.py), so the curve prices the fall-off above the mmap threshold only."""
+    bandwidth = device.memory_bandwidth_bytes_per_s
     if kernels and efficiency.fresh_copies is not None:
-        return nbytes / (efficiency.fresh_copies.bandwidth(nbytes / (2 * kernels)) * efficiency.memory)
-    return nbytes / (device.memory_bandwidth_bytes_per_s * efficiency.memory)
+        bandwidth = min(bandwidth, efficiency.fresh_copies.bandwidth(nbytes / (2 * kernels)))
+    return nbytes / (bandwidth * efficiency.memory)
 
 
 def gemm_time_s(m: float, n: float, k: float, itemsize: float, device: DeviceSpec, dtype: str, efficiency: Efficiency,

@@ -90,7 +90,7 @@ def test_the_fresh_copy_curve_interpolates_in_log_space_and_clamps():
 
 def test_memory_bound_ops_are_priced_at_the_fresh_copy_bandwidth_of_their_buffers():
     """The cross-entropy over 8 x 256 x 32768 fp32 logits (a 256 MiB buffer per kernel) pays the slow end of
-    the curve, a norm over 1.5 MiB rows the fast end; without the curve both pay the flat copy."""
+    the curve; a norm over 3 MiB, where the curve is faster than the flat copy, keeps the flat copy."""
     graph, strategies = _small_llama(vocab=32768)
     slow_above_32 = (MemorySample(MiB, 2 * MiB / 20e9), MemorySample(16 * MiB, 32 * MiB / 20e9),
                      MemorySample(64 * MiB, 128 * MiB / 2e9), MemorySample(256 * MiB, 512 * MiB / 2e9))
@@ -99,7 +99,7 @@ def test_memory_bound_ops_are_priced_at_the_fresh_copy_bandwidth_of_their_buffer
     ce_flat, ce_curved = (node_compute_s(ce, strategies[ce.name], c) for c in (flat, curved))
     assert ce_curved[0] == pytest.approx(5 * ce_flat[0], rel=1e-6)  # 2 GB/s against the flat 10 GB/s
     norm_flat, norm_curved = (node_compute_s(norm, strategies[norm.name], c)[0] for c in (flat, curved))
-    assert norm_curved == pytest.approx(norm_flat / 2, rel=1e-6)  # 20 GB/s against 10
+    assert norm_curved == pytest.approx(norm_flat, rel=1e-6)  # 20 GB/s: never faster than the flat copy's 10
     in_place = [memory_time_s(1e9, c.cluster.device, c.efficiency) for c in (flat, curved)]
     assert in_place[0] == in_place[1]  # in-place traffic (the optimizer, .grad accumulation): the flat copy
 
