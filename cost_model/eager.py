@@ -4,9 +4,10 @@ Two curves, each read from a profile's samples (`calibrate` puts them in `comput
 
 - `FreshCopyCurve`: the bandwidth of a copy into a freshly allocated output, by buffer size
   (`profiler.memory.measure_fresh_copies`). Eager ops allocate their outputs, and on a CPU an allocation
-  above glibc's mmap threshold (at most 32 MiB) is faulted in page by page on every call: 1.6-2.2 GB/s
-  against 9-34 GB/s below it on the development machine. A memory-bound op's bytes are priced at the
-  curve read at the buffer one of its kernels copies (`compute.memory_time_s`):
+  above glibc's mmap threshold (at most 32 MiB) is faulted in page by page on every call: 4.5-4.9 GB/s
+  against 50-54 GB/s below it on the development machine. A memory-bound op's bytes are priced at the
+  curve read at the buffer one of its kernels copies, where it is slower than the flat copy
+  (`compute.memory_time_s`):
 
       buffer = bytes / (2 * kernels)     (a copy of b bytes moves 2 b)
 

@@ -17,11 +17,11 @@ together outsize the cache (the step's ops read tensors written long before, not
 
     bandwidth(size) = 2 * size / time_s
 
-On the 2-core development machine (one thread, 2026-11-26) that gave 34 GB/s at 16 MiB and 1.6-2.2 GB/s
-from 32 MiB up, where the preallocated copy kept 9-33 GB/s: the cross-entropy over 32 MiB of logits took
-215-225 ms where the preallocated copy priced it at 31.5 ms (issue 20). The cost model prices a
-memory-bound op's bytes at this curve, read at the bytes one of its kernels moves
-(`cost_model.compute.memory_time_s`). On CUDA the caching allocator hands back blocks it holds, so the
+On the 2-core development machine (one thread a rank, both ranks at once, 2026-11-26) that gave 50-54 GB/s
+up to 24 MiB and 4.5-4.9 GB/s from 32 MiB up, where the preallocated 256 MiB copy read 22-36 GB/s: the
+cross-entropy over 32 MiB of logits took 215-225 ms where the preallocated copy priced it at 31.5 ms
+(issue 20). The cost model prices a memory-bound op's bytes at this curve, read at the bytes one of its
+kernels moves, where it is slower than the preallocated copy (`cost_model.compute.memory_time_s`). On CUDA the caching allocator hands back blocks it holds, so the
 curve is not measured there.
 """
 
