@@ -89,8 +89,19 @@ layer, the embedding, the head: `intra_op.price_assignment`) takes, forward and 
 
 (the CPU runs ahead of the GPU within a layer, so a long GEMM hides the dispatch of the small ops around
 it). Kernels are counted as the floor counts them, weight-gradient accumulations included
-(`intra_op.node_kernels`). host_kernel_s: measured by `autoplan profile` on a GPU (`profiler.dispatch`),
-else HOST_KERNEL_S on a GPU, and 0 on a CPU, whose ops run where they are issued.
+(`intra_op.node_kernels`). host_kernel_s: measured by `autoplan profile` (`profiler.dispatch`), else
+HOST_KERNEL_S on a GPU, and 0 on a CPU. On a CPU the host is the device: an op's dispatch runs on the core
+that then runs its kernels, so nothing overlaps, and the profile's figure there is what eager training adds
+per kernel beyond the bare call its profiled time holds (the module call, autograd's bookkeeping):
+
+    the sum of its kernels' times + the kernels it launches x host_kernel_s
+
+(`host_paced_s` with serial = `Efficiency.host_serial`: True on a CPU).
+
+Eager PyTorch on a CPU (`cost_model.eager`, where a profile measured them): a memory-bound op's bytes at
+the bandwidth of a fresh-allocation copy of the buffer one of its kernels moves where that is below the
+device's copy (above glibc's mmap threshold every output is faulted in page by page; `memory_time_s`), and the attention core at causal SDPA's measured
+rates, no faster than the best GEMM rate (the search's time bound relies on it).
 
 Ignored: overlap between kernels, L2 cache reuse between kernels, hidden dropout (the built-in models
 have none), the bias adds of linear layers (fused in GEMM epilogues) and their bias gradients.
@@ -103,6 +114,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from autoplan.cluster import ClusterSpec, DeviceSpec
 from autoplan.cost_model.comm import AxisGroup, group_collective_time_s
+from autoplan.cost_model.eager import AttentionRates, FreshCopyCurve
 from autoplan.cost_model.calibration import CollectiveCalibration, GemmEfficiency, device_spec_from_profile
 from autoplan.cost_model.kernels import FusedKernels, fused_kernels, node_kernel
 from autoplan.errors import ConfigError
@@ -189,6 +201,9 @@ class Efficiency:
     host_kernel_s: float | None = None  # None: the device's default (`resolved`: HOST_KERNEL_S on a GPU, 0 on a CPU)
     # ((recompute kind, host s per forward kernel of a recomputed layer), ...); None: the device's default (`resolved`)
     host_recompute_s: tuple[tuple[str, float], ...] | None = None
+    host_serial: bool | None = None  # the host's dispatch adds to the kernels (None: `resolved`, True on a CPU)
+    fresh_copies: FreshCopyCurve | None = None  # a CPU profile's (`cost_model.eager`); None: the flat copy
+    attention_rates: AttentionRates | None = None  # a CPU profile's causal SDPA (`cost_model.eager`)
     _by_kernel: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
     _default_curve: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)  # by device
 
@@ -234,10 +249,13 @@ class Efficiency:
         out = self
         if out.kernels.triton is None:
             out = replace(out, kernels=fused_kernels(out.kernels.option, device))
+        cpu = same_device(device.name, "cpu")
         if out.host_kernel_s is None:
-            out = replace(out, host_kernel_s=0.0 if same_device(device.name, "cpu") else HOST_KERNEL_S)
+            out = replace(out, host_kernel_s=0.0 if cpu else HOST_KERNEL_S)
         if out.host_recompute_s is None:
-            out = replace(out, host_recompute_s=CPU_RECOMPUTE_S if same_device(device.name, "cpu") else GPU_RECOMPUTE_S)
+            out = replace(out, host_recompute_s=CPU_RECOMPUTE_S if cpu else GPU_RECOMPUTE_S)
+        if out.host_serial is None:
+            out = replace(out, host_serial=cpu)
         if out.matmul is not None or out.gemm is not None:
             return out
         return replace(out, gemm=GemmEfficiency.from_device_default(device))
@@ -304,6 +322,8 @@ def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "Har
                                                          f"{profile.device_name!r} ({profile.created})")
     if profile.host_kernel_s is not None:
         calibrated = replace(calibrated, host_kernel_s=profile.host_kernel_s)
+    calibrated = replace(calibrated, fresh_copies=FreshCopyCurve.from_profile(profile),
+                         attention_rates=AttentionRates.from_profile(profile))
     if profile.fsdp_unit_s is not None:
         calibrated = replace(calibrated, fsdp_unit_s=profile.fsdp_unit_s)
     if profile.host_recompute_s:
@@ -324,17 +344,18 @@ def _check_profile_dtype(profile: "HardwareProfile", dtype: str | None) -> None:
 
 
 def op_time_s(flops: float, nbytes: float, device: DeviceSpec, dtype: str, efficiency: Efficiency,
-              kernels: int = 1) -> float:
+              kernels: int = 1, allocates: bool = False) -> float:
     """Roofline time of an op doing `flops` FLOPs at the best GEMM rate and moving `nbytes` bytes of HBM
-    traffic, in `kernels` launches of at least the floor each."""
+    traffic, in `kernels` launches of at least the floor each; `allocates`: each kernel writes a fresh
+    output (`memory_time_s`), not in place."""
     if flops < 0 or nbytes < 0:
         raise ConfigError(f"op_time_s needs flops >= 0 and bytes >= 0, got flops={flops}, bytes={nbytes}")
     compute_s = flops / (device.peak_flops_for(dtype) * efficiency.max_matmul(device, dtype))
-    memory_s = nbytes / (device.memory_bandwidth_bytes_per_s * efficiency.memory)
+    memory_s = memory_time_s(nbytes, device, efficiency, kernels if allocates else 0)
     return efficiency.kernels_s(max(compute_s, memory_s), kernels)
 
 
-def host_paced_s(ops: "Sequence[tuple[float, int]]", host_kernel_s: float) -> float:
+def host_paced_s(ops: "Sequence[tuple[float, int]]", host_kernel_s: float, serial: bool = False) -> float:
     """Seconds of `ops` run in order, each (its kernels' device seconds d, the kernels k it launches), when
     the host issues one kernel per host_kernel_s h and the device starts an op once its first kernel is
     issued and the op before it is done (module docstring, "Host dispatch"):
@@ -344,7 +365,9 @@ def host_paced_s(ops: "Sequence[tuple[float, int]]", host_kernel_s: float) -> fl
         time     = max(end_n, issued_n + k_n h)
 
     h = 0 gives sum d; d = 0 gives h sum k; a long op lets the host run ahead, and the short ops it then
-    issues wait no more."""
+    issues wait no more. `serial` (a CPU: the host is the device): sum (d_i + k_i h)."""
+    if serial:
+        return sum(device_s + kernels * host_kernel_s for device_s, kernels in ops)
     issued = end = 0.0
     for device_s, kernels in ops:
         if kernels == 0:
@@ -355,19 +378,19 @@ def host_paced_s(ops: "Sequence[tuple[float, int]]", host_kernel_s: float) -> fl
     return max(end, issued)
 
 
-def rerun_s(ops: "Sequence[tuple[float, int]]", host_kernel_s: float, serial: bool) -> float:
-    """Seconds a recomputed layer adds to a microbatch: its re-run ops, each (the device seconds it re-runs,
-    its forward kernels k), the host paying `host_kernel_s` r per forward kernel of the layer
-    (`Efficiency.host_recompute_s`). On a GPU the host and the device overlap (`host_paced_s`); on a CPU,
-    which runs each op where it issues it, the host's seconds add to the ops' own: sum d + r sum k."""
-    if serial:
-        return sum(d for d, _ in ops) + host_kernel_s * sum(k for _, k in ops)
-    return host_paced_s(ops, host_kernel_s)
-
-
-def memory_time_s(nbytes: float, device: DeviceSpec, efficiency: Efficiency) -> float:
-    """Seconds to move `nbytes` bytes of HBM traffic."""
-    return nbytes / (device.memory_bandwidth_bytes_per_s * efficiency.memory)
+def memory_time_s(nbytes: float, device: DeviceSpec, efficiency: Efficiency, kernels: int = 0) -> float:
+    """Seconds to move `nbytes` bytes of HBM traffic; `kernels` > 0: in that many kernels that each write
+    a fresh output, at the profile's fresh-allocation copy of the buffer one of them moves where it has
+    that curve (`cost_model.eager`: bytes / (2 kernels)) and it is slower than the device's copy, else at
+    the device's copy bandwidth. Never faster than that copy (as `cost_model.kernels` caps a kernel's
+    measured efficiency at 1): a cold source's small copy outruns the 256 MiB one (50 against 22 GB/s on
+    the development machine), but eager's memory-bound ops on a CPU thread do not (silu 38, RMSNorm 27,
+    log-softmax 20 GB/s on cached 4 MiB tensors, and slower than that in the steps of
+    benchmarks/step_fidelity.py), so the curve prices the fall-off above the mmap threshold only."""
+    bandwidth = device.memory_bandwidth_bytes_per_s
+    if kernels and efficiency.fresh_copies is not None:
+        bandwidth = min(bandwidth, efficiency.fresh_copies.bandwidth(nbytes / (2 * kernels)))
+    return nbytes / (bandwidth * efficiency.memory)
 
 
 def gemm_time_s(m: float, n: float, k: float, itemsize: float, device: DeviceSpec, dtype: str, efficiency: Efficiency,
@@ -420,10 +443,11 @@ def attention_time_s(batch_heads: float, seq: int, head_dim: int, itemsize: floa
     vectors = batch_heads * seq * head_dim * itemsize  # one of q, k, v, o
     peak = device.peak_flops_for(dtype)
     if efficiency.attention.kind == "flash":
-        rate = peak * efficiency.attention_efficiency(batch_heads * seq, keys, head_dim, device, dtype)
         per_head = 2.0 * seq * keys * head_dim  # one T x keys x d GEMM
-        fwd = max(2 * batch_heads * per_head / rate, memory_time_s(4 * vectors, device, efficiency))
-        bwd = max(4 * batch_heads * per_head / rate, memory_time_s(8 * vectors, device, efficiency))
+        rate = peak * efficiency.attention_efficiency(batch_heads * seq, keys, head_dim, device, dtype)
+        fwd_rate, bwd_rate = _measured_attention_rates(2 * batch_heads * per_head, device, dtype, efficiency) or (rate, rate)
+        fwd = max(2 * batch_heads * per_head / fwd_rate, memory_time_s(4 * vectors, device, efficiency))
+        bwd = max(4 * batch_heads * per_head / bwd_rate, memory_time_s(8 * vectors, device, efficiency))
         return efficiency.kernels_s(fwd, 1), efficiency.kernels_s(bwd, 2)
     scores = batch_heads * seq * keys  # elements of the T x keys tensor
 
@@ -438,6 +462,17 @@ def attention_time_s(batch_heads: float, seq: int, head_dim: int, itemsize: floa
 
     forward, backward = attention_kernels(efficiency.attention, itemsize)
     return run(forward), run(backward)
+
+
+def _measured_attention_rates(flops: float, device: DeviceSpec, dtype: str, efficiency: Efficiency
+                              ) -> tuple[float, float] | None:
+    """(forward, backward) FLOP/s of causal SDPA of `flops` forward FLOPs as a profile measured it, each
+    at most the best GEMM rate (module docstring); None where the profile measured none in `dtype`."""
+    rates = efficiency.attention_rates.rates(flops, dtype) if efficiency.attention_rates is not None else None
+    if rates is None:
+        return None
+    best = device.peak_flops_for(dtype) * efficiency.max_matmul(device, dtype)
+    return min(rates[0], best), min(rates[1], best)
 
 
 def _tensor_bytes(metas) -> float:

@@ -48,13 +48,12 @@ from autoplan.capture.graph import attention_keys
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.comm import AxisGroup
 from autoplan.cost_model.compute import (MOE_KERNELS, OP_KERNELS, Efficiency, attention_kernels, attention_time_s,
-                                         grad_accumulation_bytes, host_paced_s, linear_time_s, memory_op_bytes, memory_time_s, rerun_s,
+                                         grad_accumulation_bytes, host_paced_s, linear_time_s, memory_op_bytes, memory_time_s,
                                          op_time_s)
 from autoplan.cost_model.memory import StateBytes, comm_tensor_nbytes, local_nbytes, param_placements, scaled_nbytes
 from autoplan.errors import AutoplanError
 from autoplan.mesh import MeshShape
 from autoplan.placement import Partial, Placement, Replicate, Shard
-from autoplan.profiler.profile import same_device
 from autoplan.recompute_policy import KINDS, captured_op_family
 from autoplan.strategies import InputSpec, Strategy, expert_dims
 
@@ -175,8 +174,8 @@ def node_compute_s(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tu
     fwd_bytes, bwd_bytes = memory_op_bytes(node, params)
     extra = params if node.op_kind != "embedding" else 0.0  # a norm reads its weights (the embedding's rows are in)
     kernels = OP_KERNELS.get(node.op_kind, (1, 1))
-    fwd = op_time_s(node.fwd_flops * share, fwd_bytes * share + extra, device, dtype, eff, kernels[0])
-    bwd = op_time_s(node.bwd_flops * share, bwd_bytes * share + extra, device, dtype, eff, kernels[1])
+    fwd = op_time_s(node.fwd_flops * share, fwd_bytes * share + extra, device, dtype, eff, kernels[0], allocates=True)
+    bwd = op_time_s(node.bwd_flops * share, bwd_bytes * share + extra, device, dtype, eff, kernels[1], allocates=True)
     return fwd, bwd + accumulate
 
 
@@ -369,8 +368,9 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
             family = captured_op_family(node.op_kind)
             families[family] = families.get(family, 0.0) + fwd
     if host_s:  # the host issues forward in graph order, backward in reverse (`compute.host_paced_s`)
-        sums["fc"], sums["lfc"] = host_paced_s(paced["f"], host_s), host_paced_s(paced["lf"], host_s)
-        sums["bc"] = host_paced_s(paced["b"][::-1], host_s)
+        serial = bool(ctx.efficiency.host_serial)
+        sums["fc"], sums["lfc"] = host_paced_s(paced["f"], host_s, serial), host_paced_s(paced["lf"], host_s, serial)
+        sums["bc"] = host_paced_s(paced["b"][::-1], host_s, serial)
     rerun = layer_rerun_s(layer_ops, ctx) if count else ()
     return AssignmentCost(sums["fc"], sums["bc"], sums["fm"], sums["bm"], sums["lfc"], sums["lfm"],
                           tuple(sorted(families.items())), layer_recompute_s=rerun, shared_comm_s=sums["shared"])
@@ -379,12 +379,12 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
 def layer_rerun_s(layer_ops: list[tuple[str, float, int]], ctx: CostContext) -> tuple[tuple[str, float], ...]:
     """((recompute kind, seconds), ...): what re-running the layers' forward adds to a microbatch under each
     kind the efficiency has a host cost for: the ops whose family the kind does not save re-run on the device,
-    and the host pays `host_recompute_s` per forward kernel of every op (`compute.rerun_s`; the saved ones
-    are replayed from the cache, which under selective checkpointing costs the host as much)."""
-    serial = same_device(ctx.cluster.device.name, "cpu")
-    out = []
+    and the host pays `host_recompute_s` per forward kernel of every op (the saved ones are replayed from the
+    cache, which under selective checkpointing costs the host as much), as a host/device pipeline on a GPU and
+    one after the other on a CPU (`compute.host_paced_s`, `Efficiency.host_serial`)."""
+    serial, out = bool(ctx.efficiency.host_serial), []
     for kind, host_s in ctx.efficiency.host_recompute_s or ():
         saves = KINDS.get(kind, frozenset())
-        out.append((kind, rerun_s([(0.0 if family in saves else fwd, k) for family, fwd, k in layer_ops], host_s,
-                                  serial)))
+        out.append((kind, host_paced_s([(0.0 if family in saves else fwd, k) for family, fwd, k in layer_ops], host_s,
+                                       serial)))
     return tuple(out)

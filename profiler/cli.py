@@ -90,12 +90,24 @@ def _memory_bytes(device: "torch.device") -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def _measure_device(device: "torch.device", quick: bool, dtype: str | None) -> tuple:
-    """(GEMM samples, memory sample) of this process's device."""
-    from autoplan.profiler.gemm import sweep_gemms
-    from autoplan.profiler.memory import measure_memory_bandwidth
+def _measure_device(device: "torch.device", quick: bool, dtype: str | None) -> dict:
+    """What this process measures of its own device, by name: the GEMM samples, the copy, the launch floor,
+    and on a CPU the fresh-allocation copies, causal attention and eager dispatch per kernel (`host`;
+    on CUDA rank 0 measures it alone, `host_dispatch_s`)."""
+    from autoplan.profiler.attention import measure_attention
+    from autoplan.profiler.gemm import default_dtype, sweep_gemms
+    from autoplan.profiler.launch import measure_kernel_floor
+    from autoplan.profiler.memory import measure_fresh_copies, measure_memory_bandwidth
 
-    return sweep_gemms(device, dtype=dtype, quick=quick), measure_memory_bandwidth(device, quick=quick)
+    out = {"gemm": sweep_gemms(device, dtype=dtype, quick=quick), "memory": measure_memory_bandwidth(device, quick=quick),
+           "floor": measure_kernel_floor(device, quick), "fresh_copies": measure_fresh_copies(device, quick),
+           "attention": measure_attention(device, dtype or default_dtype(device.type), quick), "host": None}
+    if device.type == "cpu":
+        from autoplan.profiler.dispatch import measure_cpu_dispatch_s
+
+        out["host"], per_block, kernels = measure_cpu_dispatch_s(device, out["floor"], quick)
+        print(f"eager dispatch: {per_block * 1e3:.3f} ms per block forward + backward, {kernels} kernels")
+    return out
 
 
 def kernel_samples(device: "torch.device", quick: bool, dtype: str | None) -> tuple[tuple, str | None]:
@@ -112,7 +124,7 @@ def host_dispatch_s(device: "torch.device", quick: bool) -> float | None:
     """The host's seconds per priced kernel (`profiler.dispatch`) on CUDA; None elsewhere, or, saying why,
     where the timed block cannot run (the profile is still written: the cost model then keeps its default)."""
     if device.type != "cuda":
-        return None
+        return None  # a CPU's: `_measure_device`, on every rank
     from autoplan.profiler.dispatch import measure_host_kernel_s
 
     try:
@@ -148,15 +160,13 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
 
     from autoplan.profiler.collectives import measure_collectives
     from autoplan.profiler.fsdp import measure_fsdp_unit_s
-    from autoplan.profiler.launch import measure_kernel_floor
 
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
-    gemm, memory = _measure_device(device, quick, dtype)
-    floor = measure_kernel_floor(device, quick)
+    own = _measure_device(device, quick, dtype)
     if distributed:
-        gemm, memory, floor = slowest_rank((gemm, memory, floor))
-    host = host_dispatch_s(device, quick) if rank == 0 else None
+        own = slowest_rank(own)
+    host = (host_dispatch_s(device, quick) if rank == 0 else None) if own["host"] is None else own["host"]
     rerun = recompute_host_s(device, quick) if rank == 0 else None
     fused, why = kernel_samples(device, quick, dtype) if rank == 0 and kernels else ((), None)
     if why is not None:
@@ -175,29 +185,37 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
         threads=torch.get_num_threads(),
         torch_version=torch.__version__,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        gemm=gemm,
-        memory=memory,
+        gemm=own["gemm"],
+        memory=own["memory"],
         collective_backend=str(dist.get_backend()) if samples else "",
         collectives=samples,
         fits=fits,
         kernels=fused,
-        kernel_floor_s=floor,
+        kernel_floor_s=own["floor"],
         host_kernel_s=host,
         host_recompute_s=rerun,
         fsdp_unit_s=fsdp_unit_s,
+        fresh_copies=own["fresh_copies"],
+        attention=own["attention"],
     )
 
 
-def slowest_rank(measured: tuple) -> tuple:
-    """(GEMM samples, memory sample, launch floor) with each time the largest over the ranks (every
-    rank measured the same shapes in the same order)."""
+def slowest_rank(measured: dict) -> dict:
+    """`_measure_device`'s figures with each time the largest over the ranks (every rank measured the same
+    shapes in the same order): per sample of a tuple, the sample; a number, the number."""
     import torch.distributed as dist
 
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, measured)
-    gemms, memories, floors = zip(*everyone)
-    gemm = tuple(max(same, key=lambda s: s.time_s) for same in zip(*gemms))
-    return gemm, max(memories, key=lambda m: m.time_s), max(floors)
+
+    def slowest(values):
+        if values[0] is None or isinstance(values[0], float):
+            return None if values[0] is None else max(values)
+        if isinstance(values[0], tuple):
+            return tuple(slowest(same) for same in zip(*values))
+        return max(values, key=lambda s: getattr(s, "time_s", None) or s.fwd_s + s.bwd_s)
+
+    return {key: slowest([ranks[key] for ranks in everyone]) for key in measured}
 
 
 def render_profile(profile: HardwareProfile, console=None) -> None:
@@ -226,6 +244,13 @@ def render_profile(profile: HardwareProfile, console=None) -> None:
     if profile.host_recompute_s:
         table.add_row("recompute host", ", ".join(f"{k} {v * 1e6:,.1f} us" for k, v in profile.host_recompute_s.items())
                       + " per forward kernel of a recomputed layer (`profiler.dispatch`)")
+    if profile.fresh_copies:
+        curve = ", ".join(f"{m.buffer_bytes / 2**20:,.0f} MiB {m.bandwidth_bytes_per_s / 1e9:,.1f}"
+                          for m in profile.fresh_copies)
+        table.add_row("fresh-allocation copy", f"GB/s by size: {curve}")
+    for a in profile.attention:
+        table.add_row(f"causal SDPA ({a.batch_heads}, {a.seq}, {a.head_dim}) {a.dtype}",
+                      f"forward {_tflops(a.flops / a.fwd_s)}, backward {_tflops(2 * a.flops / a.bwd_s)} (full FLOPs)")
     if profile.kernels:
         from autoplan.cost_model.kernels import measured_efficiencies
 

@@ -15,7 +15,19 @@ cost model takes max(the kernels' device time, their count x host_kernel_s) for 
 (`cost_model.compute`). The median, not the fastest window (`profiler.gemm`): the host's time per layer
 varied 3.6-5.7 ms between layers on the lent H200 (benchmarks/gpu_layer_time.py), and a step pays the
 typical figure, not the best. CUDA only: a CPU runs each op where it issues it, so its measured op times
-hold the dispatch already.
+hold the dispatch already, up to the launch floor's bare op call.
+
+On a CPU the host is the device: every op's dispatch (the module call, the dispatcher, autograd's
+bookkeeping, the allocator) runs on the core that then runs its kernel, one after the other. A profiled
+kernel (a GEMM, a copy, the floor's one-element add) is timed as a bare call, which holds the dispatch of
+a bare op; what eager training adds per kernel beyond it is measured on a block whose kernels do nothing
+measurable (`measure_cpu_dispatch_s`, `CPU_BLOCK`: a Llama block of hidden 64, 8 tokens, fp32):
+
+    host_kernel_s (CPU) = max(0, fastest window's (block forward + backward) / kernels - kernel_floor_s)
+
+and the cost model adds it to each kernel's time (`cost_model.compute.host_paced_s`, serial). On the
+2-core development machine (2026-11-26, one thread a rank, both ranks at once; three profiles): 9.0-11.4 us
+per kernel over a 1.8 us floor.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import statistics
 import torch
 
 HOST_BLOCK = dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, seq=64)
+CPU_BLOCK = dict(hidden=64, heads=4, kv_heads=2, ffn=128, seq=8)
 COLUMN = ("q_proj", "k_proj", "v_proj", "fc", "gate_proj", "up_proj")  # Megatron's column-parallel linears
 ROW = ("o_proj", "proj", "down_proj")  # row-parallel: their input features split
 
@@ -62,11 +75,10 @@ def runtime_block(config, tp: int, device: torch.device, dtype: torch.dtype, bac
     return module
 
 
-def host_block_config():
-    """The zoo config of the timed block (`HOST_BLOCK`), one layer."""
+def host_block_config(b: dict = HOST_BLOCK):
+    """The zoo config of the timed block (`HOST_BLOCK`, or `CPU_BLOCK`), one layer."""
     from autoplan.models.config import ModelConfig
 
-    b = HOST_BLOCK
     return ModelConfig("host-dispatch-block", "llama", 1, b["hidden"], b["heads"], b["kv_heads"], b["ffn"], 256,
                        max(b["seq"], 2048))
 
@@ -107,10 +119,6 @@ def measure_host_kernel_s(device: torch.device, quick: bool = False, config=None
     return per_block / kernels, per_block, kernels
 
 
-# a block small enough that a CPU's kernels take little of its time, so that what a CPU window times is its host
-CPU_RECOMPUTE_BLOCK = dict(hidden=64, heads=4, kv_heads=2, ffn=128, seq=8)
-
-
 def forward_kernels(config, seq: int) -> int:
     """The kernels the cost model counts for layer 0 of `config`'s forward (`block_kernels`' first half)."""
     from autoplan.capture import capture
@@ -126,14 +134,10 @@ def forward_kernels(config, seq: int) -> int:
 
 def recompute_block(device: torch.device) -> tuple[object, int, torch.dtype]:
     """(config, tokens, dtype) of the block `measure_recompute_host_s` times on `device`: HOST_BLOCK in bf16
-    on a GPU, CPU_RECOMPUTE_BLOCK in fp32 on a CPU."""
-    from autoplan.models.config import ModelConfig
-
+    on a GPU, CPU_BLOCK in fp32 on a CPU (as the host dispatch is measured there)."""
     if device.type == "cuda":
         return host_block_config(), HOST_BLOCK["seq"], torch.bfloat16
-    b = CPU_RECOMPUTE_BLOCK
-    config = ModelConfig("recompute-host-block", "llama", 1, b["hidden"], b["heads"], b["kv_heads"], b["ffn"], 256, 2048)
-    return config, b["seq"], torch.float32
+    return host_block_config(CPU_BLOCK), CPU_BLOCK["seq"], torch.float32
 
 
 def measure_recompute_host_s(device: torch.device, quick: bool = False) -> dict[str, float]:
@@ -144,10 +148,12 @@ def measure_recompute_host_s(device: torch.device, quick: bool = False) -> dict[
 
     where the block's device work is small (`recompute_block`), so that what is timed is the host's: the
     checkpoint's bookkeeping, the re-run's dispatch and, under a kind that saves something, selective
-    checkpointing's Python dispatch modes over every op of forward and of the re-run. The cost model pays it
-    per forward kernel of each recomputed layer, with the re-run's device time, as a host/device pipeline
-    (`cost_model.intra_op.price_assignment`)."""
-    from autoplan.profiler.gemm import timed_windows_s
+    checkpointing's Python dispatch modes over every op of forward and of the re-run. Times: the median
+    window on CUDA (as `measure_host_kernel_s`), the fastest on a CPU (as `measure_cpu_dispatch_s`: a
+    difference of two timings on a shared machine). The cost model pays it per forward kernel of each
+    recomputed layer, with the re-run's device time, as a host/device pipeline on a GPU and one after the
+    other on a CPU (`cost_model.intra_op.layer_rerun_s`)."""
+    from autoplan.profiler.gemm import fastest_call_s, timed_windows_s
     from autoplan.recompute_policy import KINDS
     from autoplan.runtime.recompute import recompute
 
@@ -160,6 +166,8 @@ def measure_recompute_host_s(device: torch.device, quick: bool = False) -> dict[
         saves = tuple(sorted(KINDS[kind]))
         run = (lambda: block(x).backward(dy)) if kind == "none" else \
             (lambda: recompute(block, x, saves=saves).backward(dy))
+        if device.type != "cuda":
+            return fastest_call_s(run, device, 0.1 if quick else 0.3)
         for _ in range(5):
             run()
         return statistics.median(timed_windows_s(run, device, repeats=5 if quick else 15, inner=10))
@@ -173,3 +181,19 @@ def measure_recompute_host_s(device: torch.device, quick: bool = False) -> dict[
         torch.set_num_threads(threads)
     kernels = forward_kernels(config, seq)
     return {kind: seconds / kernels for kind, seconds in extra.items()}
+
+
+def measure_cpu_dispatch_s(device: torch.device, kernel_floor_s: float, quick: bool = False
+                           ) -> tuple[float, float, int]:
+    """(host_kernel_s, seconds per block forward + backward, the block's kernels) on a CPU: `CPU_BLOCK`'s
+    fastest window, per kernel, less the launch floor each kernel's profiled time already holds (module
+    docstring)."""
+    from autoplan.profiler.gemm import fastest_call_s
+
+    config, seq = host_block_config(CPU_BLOCK), CPU_BLOCK["seq"]
+    block = runtime_block(config, 1, device, torch.float32, "auto")
+    x = torch.randn(1, seq, config.hidden, device=device, requires_grad=True)
+    dy = torch.randn_like(x)
+    per_block = fastest_call_s(lambda: block(x).backward(dy), device, 0.1 if quick else 0.5)
+    kernels = block_kernels(config, seq)
+    return max(0.0, per_block / kernels - kernel_floor_s), per_block, kernels

@@ -8,6 +8,21 @@ datasheet figure). The buffer must dwarf the last-level cache, or the copy measu
 1 GiB on CUDA (H100/H200 L2 is 50-60 MB), 256 MiB on CPU (server L3 is 32-256 MB per socket,
 shared by the cores). `--quick` uses 256 MiB and 32 MiB, which still clears L2 but may sit
 partly in a large CPU L3: a quick profile's CPU bandwidth is an upper bound.
+
+Fresh-allocation copies (CPU only, `measure_fresh_copies`): eager ops allocate their outputs, and on a CPU
+an allocation above glibc's mmap threshold (at most 32 MiB) gets fresh pages from the kernel each call,
+which the copy then faults in one page at a time. So the profile also times `src.clone()` (a fresh output
+per call, freed before the next) over buffer sizes `FRESH_SIZES_MIB`, each from one of enough sources that
+together outsize the cache (the step's ops read tensors written long before, not a cached source):
+
+    bandwidth(size) = 2 * size / time_s
+
+On the 2-core development machine (one thread a rank, both ranks at once, 2026-11-26) that gave 50-54 GB/s
+up to 24 MiB and 4.5-4.9 GB/s from 32 MiB up, where the preallocated 256 MiB copy read 22-36 GB/s: the
+cross-entropy over 32 MiB of logits took 215-225 ms where the preallocated copy priced it at 31.5 ms
+(issue 20). The cost model prices a memory-bound op's bytes at this curve, read at the bytes one of its
+kernels moves, where it is slower than the preallocated copy (`cost_model.compute.memory_time_s`). On CUDA the caching allocator hands back blocks it holds, so the
+curve is not measured there.
 """
 
 from __future__ import annotations
@@ -18,6 +33,9 @@ from autoplan.profiler.gemm import fastest_call_s
 from autoplan.profiler.profile import MemorySample
 
 MiB = 2**20
+FRESH_SIZES_MIB = (1, 4, 16, 24, 32, 48, 64, 128, 256)
+FRESH_QUICK_SIZES_MIB = (4, 64)
+COLD_SOURCE_BYTES = 256 * MiB  # the sources of one size together: beyond a server's last-level cache
 
 
 def default_buffer_bytes(kind: str, quick: bool = False) -> int:
@@ -39,3 +57,21 @@ def measure_memory_bandwidth(device: torch.device, buffer_bytes: int | None = No
     dst = torch.zeros(buffer_bytes, dtype=torch.uint8, device=device)
     time_s = fastest_call_s(lambda: dst.copy_(src), device, budget_s)
     return MemorySample(buffer_bytes=buffer_bytes, time_s=time_s)
+
+
+def measure_fresh_copies(device: torch.device, quick: bool = False, budget_s: float | None = None
+                         ) -> tuple[MemorySample, ...]:
+    """Per size of `FRESH_SIZES_MIB` (`FRESH_QUICK_SIZES_MIB` with quick), the fastest window's seconds of
+    `src.clone()` on a CPU, the sources rotated so none is cached (module docstring); () on CUDA."""
+    if device.type != "cpu":
+        return ()
+    budget_s = budget_s if budget_s is not None else (0.05 if quick else 0.2)
+    samples = []
+    for mib in (FRESH_QUICK_SIZES_MIB if quick else FRESH_SIZES_MIB):
+        size = mib * MiB
+        sources = [torch.ones(size, dtype=torch.uint8) for _ in range(max(2, COLD_SOURCE_BYTES // size))]
+        turn = iter(range(1 << 62))
+        samples.append(MemorySample(size, fastest_call_s(lambda: sources[next(turn) % len(sources)].clone(),
+                                                         device, budget_s)))
+        del sources
+    return tuple(samples)

@@ -14,8 +14,13 @@ anything the cost model uses from them:
   field load with none.
 - the launch floor (`profiler.launch`): seconds per back-to-back launch of a kernel that does nothing
   measurable, the least any kernel takes as the runtime issues them. Older files load with none.
-- host dispatch (`profiler.dispatch`, CUDA only): the host's seconds per priced kernel of a few-token
-  layer's forward + backward as the runtime runs it. Older files load with none.
+- host dispatch (`profiler.dispatch`): on CUDA the host's seconds per priced kernel of a few-token
+  layer's forward + backward as the runtime runs it; on a CPU eager PyTorch's seconds per kernel beyond
+  the launch floor (module call, autograd), which add to the kernels' own. Older files load with none.
+- fresh-allocation copies (`profiler.memory.measure_fresh_copies`, CPU): `src.clone()` over a size sweep,
+  the bandwidth eager ops get where each output is a new allocation. Older files load with none.
+- causal attention (`profiler.attention`, CPU): SDPA's forward and backward seconds over a few shapes.
+  Older files load with none.
 - FSDP2's fixed cost per unit and microbatch beyond its calls' fitted latencies (`profiler.fsdp`),
   measured over the world under torchrun. Older files, and profiles of one process, have none.
 
@@ -205,6 +210,36 @@ class KernelSample:
         return cls(**_fields_from_json(cls, "kernel sample", data))
 
 
+@dataclass(frozen=True)
+class AttentionSample:
+    """Fastest-window seconds of causal SDPA over q, k, v of (batch_heads, seq, head_dim) in `dtype`:
+    forward alone, and backward (forward + backward less forward)."""
+
+    batch_heads: int
+    seq: int
+    head_dim: int
+    dtype: str
+    fwd_s: float
+    bwd_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("batch_heads", "seq", "head_dim"):
+            _count(f"attention {name}", getattr(self, name))
+        if not isinstance(self.dtype, str) or not self.dtype:
+            raise ProfileError(f"attention dtype must be a dtype name such as 'float32', got {self.dtype!r}")
+        for name in ("fwd_s", "bwd_s"):
+            _positive(f"attention ({self.batch_heads}, {self.seq}, {self.head_dim}) {name}", getattr(self, name))
+
+    @property
+    def flops(self) -> float:
+        """Forward FLOPs counted in full, causal mask or not: 4 * batch_heads * seq^2 * head_dim."""
+        return 4.0 * self.batch_heads * self.seq * self.seq * self.head_dim
+
+    @classmethod
+    def from_json(cls, data) -> "AttentionSample":
+        return cls(**_fields_from_json(cls, "attention sample", data))
+
+
 def _check_kind(kind: str) -> None:
     if kind not in COLLECTIVE_KINDS:
         raise ProfileError(f"collective kind {kind!r} is not one of {COLLECTIVE_KINDS}")
@@ -227,9 +262,11 @@ class HardwareProfile:
     fits: tuple[CollectiveFit, ...] = ()
     kernels: tuple[KernelSample, ...] = ()
     kernel_floor_s: float | None = None  # `profiler.launch`; None: not measured
-    host_kernel_s: float | None = None  # `profiler.dispatch` (CUDA); None: not measured
+    host_kernel_s: float | None = None  # `profiler.dispatch`; None: not measured
     fsdp_unit_s: float | None = None  # `profiler.fsdp`; None: not measured
     host_recompute_s: dict[str, float] | None = None  # `profiler.dispatch.measure_recompute_host_s`; None: not measured
+    fresh_copies: tuple[MemorySample, ...] = ()  # `profiler.memory.measure_fresh_copies` (CPU)
+    attention: tuple[AttentionSample, ...] = ()  # `profiler.attention` (CPU)
     version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
@@ -262,6 +299,8 @@ class HardwareProfile:
         out["collectives"] = [dict(vars(s)) for s in self.collectives]
         out["fits"] = [dict(vars(f)) for f in self.fits]
         out["kernels"] = [dict(vars(k)) for k in self.kernels]
+        out["fresh_copies"] = [dict(vars(m)) for m in self.fresh_copies]
+        out["attention"] = [dict(vars(a)) for a in self.attention]
         return {"version": out.pop("version"), **out}
 
     @classmethod
@@ -270,9 +309,9 @@ class HardwareProfile:
         if isinstance(data, dict) and version != PROFILE_VERSION:  # first: other versions have other keys
             raise ProfileError(f"profile version {version!r} is not supported; this autoplan reads version {PROFILE_VERSION}. Re-run `autoplan profile`.")
         older = {"kernels": [], "kernel_floor_s": None, "host_kernel_s": None, "fsdp_unit_s": None,
-                 "host_recompute_s": None}  # fields that older files lack
+                 "host_recompute_s": None, "fresh_copies": [], "attention": []}  # fields that older files lack
         data = _fields_from_json(cls, "profile", {**older, **data} if isinstance(data, dict) else data)
-        for key in ("gemm", "collectives", "fits", "kernels"):
+        for key in ("gemm", "collectives", "fits", "kernels", "fresh_copies", "attention"):
             if not isinstance(data[key], list):
                 raise ProfileError(f"profile {key} must be a JSON list, got {type(data[key]).__name__}")
         data["gemm"] = tuple(GemmSample.from_json(s) for s in data["gemm"])
@@ -280,6 +319,8 @@ class HardwareProfile:
         data["collectives"] = tuple(CollectiveSample.from_json(s) for s in data["collectives"])
         data["fits"] = tuple(CollectiveFit.from_json(f) for f in data["fits"])
         data["kernels"] = tuple(KernelSample.from_json(k) for k in data["kernels"])
+        data["fresh_copies"] = tuple(MemorySample.from_json(m) for m in data["fresh_copies"])
+        data["attention"] = tuple(AttentionSample.from_json(a) for a in data["attention"])
         for key in ("device_name", "device_kind", "torch_version", "created", "collective_backend"):
             if not isinstance(data[key], str):
                 raise ProfileError(f"profile {key} must be a string, got {data[key]!r}")

@@ -15,6 +15,7 @@ from autoplan.cost_model.calibration import E_MAX, GemmEfficiency, device_spec_f
 from autoplan.profiler.cli import add_profile_parser, cmd_profile, slowest_rank
 from autoplan.profiler.collectives import fit_alpha_beta, group_sizes, ring_byte_factor
 from autoplan.profiler.profile import (
+    AttentionSample,
     CollectiveFit,
     CollectiveSample,
     GemmSample,
@@ -59,6 +60,8 @@ def test_quick_cpu_profile_runs_and_round_trips(tmp_path, capsys):
     profile = HardwareProfile.load(path, expect_device=local_device_name("cpu"))
     assert profile.device_kind == "cpu" and len(profile.gemm) == 8
     assert 1e-8 < profile.kernel_floor_s < 1e-3  # an eager op's dispatch: microseconds
+    assert profile.host_kernel_s >= 0 and "eager dispatch" in out  # eager's cost per kernel beyond the floor
+    assert len(profile.fresh_copies) == 2 and len(profile.attention) == 2  # CPU: measured as eager runs
     assert all(s.flops_per_s > 0 for s in profile.gemm) and profile.memory.bandwidth_bytes_per_s > 0
     assert HardwareProfile.from_json(json.loads(profile.dumps())) == profile
     assert json.loads(path.read_text()) == profile.to_json()
@@ -228,11 +231,16 @@ def _gloo_worker(rank: int, port: int, out_dir: str) -> None:
         samples, fits = measure_collectives(torch.device("cpu"), kinds=("all_gather",), sizes=(4096, 2**20))
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
             json.dump([vars(s) for s in samples] + [vars(f) for f in fits], handle)
-        # rank r's GEMMs: (r + 1) ms then (2 - r) ms; its copy (2 - r) ms; its floor r + 1 us
-        mine = (tuple(GemmSample(64, 64, 64, "float32", t * 1e-3) for t in (rank + 1, 2 - rank)),
-                MemorySample(2**20, (2 - rank) * 1e-3), (rank + 1) * 1e-6)
-        gemm, memory, floor = slowest_rank(mine)
-        assert [s.time_s for s in gemm] == [2e-3, 2e-3] and memory.time_s == 2e-3 and floor == 2e-6
+        # rank r's GEMMs: (r + 1) ms then (2 - r) ms; its copy (2 - r) ms; its floor r + 1 us; its
+        # attention (r + 1) ms forward, 1 ms backward; its eager dispatch (2 - r) us
+        mine = {"gemm": tuple(GemmSample(64, 64, 64, "float32", t * 1e-3) for t in (rank + 1, 2 - rank)),
+                "memory": MemorySample(2**20, (2 - rank) * 1e-3), "floor": (rank + 1) * 1e-6,
+                "fresh_copies": (MemorySample(2**20, (rank + 1) * 1e-3),), "host": (2 - rank) * 1e-6,
+                "attention": (AttentionSample(6, 256, 64, "float32", (rank + 1) * 1e-3, 1e-3),)}
+        out = slowest_rank(mine)
+        assert [s.time_s for s in out["gemm"]] == [2e-3, 2e-3] and out["memory"].time_s == 2e-3
+        assert out["floor"] == 2e-6 and out["host"] == 2e-6 and out["fresh_copies"][0].time_s == 2e-3
+        assert out["attention"][0].fwd_s == 2e-3
     finally:
         dist.destroy_process_group()
 
@@ -246,5 +254,6 @@ def test_collectives_on_two_gloo_ranks_give_positive_fits(tmp_path, free_port):
     assert all(f.bandwidth_bytes_per_s > 0 and f.latency_s >= 0 for f in profile.fits)
     assert all(s.time_s > 0 for s in profile.collectives) and len(profile.collectives) == 12
     assert profile.fsdp_unit_s is None  # measured only with --fsdp-units
+    assert 0 <= profile.host_kernel_s < 1e-3 and profile.fresh_copies and profile.attention  # one thread a rank
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank0 == rank1  # every rank gets the slowest rank's times
