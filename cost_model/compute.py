@@ -144,8 +144,9 @@ HOST_KERNEL_S = 75e-6
 # host seconds per forward kernel of a recomputed layer, by recompute kind, where no profile measured them
 # (`profiler.dispatch.measure_recompute_host_s`: the checkpoint's bookkeeping, the re-run's dispatch and, where
 # the kind saves something, torch's selective checkpointing's Python dispatch modes over every op of forward
-# and of the re-run); CPU: a small Llama block on the 2-core development machine (benchmarks/README.md)
-CPU_RECOMPUTE_S = (("full", 45e-6), ("matmul-only", 185e-6), ("selective", 190e-6))
+# and of the re-run); CPU: CPU_BLOCK on the 2-core development machine, the fastest window by thread CPU time,
+# three runs of 43.9-44.4 / 133.7-137.3 / 135.9-137.0 us (2026-11-26, load 4)
+CPU_RECOMPUTE_S = (("full", 44e-6), ("matmul-only", 136e-6), ("selective", 136e-6))
 # GPU: provisional (the host's 75 us per kernel for the re-run, with selective checkpointing's modes about 2.5x
 # it, as on the CPU above), until `autoplan profile` measures it on a lent GPU
 GPU_RECOMPUTE_S = (("full", 100e-6), ("matmul-only", 250e-6), ("selective", 250e-6))
