@@ -304,7 +304,7 @@ def memory_lower_bound(model: ModelConfig, cfg: Config, seq_len: int, dtype: str
                        sizes: tuple[int, int] | None = None) -> float:
     """A bound no priced configuration goes below (module docstring), in bytes per rank. `sizes`:
     (dense, expert) parameter counts, when the caller has them (the count walks the config)."""
-    state = state_bytes_for(dtype)
+    state = state_bytes_for(dtype, cfg.precision)
     experts = expert_parameters(model) if sizes is None else sizes[1]
     dense = model.num_parameters() - experts if sizes is None else sizes[0]
     data = cfg.data_ranks
