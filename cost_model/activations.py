@@ -307,7 +307,7 @@ class _Walk:
         rows = self.rows(node.output, self.strategies[node.name].output)
         stats = 1 if node.target.endswith("RMSNorm") else 2  # 1/rms; LayerNorm's mean and 1/std
         width = self.itemsize.get(node.name, FP32)
-        if stats == 2 and not self.shape.triton and width < FP32 and not self.graph.own_forward:
+        if stats == 2 and self.shape.master and not self.shape.triton and width < FP32 and not self.graph.own_forward:
             # the zoo's LayerNorm torch path (runtime.kernels.norms) runs F.layer_norm on an fp32 copy of
             # a half-precision input (bf16 parameters: the residual stream is bf16), which it keeps
             local = self.local(self.bytes_of(node.name), self.strategies[node.name].output)

@@ -7,14 +7,16 @@ and MoE weights), all in bytes per parameter:
 
                           weights           gradients   optimizer (m, v; fp32 master)
     float32, ZeRO 0       4N                4N          8N
-    autocast, ZeRO 0      4N + 2C           4N          8N               fp32 parameters; autocast's bf16
+    autocast, ZeRO 0      4N + 2C           4N          8N               fp32 parameters (gradients: views
+                                                                         of the all-reduced buckets); autocast's bf16
                                                                          copy of each weight lives from its
                                                                          forward to its backward
     bf16-master, ZeRO 0   2N                4N          8N + 4N          Megatron-LM's 18 bytes: fp32 main
                                                                          gradients, fp32 masters
-    ZeRO 1/2              as ZeRO 0         4N          (8N + 4N) / D    the distributed optimizer's fp32
+    ZeRO 1/2              as ZeRO 0         4N + 4N/D   (8N + 4N) / D    the distributed optimizer's fp32
                                                                          master slices (a copy under every
-                                                                         precision), gradients whole
+                                                                         precision); the flat buckets and
+                                                                         the reduced slices at backward's end
     ZeRO 3 (FSDP2)        4N/D (+ 2C)       4N/D        8N / D           fp32 shards (the masters under
                                                                          bf16-master), fp32 reduce-scatter
 
@@ -109,7 +111,8 @@ def model_state_bytes(num_params: float, dp: int, zero_stage: int, state: StateB
         return FP32_BYTES * n / dp + cast, FP32_BYTES * n / dp, state.moments * n / dp
     if zero_stage == 0:
         return state.held_weight * n + cast, state.held_grad * n, (state.moments + state.master) * n
-    return state.held_weight * n + cast, state.held_grad * n, (state.moments + FP32_BYTES) * n / dp
+    # the flat buckets reduce-scattered (the gradients dropped once flattened) and the slices received
+    return state.held_weight * n + cast, (state.held_grad + FP32_BYTES / dp) * n, (state.moments + FP32_BYTES) * n / dp
 
 
 # ------------------------------------------------------------------------------------- sizes

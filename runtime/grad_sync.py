@@ -96,6 +96,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _shaped_like(grad: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (a view) laid out as `grad`: a DTensor of its placements, or the view itself."""
+    if not isinstance(grad, DTensor):
+        return local
+    return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False,
+                              shape=grad.shape, stride=grad.stride())
+
+
 def _settled(grad: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """A DTensor gradient laid out as its parameter (Partial sums summed: a tp collective)."""
     if isinstance(grad, DTensor) and grad.placements != p.placements:
@@ -230,14 +238,23 @@ class GradSync:
         if self.shard:
             grads.append(grads[0].new_zeros(bucket.padded - bucket.numel))
         bucket.flat = torch.cat(grads)
-        if self.main is not None:  # the flat copy holds them now
-            for p in bucket.params:
-                self.main.pop(id(p))
+        self._release_grads(bucket)
         if self.shard:
             bucket.received = bucket.flat.new_empty(bucket.padded // bucket.size)
             bucket.work = C.start("reduce_scatter", bucket.received, bucket.flat, bucket.group)
         else:
             bucket.work = C.start("all_reduce", bucket.flat, bucket.flat, bucket.group)
+
+    def _release_grads(self, bucket: _Bucket) -> None:
+        """The gradients the flat buffer now holds are not kept twice: fp32 main gradients and (ZeRO
+        1/2) .grad dropped, ZeRO 0's .grad made views of the buffer the all-reduce sums in place
+        (DDP's gradient_as_bucket_view)."""
+        if self.main is not None:
+            for p in bucket.params:
+                self.main.pop(id(p))
+            return
+        for p, view in zip(bucket.params, self.views_of(bucket.params, bucket.flat)):
+            p.grad = None if self.shard else _shaped_like(p.grad, view)
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -275,9 +292,8 @@ class GradSync:
                 bucket.master.grad = bucket.received.float().mul_(self.scale)
         elif self.masters:  # ZeRO 0 with master weights: the whole fp32 sum is the master's gradient
             bucket.master.grad = bucket.flat.mul_(self.scale)
-        else:
+        else:  # the gradients are views of the flat sum (`_release_grads`)
             bucket.flat.mul_(self.scale)
-            self._scatter_flat(bucket, bucket.flat, "grad")
         bucket.flat = bucket.received = bucket.work = None  # not held through the optimizer step
 
     def _settle_alone(self, bucket: _Bucket) -> None:
@@ -377,10 +393,16 @@ class GradSync:
     def views(self, bucket_index: int, flat: torch.Tensor) -> dict[int, torch.Tensor]:
         """id(parameter) -> the piece of a bucket's whole `flat` tensor that is that parameter
         (its local shape)."""
-        views, offset = {}, 0
-        for p in self.buckets[bucket_index].params:
+        params = self.buckets[bucket_index].params
+        return {id(p): view for p, view in zip(params, self.views_of(params, flat))}
+
+    @staticmethod
+    def views_of(params: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
+        """The consecutive pieces of `flat` that are `params`, each in its local shape."""
+        views, offset = [], 0
+        for p in params:
             local = _local(p)
-            views[id(p)] = flat[offset:offset + local.numel()].view(local.shape)
+            views.append(flat[offset:offset + local.numel()].view(local.shape))
             offset += local.numel()
         return views
 
