@@ -16,7 +16,9 @@ Measured (MP_STATS=1 prints them): 2 ranks vs 1, under each ZeRO stage, 99.86% w
 2.5e-3 (7 of tok_emb's 8192), losses within 4.5e-5 relative; vs float32 the 99th percentile is
 1.1e-4, largest 4.3e-3. A gradient reduced wrong or a step on bf16 values moves most elements.
 Masters are float32 and hold values bf16 cannot (checked: they differ from their bf16 round trip), and
-a checkpoint saves them: loaded under a float32 plan the parameters equal the masters bit for bit.
+a checkpoint saves them: loaded under a float32 plan the parameters equal the masters bit for bit. Each
+rank's weights, gradient buffers and optimizer states and masters, summed by storage, are what the plan
+prices (within 5%).
 """
 
 from __future__ import annotations
@@ -58,12 +60,52 @@ def _train(rank: int, plan, checkpoint: str | None = None) -> dict:
     held = sorted({str(p.dtype) for _, p in program.named_local_parameters()})
     optimizer = program.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
     tokens, targets = _batches(plan)
+    grads = _watch_gradients(program)
     losses = [program.train_step(tokens[s], targets[s], optimizer) for s in range(STEPS)]
+    states = _state_bytes(program, optimizer, grads)
     params = program.full_parameters()
     if checkpoint is not None:
         program.save_checkpoint(checkpoint, optimizer, step=STEPS)
-    return {"losses": losses, "params": params, "held": held,
+    return {"losses": losses, "params": params, "held": held, "states": states,
             "optimizer": type(optimizer).__name__}
+
+
+def _bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (a DTensor's local tensor's)."""
+    found = {}
+    for t in (t for t in tensors if t is not None):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        found[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    return sum(found.values())
+
+
+def _watch_gradients(program) -> list[int]:
+    """The gradient buffers' bytes when each step's backward ends (`GradSync.finish` begins)."""
+    sampled, sync = [], program.grad_sync
+    if sync is None:
+        return sampled
+    finish = sync.finish
+
+    def sampled_finish() -> None:
+        held = [p.grad for _, p in program.named_local_parameters()] + list((sync.main or {}).values())
+        sampled.append(_bytes(held + [t for b in sync.buckets for t in (b.flat, b.received)]))
+        finish()
+
+    sync.finish = sampled_finish
+    return sampled
+
+
+def _state_bytes(program, optimizer, grads: list[int]) -> dict:
+    """(measured, predicted) bytes of weights, gradients and optimizer states on this rank."""
+    if not grads:  # FSDP2: the sharded gradients the step left
+        grads.append(_bytes(p.grad for _, p in program.named_local_parameters()))
+    inner = getattr(optimizer, "optim", optimizer)
+    states = [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    masters = [b.master for b in program.grad_sync.buckets] if program.grad_sync is not None else []
+    memory = program.plan.predicted.memory
+    return {"weights": (_bytes(p for _, p in program.named_local_parameters()), memory.parameters_bytes),
+            "gradients": (grads[-1], memory.gradients_bytes),
+            "optimizer": (_bytes(states + masters), memory.optimizer_bytes)}
 
 
 def _run_plans(rank: int, world: int, plans: list, checkpoint: str | None = None) -> list[dict]:
@@ -117,6 +159,15 @@ def test_parameters_are_bf16_and_the_optimizer_steps_on_masters(runs):
     for zero, result in zip((0, 1, 3), runs["two"][0]):
         assert result["optimizer"] == ("AdamW" if zero == 3 else "ShardedOptimizer"), zero
         assert result["held"] == ["torch.float32" if zero == 3 else "torch.bfloat16"], zero  # FSDP2: fp32 shards
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_model_states_are_what_the_plan_prices(runs, zero):
+    """Each rank's parameters, gradient buffers at the end of backward, and optimizer states and fp32
+    masters, summed by storage, within 5% of `plan.predicted.memory` (cost_model.memory's table)."""
+    for rank in (0, 1):
+        for what, (measured, predicted) in runs["two"][rank][(0, 1, 3).index(zero)]["states"].items():
+            assert predicted == pytest.approx(measured, rel=0.05), (zero, rank, what)
 
 
 def test_masters_hold_float32_values(runs):
