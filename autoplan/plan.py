@@ -44,6 +44,13 @@ KERNELS = ("auto", "triton", "torch")  # runtime.kernels backends: "auto" is Tri
 # (nothing is cast).
 PRECISIONS = ("autocast", "bf16-master")
 
+
+def searched_precision(dtype: str) -> str:
+    """The precision the search plans a `dtype` run with: bf16-master for bfloat16 (what Megatron-LM and
+    torchtitan run; under ZeRO 3 autocast would keep a bf16 copy of every weight from forward to backward),
+    autocast otherwise (float32 casts nothing; float16 would need loss scaling)."""
+    return "bf16-master" if dtype == "bfloat16" else "autocast"
+
 AxisPlacements = tuple[tuple[str, Placement], ...]  # ((axis, placement), ...) for axes that matter
 PLAN_KEYS = {"version", "model", "cluster", "mesh", "microbatch_size", "num_microbatches", "global_batch", "seq_len",
              "dtype", "kernels", "zero_stage", "recompute", "schedule", "stages", "placements", "predicted",

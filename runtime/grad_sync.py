@@ -150,12 +150,9 @@ class GradSync:
 
     @torch.no_grad()
     def _cast_to(self, dtype: torch.dtype) -> None:
-        """The fp32 masters taken from the parameters as they are, then the parameters cast to
-        `dtype` (the same Parameter objects: hooks, optimizers and modules keep them)."""
-        wrong = sorted({str(p.dtype) for b in self.buckets for p in b.params if p.dtype != torch.float32})
-        if wrong:
-            raise ConfigError(f"master weights are taken from float32 parameters; these are {wrong}: "
-                              f"build the model in float32 (the plan's precision casts it)")
+        """The fp32 masters taken from the parameters as they are (float32 ones: their values; a
+        model built in bf16 has no more to give), then the parameters cast to `dtype` (the same
+        Parameter objects: hooks, optimizers and modules keep them)."""
         self.make_masters()
         self.main = {}
         for b in self.buckets:

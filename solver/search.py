@@ -47,7 +47,7 @@ from autoplan.cost_model.step import Priced
 from autoplan.errors import ConfigError
 from autoplan.mesh import MeshShape
 from autoplan.models.config import ModelConfig
-from autoplan.plan import Plan, precision_problem
+from autoplan.plan import Plan, precision_problem, searched_precision
 from autoplan.solver.baselines import all_baselines
 from autoplan.solver.context import (VARIANT_ILP, VARIANT_MEGATRON, BaselineResult, GraphSource, Progress, ProgressMessage,
                                      SearchContext)
@@ -236,7 +236,7 @@ def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq
     start, report = time.perf_counter(), progress or (lambda message: None)
     if top < 1:
         raise ConfigError(f"top={top} must be >= 1")
-    options = options or SearchOptions()
+    options = dataclasses.replace(options or SearchOptions(), precision=searched_precision(dtype))
     if not callable(graph) and not any(n.op_kind == "moe" for n in graph.nodes):
         options = dataclasses.replace(options, expert_tensor_parallel=False)  # no MoE layer for etp to change
     fitting, num_configs = fitting_configs(config, cluster, global_batch, seq_len, options, dtype)
