@@ -48,7 +48,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from autoplan.errors import ConfigError
 from autoplan.grad_buckets import GRAD_BUCKET_BYTES
 from autoplan.runtime import collectives as C
 
