@@ -44,7 +44,7 @@ from autoplan.errors import AutoplanError, ConfigError, PlanError
 from autoplan.mesh import MeshShape
 from autoplan.models import build_model, get_model_config
 from autoplan.models.config import ModelConfig
-from autoplan.plan import DTYPES, KERNELS, Plan
+from autoplan.plan import DTYPES, KERNELS, PRECISIONS, Plan
 from autoplan.recompute_policy import recompute_policy
 from autoplan.solver.baselines import BASELINE_NAMES, baselines_of
 from autoplan.solver.context import SearchContext
@@ -67,12 +67,12 @@ def plan_from_assignment(graph: CapturedGraph, config: ModelConfig, cluster: Clu
                          dtype: str = "bfloat16", efficiency: Efficiency | None = None,
                          search_time_s: float = 0.0, solver: str = "", notes: tuple[str, ...] = (),
                          schedule: str = "1f1b", virtual_stages: int = 1,
-                         stage_layers: Sequence[int] | None = None) -> Plan:
+                         stage_layers: Sequence[int] | None = None, precision: str = "autocast") -> Plan:
     """The Plan of a given strategy assignment (node name -> strategy name; missing nodes replicate),
     with its predicted step time and memory; stages as `estimate` makes them."""
     batch = microbatch_size * num_microbatches * mesh.batch_shards
     cfg = check_config(config, cluster, batch, graph.seq_len, mesh, microbatch_size, zero_stage, recompute, schedule,
-                       virtual_stages, heads_rule=False, stage_layers=stage_layers)
+                       virtual_stages, heads_rule=False, stage_layers=stage_layers, precision=precision, dtype=dtype)
     return price_given(config, cluster, batch, graph.seq_len, cfg, assignment=assignment, dtype=dtype,
                        efficiency=efficiency, registry=registry, fold=True, time_limit_s=60.0, graph=graph,
                        notes=notes, search_time_s=search_time_s, solver=solver)
@@ -128,6 +128,7 @@ ARGUMENT_RULES: dict[str, Callable[[str, object], None]] = {
     "zero_stage": lambda what, v: check_choice(what, v, (0, 1, 2, 3)),
     "dtype": lambda what, v: check_choice(what, v, DTYPES),
     "kernels": lambda what, v: check_choice(what, v, KERNELS),
+    "precision": lambda what, v: check_choice(what, v, PRECISIONS),
     "recompute": lambda what, v: _check_recompute_name(what, v),
     "schedule": lambda what, v: check_choice(what, v, (SCHEDULE_1F1B, SCHEDULE_INTERLEAVED)),
     "time_limit_s": check_number,
@@ -223,18 +224,19 @@ def estimate(model: ModelConfig | str, cluster: ClusterSpec | str, global_batch:
              registry: StrategyRegistry | None = None, graph: CapturedGraph | None = None,
              schedule: str = "1f1b", virtual_stages: int = 1, profile: "HardwareProfile | None" = None,
              kernels: str = "auto", stage_layers: Sequence[int] | None = None,
-             info: Mapping | None = None) -> Plan:
+             info: Mapping | None = None, precision: str = "autocast") -> Plan:
     """The Plan of one given configuration (any pp, dp, ep, cp, tp), the intra-op solver choosing the
     strategies; it may not fit (its notes say). Bad values raise ConfigError naming values that work.
     `stage_layers`: the layers of each of the pp x v pipeline chunks in the order the layers flow through
     them (chunk c of pipeline rank s at position c pp + s; `autoplan.validity.stages_problem`), e.g.
     Llama 3 405B's (0, 1, ..., 1, 0) on pp=16, v=8; None: the stage search's partition.
-    `graph` / `info`: a graph captured elsewhere and its strategy-rule info (as in `search_plans`)."""
+    `graph` / `info`: a graph captured elsewhere and its strategy-rule info (as in `search_plans`);
+    `precision`: how a bfloat16 plan holds its weights (`autoplan.plan.PRECISIONS`)."""
     check_arguments("estimate", locals())
     config, cluster = resolve_inputs(model, cluster, global_batch, seq_len, dtype)
     cluster, efficiency = calibrate(cluster, efficiency, profile, kernels, dtype)
     cfg = check_config(config, cluster, global_batch, seq_len, mesh, microbatch_size, zero_stage, recompute, schedule,
-                       virtual_stages, stage_layers=stage_layers)
+                       virtual_stages, stage_layers=stage_layers, precision=precision, dtype=dtype)
     return price_given(config, cluster, global_batch, seq_len, cfg, assignment=None, dtype=dtype, efficiency=efficiency,
                        registry=registry, fold=fold, time_limit_s=time_limit_s,
                        graph=graph_source(config, seq_len, dtype, graph), info=info,

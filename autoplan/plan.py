@@ -37,12 +37,25 @@ PLAN_VERSION = 3  # 3: `recompute` names a policy (autoplan.recompute_policy), n
 READABLE_VERSIONS = (1, 2, 3)
 DTYPES = ("bfloat16", "float16", "float32")
 KERNELS = ("auto", "triton", "torch")  # runtime.kernels backends: "auto" is Triton on CUDA only
+# How a half-precision plan runs (`runtime.grad_sync`, `runtime.zero`): "autocast", torch.autocast over
+# float32 parameters (the optimizer steps on them); "bf16-master", bfloat16 parameters for compute with
+# float32 master weights, float32 gradient accumulation and reduction, and the optimizer on the masters
+# (Megatron-LM's distributed optimizer; FSDP2's MixedPrecisionPolicy under ZeRO 3). float32 plans: "autocast"
+# (nothing is cast).
+PRECISIONS = ("autocast", "bf16-master")
+
+
+def searched_precision(dtype: str) -> str:
+    """The precision the search plans a `dtype` run with: bf16-master for bfloat16 (what Megatron-LM and
+    torchtitan run; under ZeRO 3 autocast would keep a bf16 copy of every weight from forward to backward),
+    autocast otherwise (float32 casts nothing; float16 would need loss scaling)."""
+    return "bf16-master" if dtype == "bfloat16" else "autocast"
 
 AxisPlacements = tuple[tuple[str, Placement], ...]  # ((axis, placement), ...) for axes that matter
 PLAN_KEYS = {"version", "model", "cluster", "mesh", "microbatch_size", "num_microbatches", "global_batch", "seq_len",
              "dtype", "kernels", "zero_stage", "recompute", "schedule", "stages", "placements", "predicted",
-             "provenance", "strategies", "recompute_nodes"}
-OPTIONAL_PLAN_KEYS = {"dtype", "kernels", "recompute_nodes", "strategies"}
+             "provenance", "strategies", "recompute_nodes", "precision"}
+OPTIONAL_PLAN_KEYS = {"dtype", "kernels", "recompute_nodes", "strategies", "precision"}
 
 
 @dataclass(frozen=True)
@@ -203,6 +216,7 @@ class Plan:
     dtype: str = "bfloat16"
     version: int = PLAN_VERSION
     kernels: str = "auto"  # the runtime's fused kernels: "auto" | "triton" | "torch"
+    precision: str = "autocast"  # PRECISIONS: how a bfloat16 plan holds its parameters and master weights
     _index: dict = field(default=None, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -245,6 +259,7 @@ class Plan:
             "seq_len": self.seq_len,
             "dtype": self.dtype,
             "kernels": self.kernels,
+            "precision": self.precision,
             "zero_stage": self.zero_stage,
             "recompute": self.recompute,
             "schedule": self.schedule,
@@ -283,6 +298,7 @@ class Plan:
             seq_len=data["seq_len"],
             dtype=data.get("dtype", "bfloat16"),
             kernels=data.get("kernels", "auto"),  # plans written before the option: "auto"
+            precision=data.get("precision", "autocast"),  # plans written before the option ran so
             zero_stage=data["zero_stage"],
             recompute=data["recompute"],
             schedule=data["schedule"],
@@ -361,7 +377,21 @@ def _validate(plan: Plan) -> None:
         raise PlanError(f"dtype {plan.dtype!r} must be one of {DTYPES}")
     if plan.kernels not in KERNELS:
         raise PlanError(f"kernels {plan.kernels!r} must be one of {KERNELS}")
+    problem = precision_problem(plan.precision, plan.dtype)
+    if problem:
+        raise PlanError(problem)
     _validate_stages(plan)
+
+
+def precision_problem(precision: str, dtype: str) -> str | None:
+    """Why `precision` cannot run a plan of `dtype` (None: it can): bf16-master keeps bfloat16 parameters
+    (float16 ones would need loss scaling, which the runtime does not do)."""
+    if precision not in PRECISIONS:
+        return f"precision {precision!r} must be one of {PRECISIONS}"
+    if precision == "bf16-master" and dtype != "bfloat16":
+        return (f"precision 'bf16-master' holds bfloat16 parameters but the plan's dtype is {dtype!r}; "
+                f"plan with dtype 'bfloat16', or precision 'autocast'")
+    return None
 
 
 def _validate_stages(plan: Plan) -> None:

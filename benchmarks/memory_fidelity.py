@@ -62,7 +62,7 @@ import torch.multiprocessing as mp
 OUT = Path(__file__).parent / "out"
 TOLERANCE = 0.05  # the goal of issue 19: within 5% per rank
 POLICIES = ("none", "selective", "matmul-only", "full", "full:2")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "bf16-master")  # bf16-master: bfloat16 parameters, fp32 masters (plan precision)
 SEQ, CP_SEQ = 1024, 2048  # cp: each context-parallel rank needs >= 1024 tokens (parallel_dims.cp_problem)
 STRATEGIES = {  # name: (mesh degrees, assignment), ranks = their product
     "single": (dict(), "replicate"),
@@ -112,14 +112,15 @@ def make_plan(config, strategy: str, dtype: str, policy: str):
 
     degrees, assignment = STRATEGIES[strategy]
     mesh = MeshShape(dp=1, **degrees)
-    graph = capture_model(config, CP_SEQ if mesh.cp > 1 else SEQ, dtype)
+    graph = capture_model(config, CP_SEQ if mesh.cp > 1 else SEQ, "bfloat16" if dtype == "bf16-master" else dtype)
     chosen = {}
     if assignment.startswith("megatron"):
         chosen = megatron_assignment(graph, default_registry(), mesh.tp, config.rule_info(), assignment == "megatron-sp")
     microbatch = 2 if config.experts else 1
     pipeline = dict(virtual_stages=2, schedule="interleaved-1f1b") if strategy.endswith("-v2") else {}
+    precision = dict(dtype="bfloat16", precision="bf16-master") if dtype == "bf16-master" else dict(dtype=dtype)
     plan = plan_from_assignment(graph, config, parse_cluster(f"{mesh.world_size}xcpu"), mesh, chosen, microbatch,
-                                PP_MICROBATCHES if mesh.pp > 1 else 1, 0, policy, dtype=dtype, **pipeline)
+                                PP_MICROBATCHES if mesh.pp > 1 else 1, 0, policy, **precision, **pipeline)
     return plan, graph
 
 

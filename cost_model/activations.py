@@ -10,7 +10,8 @@ the captured graph once and records, per op, the storages it makes and those its
                   parameters) a bf16 copy of an fp32 input, one per tensor read by several linears
                   of a layer (runtime.casts); makes its GEMM output (matmul); row-parallel: a full
                   size partial GEMM output, then the all-reduced (or reduce-scattered) output
-    norm          keeps its input and fp32 row statistics (LayerNorm mean and 1/std, RMSNorm 1/rms)
+    norm          keeps its input and fp32 row statistics (LayerNorm mean and 1/std, RMSNorm 1/rms); the
+                  zoo's LayerNorm on CPU an fp32 copy of a half-precision input instead
     attention     flash kernel: keeps q and k after RoPE (fresh tensors; plain q and k without it),
                   v, its output (the o_proj input is a view of it) and the fp32 log-sum-exp (B, H, T);
                   under cp the all-to-all'd q, k, v (kv heads repeated where cp needs it) and a second
@@ -28,7 +29,8 @@ the captured graph once and records, per op, the storages it makes and those its
 
 Runtime dtypes under mixed precision: GEMM, attention and MoE outputs in the compute dtype; the
 embedding (fp32 weights) and so the residual stream and norm inputs in fp32; pointwise ops in
-their inputs' widest dtype.
+their inputs' widest dtype. Under master weights (plan precision "bf16-master", `RunShape.master`)
+the parameters are bf16: the embedding, and so the residual stream, in the compute dtype.
 
 What a policy keeps (`held`): without recomputation, every storage some op keeps. A recomputed layer
 (a checkpointed region, runtime.recompute) keeps instead its region inputs (storages made outside it
@@ -77,8 +79,10 @@ ROUTED_ROWS = frozenset({"received", "expert_in", "gate", "up", "product"})  # `
 # ------------------------------------------------------------------------------------ the walk
 
 
-def runtime_itemsizes(graph: "CapturedGraph", mixed: bool, strategies: Mapping[str, Strategy]) -> dict[str, int]:
-    """Bytes per element of each node's output as the runtime holds it (module docstring)."""
+def runtime_itemsizes(graph: "CapturedGraph", mixed: bool, strategies: Mapping[str, Strategy],
+                      master: bool = False) -> dict[str, int]:
+    """Bytes per element of each node's output as the runtime holds it (module docstring); `master`:
+    parameters held in the compute dtype (`RunShape.master`)."""
     found: dict[str, int] = {}
     for node in graph.nodes:
         meta = node.output
@@ -86,7 +90,7 @@ def runtime_itemsizes(graph: "CapturedGraph", mixed: bool, strategies: Mapping[s
             continue
         size = meta.nbytes // max(meta.numel, 1)
         if mixed and _is_float(meta):
-            size = _mixed_itemsize(node, found, size, strategies[node.name])
+            size = _mixed_itemsize(node, found, size, strategies[node.name], master)
         found[node.name] = size
     return found
 
@@ -99,15 +103,19 @@ def _is_float(meta: "TensorMeta") -> bool:
     return meta.dtype in ("float32", "bfloat16", "float16", "float64")
 
 
-def _mixed_itemsize(node: "NodeInfo", found: Mapping[str, int], compute: int, strategy: Strategy) -> int:
+def _mixed_itemsize(node: "NodeInfo", found: Mapping[str, int], compute: int, strategy: Strategy,
+                    master: bool = False) -> int:
     """Under autocast over fp32 parameters: GEMM-like ops give the compute dtype (a row-parallel linear
     with a bias fp32: its bias is added after the reduction, outside autocast's GEMM), embeddings fp32,
-    "float" fp32, the rest their (first, or for binary arithmetic widest) float input's."""
+    "float" fp32, the rest their (first, or for binary arithmetic widest) float input's. Under master
+    weights (bf16 parameters) the embedding and a row-parallel linear's bias are in the compute dtype."""
     if node.op_kind == "linear" and strategy.name in ("row", "row_sp") and _biased(node):
-        return FP32
+        return compute if master else FP32
     if node.op_kind in ("linear", "attention", "moe"):
         return compute
-    if node.op_kind == "embedding" or node.target == "float":
+    if node.op_kind == "embedding":
+        return compute if master else FP32
+    if node.target == "float":
         return FP32
     widths = [found[p] for p, m in zip(node.inputs, node.input_metas) if p in found and _is_float(m)]
     binary = node.op_kind == "elementwise" and node.target in SAVE_ALL_POINTWISE | NO_SAVE_POINTWISE
@@ -122,13 +130,15 @@ class RunShape:
     the fused kernels run as Triton (GPUs) or as their torch paths (CPU): of what they keep, only the
     MoE combine differs (the kernel keeps the expert outputs as they are, the torch path an fp32 copy);
     `imbalance`: the routed rows of spread experts priced for the busiest rank (`EP_IMBALANCE_MARGIN`,
-    `EP_RERUN_IMBALANCE_MARGIN`), or (False) at the mean over the expert group."""
+    `EP_RERUN_IMBALANCE_MARGIN`), or (False) at the mean over the expert group; `master`: parameters
+    held in the compute dtype (plan precision "bf16-master"), not fp32 under autocast."""
 
     mixed: bool = False
     context: int = 1
     spread: bool = False
     triton: bool = False
     imbalance: bool = True
+    master: bool = False
 
 
 def activations(graph: "CapturedGraph", strategies: Mapping[str, Strategy], tp: int, info: Mapping | None = None,
@@ -147,7 +157,7 @@ class _Walk:
     def __init__(self, graph, strategies, tp, info, shape: RunShape, attention) -> None:
         self.graph, self.strategies, self.tp, self.info, self.shape = graph, strategies, tp, info, shape
         self.attention = attention
-        self.itemsize = runtime_itemsizes(graph, shape.mixed, strategies)
+        self.itemsize = runtime_itemsizes(graph, shape.mixed, strategies, shape.master)
         self.users = _users(graph)
         self.storages: dict[str, Storage] = {}
         self.saved: list[tuple[str, object]] = []
@@ -293,9 +303,16 @@ class _Walk:
             self.output(node, "matmul")
 
     def _norm(self, node: "NodeInfo") -> None:
-        self.keep(self.seen(node, 0), node)
+        read = self.seen(node, 0)
         rows = self.rows(node.output, self.strategies[node.name].output)
         stats = 1 if node.target.endswith("RMSNorm") else 2  # 1/rms; LayerNorm's mean and 1/std
+        width = self.itemsize.get(node.name, FP32)
+        if stats == 2 and self.shape.master and not self.shape.triton and width < FP32 and not self.graph.own_forward:
+            # the zoo's LayerNorm torch path (runtime.kernels.norms) runs F.layer_norm on an fp32 copy of
+            # a half-precision input (bf16 parameters: the residual stream is bf16), which it keeps
+            local = self.local(self.bytes_of(node.name), self.strategies[node.name].output)
+            read = self.make(f"{node.name}:upcast", local * FP32 / width, node, "other")
+        self.keep(read, node)
         self.keep(self.make(f"{node.name}:stats", rows * stats * FP32, node, "other"), node)
         if self.graph.own_forward and stats == 1:  # x * rsqrt, kept by the weight's product (no fused kernel)
             normed = self.local(self.bytes_of(node.name), self.strategies[node.name].output)

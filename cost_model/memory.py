@@ -1,12 +1,27 @@
 """Memory per rank: model states under ZeRO, activations saved for backward, temporary buffers.
 
-Model states, mixed precision with Adam (Rajbhandari et al., "ZeRO", SC'20, section 3.1): per
-parameter 2 B bf16 weights + 2 B bf16 gradients + 12 B optimizer states (fp32 master copy, momentum,
-variance). In float32 training: 4 + 4 + 8 (no master copy). With N the parameters a rank holds after
-tensor parallelism, divided over the dp ranks by the ZeRO stage:
+Model states with AdamW, as the runtime holds them under the plan's precision (`autoplan.plan.PRECISIONS`;
+`runtime.grad_sync`, `runtime.zero`). N the parameters a rank holds after tensor parallelism, D the data
+ranks ZeRO divides them over (ZeRO 2 runs as ZeRO 1: `zero_as_run`), C the parameters GEMMs read (linear
+and MoE weights), all in bytes per parameter:
 
-    stage 0: 2N + 2N + 12N      stage 1: 2N + 2N + 12N/dp
-    stage 2: 2N + 2N/dp + 12N/dp      stage 3: 2N/dp + 2N/dp + 12N/dp
+                          weights           gradients   optimizer (m, v; fp32 master)
+    float32, ZeRO 0       4N                4N          8N
+    autocast, ZeRO 0      4N + 2C           4N          8N               fp32 parameters (gradients: views
+                                                                         of the all-reduced buckets); autocast's bf16
+                                                                         copy of each weight lives from its
+                                                                         forward to its backward
+    bf16-master, ZeRO 0   2N                4N          8N + 4N          Megatron-LM's 18 bytes: fp32 main
+                                                                         gradients, fp32 masters
+    ZeRO 1/2              as ZeRO 0         4N + 4N/D   (8N + 4N) / D    the distributed optimizer's fp32
+                                                                         master slices (a copy under every
+                                                                         precision); the flat buckets and
+                                                                         the reduced slices at backward's end
+    ZeRO 3 (FSDP2)        4N/D (+ 2C)       4N/D        8N / D           fp32 shards (the masters under
+                                                                         bf16-master), fp32 reduce-scatter
+
+The ZeRO paper's 2 + 2 + 12 (Rajbhandari et al., SC'20, sec. 3.1) is what `StateBytes.weight`, `grad`
+and `optimizer` still say: the dtypes the time model prices collectives in and the bounds' floor.
 
 Activations of one microbatch, per recompute policy: `cost_model.activations` (the storages the
 runtime keeps for backward, and what a recomputed layer keeps of them); `memory_breakdown` adds them
@@ -15,8 +30,9 @@ its backward) with the transient of the layer being re-run. Under ep the busiest
 rank's experts receive priced with the routing imbalance margins (`activations.EP_IMBALANCE_MARGIN`).
 
 Temporary buffers: the largest tensor a tp collective produces (all-gathered or all-reduced), and
-under ZeRO-3 two layers of gathered bf16 weights (the current one and the prefetched next), under
-ZeRO-2/3 one layer of full gradients waiting for its reduce-scatter.
+under ZeRO-3 two layers of gathered weights (the current one and the prefetched next: fp32 under
+autocast, bf16 under bf16-master's FSDP2 policy) and one layer of full gradients waiting for its
+reduce-scatter.
 
 Ignored: allocator fragmentation, the CUDA context (the datasheet capacity leaves its headroom),
 the loss's fp32 gradient buffer.
@@ -43,22 +59,36 @@ if TYPE_CHECKING:
     from autoplan.cost_model.compute import AttentionKernel
 
 FP32_BYTES = 4
+CAST_KINDS = ("linear", "moe")  # the ops whose weights autocast copies to the compute dtype
 
 
 @dataclass(frozen=True)
 class StateBytes:
-    """Bytes per parameter of weights, gradients and optimizer states."""
+    """Bytes per parameter. `weight`, `grad`, `optimizer`: the ZeRO paper's (module docstring; the
+    collectives' dtypes, the bounds). What a rank holds under the plan's precision: `held_weight` (the
+    parameters), `held_grad` (the gradients reduced), `moments` (AdamW's m and v), `master` (an fp32
+    copy the optimizer steps on, under ZeRO 0; ZeRO 1/2 always slice one), `cast` (autocast's copy of
+    each GEMM weight), `gathered` (a ZeRO 3 unit's weights gathered for compute)."""
 
     weight: float
     grad: float
     optimizer: float
     source: str = ""
+    held_weight: float = 4.0
+    held_grad: float = 4.0
+    moments: float = 8.0
+    master: float = 0.0
+    cast: float = 0.0
+    gathered: float = 4.0
 
 
-def state_bytes_for(dtype: str) -> StateBytes:
-    """Mixed precision with Adam for bfloat16 / float16; plain fp32 Adam for float32."""
+def state_bytes_for(dtype: str, precision: str = "autocast") -> StateBytes:
+    """The bytes of `dtype` under `precision` (module docstring)."""
     if dtype in ("bfloat16", "float16"):
-        return StateBytes(2, 2, 12, "ZeRO (Rajbhandari et al. 2020) sec. 3.1: fp16 weights + grads, fp32 Adam copy, m, v")
+        paper = (2, 2, 12, "ZeRO (Rajbhandari et al. 2020) sec. 3.1: fp16 weights + grads, fp32 Adam copy, m, v")
+        if precision == "bf16-master":
+            return StateBytes(*paper, held_weight=2, master=FP32_BYTES, gathered=2)
+        return StateBytes(*paper, cast=2)
     if dtype == "float32":
         return StateBytes(4, 4, 8, "fp32 weights and grads, Adam m and v")
     raise ConfigError(f"dtype {dtype!r} has no model-state sizes; use bfloat16, float16 or float32")
@@ -70,16 +100,19 @@ def zero_as_run(zero_stage: int) -> int:
     return 1 if zero_stage == 2 else zero_stage
 
 
-def model_state_bytes(num_params: float, dp: int, zero_stage: int, state: StateBytes) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer states) bytes per rank for `num_params` local parameters
-    (ZeRO 2 as it runs: `zero_as_run`)."""
+def model_state_bytes(num_params: float, dp: int, zero_stage: int, state: StateBytes,
+                      cast_params: float = 0.0) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer states) bytes per rank for `num_params` local parameters, of which
+    `cast_params` are GEMM weights (module docstring's table; ZeRO 2 as it runs: `zero_as_run`)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_stage {zero_stage!r} must be 0, 1, 2 or 3")
-    zero_stage = zero_as_run(zero_stage)
-    weights = state.weight * num_params / (dp if zero_stage >= 3 else 1)
-    grads = state.grad * num_params / (dp if zero_stage >= 2 else 1)
-    optimizer = state.optimizer * num_params / (dp if zero_stage >= 1 else 1)
-    return weights, grads, optimizer
+    zero_stage, n, cast = zero_as_run(zero_stage), num_params, state.cast * cast_params
+    if zero_stage == 3:  # FSDP2: fp32 shards of parameters, gradients and moments
+        return FP32_BYTES * n / dp + cast, FP32_BYTES * n / dp, state.moments * n / dp
+    if zero_stage == 0:
+        return state.held_weight * n + cast, state.held_grad * n, (state.moments + state.master) * n
+    # the flat buckets reduce-scattered (the gradients dropped once flattened) and the slices received
+    return state.held_weight * n + cast, (state.held_grad + FP32_BYTES / dp) * n, (state.moments + FP32_BYTES) * n / dp
 
 
 # ------------------------------------------------------------------------------------- sizes
@@ -186,22 +219,36 @@ def largest_layer_parameter_count(graph: "CapturedGraph", strategies: Mapping[st
 
 def temporary_bytes(comm_buffer_bytes: float, largest_layer_params: float, zero_stage: int, state: StateBytes) -> float:
     """Largest tp communication buffer + ZeRO-3 gathered weights of 2 layers + ZeRO-3 one layer's
-    gradients (ZeRO 2 runs as ZeRO 1: `zero_as_run`)."""
+    gradients, unsharded in the compute weights' dtype (ZeRO 2 runs as ZeRO 1: `zero_as_run`)."""
     total = comm_buffer_bytes
     zero_stage = zero_as_run(zero_stage)
-    if zero_stage >= 2:
-        total += state.grad * largest_layer_params
     if zero_stage == 3:
-        total += 2 * state.weight * largest_layer_params
+        total += 3 * state.gathered * largest_layer_params
     return total
+
+
+def cast_parameter_count(graph: "CapturedGraph", strategies: Mapping[str, Strategy], tp: int) -> float:
+    """Parameters one tp rank holds that GEMMs read (linear and MoE weights: autocast copies them)."""
+    seen: set[str] = set()
+    count = 0.0
+    for node in graph.nodes:
+        if node.op_kind not in CAST_KINDS:
+            continue
+        for name, meta, placement in param_placements(node, strategies[node.name]):
+            if name not in seen:
+                seen.add(name)
+                count += local_nbytes(meta.numel, placement, tp)
+    return count
 
 
 def memory_breakdown(graph: "CapturedGraph", strategies: Mapping[str, Strategy], tp: int, dp: int,
                      microbatch_size: int, zero_stage: int, recompute: str, dtype: str = "bfloat16",
-                     info: Mapping | None = None, attention: "AttentionKernel | None" = None) -> MemoryBreakdown:
+                     info: Mapping | None = None, attention: "AttentionKernel | None" = None,
+                     precision: str = "autocast") -> MemoryBreakdown:
     """Peak memory per rank, by component (module docstring)."""
-    state = state_bytes_for(dtype)
-    weights, grads, optimizer = model_state_bytes(local_parameter_count(graph, strategies, tp), dp, zero_stage, state)
+    state = state_bytes_for(dtype, precision)
+    weights, grads, optimizer = model_state_bytes(local_parameter_count(graph, strategies, tp), dp, zero_stage, state,
+                                                  cast_parameter_count(graph, strategies, tp))
     acts = activations(graph, strategies, tp, info, RunShape(mixed=dtype != "float32"), attention)
     kept, transient = activation_bytes(acts, recompute_policy(recompute), microbatch_size / graph.batch_size)
     activations_held = kept + transient
@@ -225,7 +272,8 @@ def plan_activations(plan: Plan, graph: "CapturedGraph", info: Mapping, imbalanc
     for node in graph.nodes:
         strategies.setdefault(node.name, _replicated(node))
     triton = fused_kernels(plan.kernels, plan.cluster.device).triton  # what the runtime runs on that device
-    shape = RunShape(plan.dtype != "float32", mesh.context_parallel, mesh.expert_parallel > 1, triton, imbalance)
+    shape = RunShape(plan.dtype != "float32", mesh.context_parallel, mesh.expert_parallel > 1, triton, imbalance,
+                     plan.precision == "bf16-master")
     info = {**info, "etp": mesh.etp} if mesh.etp != mesh.tp else dict(info)
     acts = activations(graph, strategies, mesh.tp, info, shape)
     return acts, plan.microbatch_size / mesh.context_parallel / graph.batch_size

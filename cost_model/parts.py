@@ -33,7 +33,7 @@ import numpy as np
 
 from autoplan.cost_model.storages import Activations
 from autoplan.cost_model.intra_op import CostContext, price_assignment
-from autoplan.cost_model.memory import (comm_buffer_lines, is_batched, largest_comm_buffer_bytes, local_nbytes,
+from autoplan.cost_model.memory import (CAST_KINDS, comm_buffer_lines, is_batched, largest_comm_buffer_bytes, local_nbytes,
                                         param_placements)
 from autoplan.placement import Shard
 from autoplan.recompute_policy import KINDS, recompute_policy
@@ -59,6 +59,7 @@ class PartCost:
     params: float  # dense parameters per tp rank
     expert_params: float  # expert FFN weights per tp rank (ep divides them)
     is_layer: bool
+    cast_params: float = 0.0  # dense parameters GEMMs read (autocast copies them; experts' all are)
     q_width: float = 0.0  # attention q features per tp rank (0: no attention)
     kv_width: float = 0.0
     moe_layers: int = 0
@@ -79,13 +80,14 @@ class PartCost:
 
 @dataclass
 class Tally:
-    """A part's parameters per tp rank (dense, expert)."""
+    """A part's parameters per tp rank (dense, expert, and of the dense those GEMMs read)."""
 
     params: float = 0.0
     expert: float = 0.0
+    cast: float = 0.0
 
     def key(self) -> tuple:
-        return (self.params, self.expert)
+        return (self.params, self.expert, self.cast)
 
     @staticmethod
     def at(pair, scale: float) -> float:
@@ -172,6 +174,7 @@ def _tallies(graph: "CapturedGraph", sol: "TpSolution", part_of: Mapping[str, ob
         seen.update(name for name, _ in node.params)
         part.params += dense
         part.expert += expert
+        part.cast += dense if node.op_kind in CAST_KINDS else 0.0
     return tally
 
 
@@ -261,7 +264,7 @@ def _part(graph: "CapturedGraph", nodes, sol: "TpSolution", ctx: CostContext, ta
                       cost.layer_fwd_compute_s - sum(saved.get(f, 0.0) for f in KINDS[kind]) for kind in KINDS)
     return PartCost(cost.fwd_compute_s, cost.bwd_compute_s, cost.fwd_comm_s, cost.bwd_comm_s, recompute,
                     cost.layer_fwd_comm_s if is_layer else 0.0, tally.params, tally.expert,
-                    is_layer, q_width, kv_width, len(moe), share)
+                    is_layer, tally.cast, q_width, kv_width, len(moe), share)
 
 
 @dataclass(eq=False)
@@ -325,6 +328,7 @@ class BlockCosts:
                 "backward": lambda g, kind: d[g].backward_s(kind),
                 "params": lambda g, kind: d[g].params,
                 "expert": lambda g, kind: d[g].expert_params,
+                "cast": lambda g, kind: d[g].cast_params,
             }
             self._arrays[recompute] = {k: self._per_layer(recompute, v) for k, v in per.items()}
         return self._arrays[recompute]

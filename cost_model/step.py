@@ -237,27 +237,31 @@ class StepModel:
                                       (flat_value(held["transient"]), flat_value(mean["transient"])))
         return self._times[key]
 
-    def _split_states(self, dense, expert, cfg: Config):
+    def _split_states(self, dense, expert, cfg: Config, cast=0.0):
+        """(weights, gradients, optimizer) bytes of `dense` and `expert` parameters per rank, `cast` of the
+        dense ones read by GEMMs (the experts' all are) under the configuration's precision."""
         data = cfg.data_ranks  # dp x ep x cp hold the same dense shards, dp x cp the same experts
-        w, g, o = model_state_bytes(dense, data, cfg.zero_stage, self.state)
-        we, ge, oe = model_state_bytes(expert, data // cfg.ep, cfg.zero_stage, self.state)
+        state = state_bytes_for(self.env.dtype, cfg.precision)
+        w, g, o = model_state_bytes(dense, data, cfg.zero_stage, state, cast)
+        we, ge, oe = model_state_bytes(expert, data // cfg.ep, cfg.zero_stage, state, expert)
         return w + we, g + ge, o + oe
 
     def states(self, block: BlockCosts, cfg: Config) -> LayerStates:
-        key = (id(block), cfg.zero_stage, cfg.data_ranks, cfg.ep)  # ep_as moves no parameter: not in the key
+        key = (id(block), cfg.zero_stage, cfg.data_ranks, cfg.ep, cfg.precision)  # ep_as moves no parameter
         if key not in self._states:
             a = block.arrays("none")
             dense, expert = a["params"], a["expert"] / cfg.ep
-            w, g, o = self._split_states(dense, expert, cfg)
+            w, g, o = self._split_states(dense, expert, cfg, a["cast"])
             ends = []
             for part in (block.pre, block.post):
                 e = part.expert_params / cfg.ep
-                ends.append((part.params, e, *self._split_states(part.params, e, cfg)))
+                ends.append((part.params, e, *self._split_states(part.params, e, cfg, part.cast_params)))
             largest = float(np.max(dense + expert)) if dense.size else 0.0
             prefix = {"dense": prefix_sums(dense), "expert": prefix_sums(expert), "weights": prefix_sums(w), "grads": prefix_sums(g),
                       "optimizer": prefix_sums(o)}
             self._states[key] = LayerStates(w + g + o, prefix, ends[0], ends[1],
-                                        temporary_bytes(block.comm_buffer_bytes, largest, cfg.zero_stage, self.state))
+                                        temporary_bytes(block.comm_buffer_bytes, largest, cfg.zero_stage,
+                                                        state_bytes_for(self.env.dtype, cfg.precision)))
         return self._states[key]
 
     def lower_bound_s(self, block: BlockCosts, cfg: Config, fewer_recomputed: int = 0) -> float:
@@ -375,7 +379,7 @@ class StepModel:
         if cfg.pp == 1 or problem.fits(bounds):
             return bounds
         # in flight (pp, m, v), model states (ZeRO over the data ranks), temporaries and sends: the rest
-        tight = key + (cfg.num_microbatches, cfg.zero_stage, cfg.data_ranks, float(problem.overhead_s[0]),
+        tight = key + (cfg.num_microbatches, cfg.zero_stage, cfg.data_ranks, cfg.precision, float(problem.overhead_s[0]),
                        tuple(problem.extra_bytes.tolist()))
         if tight not in self._partitions:
             fitting = self.partition(problem)

@@ -1,5 +1,5 @@
 """A configuration the step model prices (`Config`): the mesh and the knobs around it (microbatch size and
-count, ZeRO stage, recompute policy, pipeline schedule). The search space that enumerates them is
+count, ZeRO stage, recompute policy, pipeline schedule, precision scheme). The search space that enumerates them is
 `autoplan.solver.space`; the step model that prices them is `autoplan.cost_model.step`.
 """
 
@@ -32,6 +32,7 @@ class Config:
     schedule: str = SCHEDULE_1F1B
     virtual_stages: int = 1
     stage_layers: tuple[int, ...] | None = None  # layers per chunk in flow order, given; None: the stage search's
+    precision: str = "autocast"  # `autoplan.plan.PRECISIONS`: which copies of the weights a rank holds
 
     @classmethod
     def of(cls, tp: int, cp: int, pp: int, ep: int, dp: int, microbatch_size: int, num_microbatches: int,
@@ -74,7 +75,7 @@ class Config:
         """Deterministic order between configurations of equal step time (simpler ones first)."""
         return (self.pp, self.tp, self.cp, self.ep, self.microbatch_size, self.zero_stage,
                 recompute_policy(self.recompute).sort_key(), self.schedule, self.virtual_stages,
-                self.order != DEFAULT_ORDER, self.order, self.etp != self.tp, self.ep_as != "dp")
+                self.order != DEFAULT_ORDER, self.order, self.etp != self.tp, self.ep_as != "dp", self.precision)
 
     def describe(self) -> str:
         schedule = self.schedule if self.virtual_stages == 1 else f"{self.schedule} v={self.virtual_stages}"
@@ -82,4 +83,4 @@ class Config:
             schedule += f", stage layers {','.join(map(str, self.stage_layers))}"
         order = "" if self.order == DEFAULT_ORDER else f" (order {' > '.join(self.order)})"
         return (f"{self.mesh}{order}, microbatch {self.microbatch_size} x {self.num_microbatches}, ZeRO-{self.zero_stage}, "
-                f"recompute {self.recompute}, {schedule}")
+                f"recompute {self.recompute}, {schedule}" + (f", {self.precision}" if self.precision != "autocast" else ""))

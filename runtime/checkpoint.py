@@ -4,7 +4,8 @@ any other plan of the same model.
 
 What is saved, per parameter `name` of the user's model:
 
-    model.<name>              the parameter
+    model.<name>              the parameter (under master weights, plan precision "bf16-master": its
+                              fp32 master, `grad_sync.GradSync.param_masters`, so it loads in full precision)
     optim.<name>.<key>        each optimizer state tensor of the parameter's shape (AdamW:
                               exp_avg, exp_avg_sq); a 0-d state (AdamW's step) is saved whole
 
@@ -189,8 +190,9 @@ def _state_dict(program: "RankProgram", optimizer: torch.optim.Optimizer | None,
             copies.append((value, local))
         state[key] = _as_global(local, mesh, _placements(program, name, mesh), layout.shape)
 
-    for name, param in program.named_local_parameters():
-        add(f"model.{name}", name, param)
+    masters = program.grad_sync.param_masters() if program.grad_sync is not None else {}
+    for name, param in program.named_local_parameters():  # the fp32 masters under master weights
+        add(f"model.{name}", name, masters.get(id(param), param))
     if optimizer is not None:
         for name, tensors in _states(program, optimizer).items():
             for key, value in tensors.items():
@@ -451,4 +453,6 @@ def load(program: "RankProgram", directory: str | Path,
     _copy_back(copies)
     if hasattr(optimizer, "scatter_states"):  # ShardedOptimizer: its slices of what was loaded
         optimizer.scatter_states()
+    if program.grad_sync is not None and program.grad_sync.main is not None:
+        program.grad_sync.scatter_masters()  # master weights: the loaded fp32 masters, then the parameters
     return meta

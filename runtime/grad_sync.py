@@ -25,6 +25,18 @@ parameters (Megatron-LM's distributed optimizer; gradients are kept whole until 
 runs as ZeRO 1). The all-gather runs after the step, exposed.
 
 A parameter without a replica (group None: e.g. experts with dp = cp = 1) is only scaled.
+
+Master weights (plan precision "bf16-master", `compute_dtype` bfloat16; Megatron-LM's
+Float16OptimizerWithFloat16Params and distributed optimizer): the fp32 master copy of each bucket is
+taken from the parameters' fp32 values when the sync is made, and only then are the parameters cast
+to the compute dtype. Each microbatch's bf16 gradient is added to an fp32 main gradient in the hook
+(and dropped), so accumulation, reduction and the step run in fp32:
+
+    ZeRO 0   the main gradients all-reduced in fp32; the master is the whole flat bucket
+    ZeRO 1/2 the main gradients reduce-scattered in fp32; the master is this rank's slice
+
+`ShardedOptimizer` steps on the masters either way and copies (ZeRO 0) or all-gathers (ZeRO 1/2)
+them into the bf16 parameters. `masters` says whether the optimizer steps on master slices.
 """
 
 from __future__ import annotations
@@ -36,7 +48,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from autoplan.errors import ConfigError
 from autoplan.grad_buckets import GRAD_BUCKET_BYTES
 from autoplan.runtime import collectives as C
 
@@ -60,28 +71,43 @@ class _Bucket:
     work: object | None = None
     flat: torch.Tensor | None = None
     received: torch.Tensor | None = None  # ZeRO 1/2: this rank's reduced slice
-    master: torch.Tensor | None = None  # ZeRO 1/2: this rank's fp32 slice of the parameters
+    master: torch.Tensor | None = None  # this rank's fp32 slice of the parameters (ZeRO 1/2, master weights)
+    split: int = 1  # ranks the master and the reduced gradient are split over: size under ZeRO 1/2, else 1
 
     @property
     def padded(self) -> int:
-        return -(-self.numel // self.size) * self.size
+        return -(-self.numel // self.split) * self.split
 
     @property
     def owned(self) -> tuple[int, int]:
         """[lo, hi) of the flat bucket this rank's slice covers."""
-        width = self.padded // self.size
-        index = dist.get_rank(self.group) if self.group is not None else 0
+        width = self.padded // self.split
+        index = dist.get_rank(self.group) if self.group is not None and self.split > 1 else 0
         return index * width, (index + 1) * width
+
+    @property
+    def gathered(self) -> bool:
+        """Whether the whole bucket is the all-gather of the ranks' slices (else each rank holds it)."""
+        return self.group is not None and self.split > 1
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _settle(p: torch.Tensor) -> None:
+def _shaped_like(grad: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (a view) laid out as `grad`: a DTensor of its placements, or the view itself."""
+    if not isinstance(grad, DTensor):
+        return local
+    return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False,
+                              shape=grad.shape, stride=grad.stride())
+
+
+def _settled(grad: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """A DTensor gradient laid out as its parameter (Partial sums summed: a tp collective)."""
-    if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-        p.grad = p.grad.redistribute(placements=p.placements)
+    if isinstance(grad, DTensor) and grad.placements != p.placements:
+        return grad.redistribute(placements=p.placements)
+    return grad
 
 
 @dataclass
@@ -98,24 +124,42 @@ class SyncTrace:
 class GradSync:
     """Bucketed gradient sync of `replicas` (in registration order), overlapped with backward
     (module docstring); `shard`: ZeRO 1/2 (reduce-scatter, `ShardedOptimizer`); `overlap` False:
-    every bucket launched by `finish`, after backward (for measuring what the overlap buys)."""
+    every bucket launched by `finish`, after backward (for measuring what the overlap buys);
+    `compute_dtype`: master weights (module docstring): the parameters, fp32 when given, are cast to
+    it after their fp32 masters were taken."""
 
     def __init__(self, replicas: list[Replica], scale: float, shard: bool = False,
-                 bucket_bytes: int = GRAD_BUCKET_BYTES, overlap: bool = True) -> None:
+                 bucket_bytes: int = GRAD_BUCKET_BYTES, overlap: bool = True,
+                 compute_dtype: torch.dtype | None = None) -> None:
         self.scale, self.shard, self.overlap = scale, shard, overlap
+        self.masters = shard or compute_dtype is not None  # the optimizer steps on master slices
         order = list(reversed(replicas))
         self.index = {id(r.param): i for i, r in enumerate(order)}
-        self.buckets = self._make_buckets(order, bucket_bytes)
+        self.buckets = self._make_buckets(order, bucket_bytes, shard)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.backwards = 0  # passes expected this step; 0: hooks idle (no step running)
         self.passes: dict[int, int] = {}
+        self.main: dict[int, torch.Tensor] | None = None  # fp32 main gradients under master weights
         self.next_launch = 0
         self.trace = SyncTrace()
+        if compute_dtype is not None:
+            self._cast_to(compute_dtype)
         for r in order:
             r.param.register_post_accumulate_grad_hook(self._on_grad)
 
+    @torch.no_grad()
+    def _cast_to(self, dtype: torch.dtype) -> None:
+        """The fp32 masters taken from the parameters as they are (float32 ones: their values; a
+        model built in bf16 has no more to give), then the parameters cast to `dtype` (the same
+        Parameter objects: hooks, optimizers and modules keep them)."""
+        self.make_masters()
+        self.main = {}
+        for b in self.buckets:
+            for p in b.params:
+                p.data = p.data.to(dtype)
+
     @staticmethod
-    def _make_buckets(order: list[Replica], bucket_bytes: int) -> list[_Bucket]:
+    def _make_buckets(order: list[Replica], bucket_bytes: int, shard: bool) -> list[_Bucket]:
         buckets: list[_Bucket] = []
         open_: dict[tuple, _Bucket] = {}
         for r in order:
@@ -123,7 +167,7 @@ class GradSync:
             local = _local(r.param)
             bucket = open_.get(key)
             if bucket is None or (bucket.numel + local.numel()) * local.element_size() > bucket_bytes:
-                bucket = open_[key] = _Bucket([], r.group, r.size)
+                bucket = open_[key] = _Bucket([], r.group, r.size, split=r.size if shard else 1)
                 buckets.append(bucket)
             bucket.params.append(r.param)
             bucket.numel += local.numel()
@@ -134,6 +178,8 @@ class GradSync:
         """Expect `backwards` backward passes before `finish` (the step's microbatches)."""
         self.backwards, self.passes, self.next_launch = backwards, {}, 0
         self.trace = SyncTrace()
+        if self.main is not None:
+            self.main = {}
         for b in self.buckets:
             b.ready, b.work, b.flat, b.received = 0, None, None, None
 
@@ -146,12 +192,28 @@ class GradSync:
             raise RuntimeError(f"a parameter's gradient was accumulated {count} times in a step "
                                f"of {self.backwards} backward passes; its bucket was already "
                                f"synchronised (call begin_step with the step's backward passes)")
+        if self.main is not None:
+            self._accumulate_main(p)
         if count == self.backwards:
             self._mark_ready(p)
 
     @torch.no_grad()
+    def _accumulate_main(self, p: torch.Tensor) -> None:
+        """This pass's gradient added to the fp32 main gradient, and dropped (Megatron's main_grad)."""
+        grad, p.grad = p.grad, None
+        held = self.main.get(id(p))
+        self.main[id(p)] = grad.float() if held is None else held.add_(grad)
+
+    def grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The gradient this sync reduces: the fp32 main gradient under master weights, else p.grad."""
+        return p.grad if self.main is None else self.main.get(id(p))
+
+    @torch.no_grad()
     def _mark_ready(self, p: torch.Tensor) -> None:
-        _settle(p)
+        if self.main is None:
+            p.grad = _settled(p.grad, p)
+        else:
+            self.main[id(p)] = _settled(self.main[id(p)], p)
         self.trace.add("hook", self.index[id(p)])
         self.bucket_of[id(p)].ready += 1
         if self.overlap:
@@ -168,15 +230,27 @@ class GradSync:
         self.next_launch += 1
         if bucket.group is None:
             return
-        grads = [_local(p.grad).reshape(-1) for p in bucket.params]
+        grads = [_local(self.grad_of(p)).reshape(-1) for p in bucket.params]
         if self.shard:
             grads.append(grads[0].new_zeros(bucket.padded - bucket.numel))
         bucket.flat = torch.cat(grads)
+        self._release_grads(bucket)
         if self.shard:
             bucket.received = bucket.flat.new_empty(bucket.padded // bucket.size)
             bucket.work = C.start("reduce_scatter", bucket.received, bucket.flat, bucket.group)
         else:
             bucket.work = C.start("all_reduce", bucket.flat, bucket.flat, bucket.group)
+
+    def _release_grads(self, bucket: _Bucket) -> None:
+        """The gradients the flat buffer now holds are not kept twice: fp32 main gradients and (ZeRO
+        1/2) .grad dropped, ZeRO 0's .grad made views of the buffer the all-reduce sums in place
+        (DDP's gradient_as_bucket_view)."""
+        if self.main is not None:
+            for p in bucket.params:
+                self.main.pop(id(p))
+            return
+        for p, view in zip(bucket.params, self.views_of(bucket.params, bucket.flat)):
+            p.grad = None if self.shard else _shaped_like(p.grad, view)
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -188,7 +262,9 @@ class GradSync:
         for bucket in self.buckets:
             for p in bucket.params:
                 if self.passes.get(id(p), 0) < self.backwards:  # fewer passes made it, or none
-                    if p.grad is None:
+                    if self.main is not None and id(p) not in self.main:
+                        self.main[id(p)] = torch.zeros_like(p, dtype=torch.float32)
+                    elif self.main is None and p.grad is None:
                         p.grad = torch.zeros_like(p)
                     self._mark_ready(p)
         self._launch_ready()
@@ -204,21 +280,30 @@ class GradSync:
 
     def _settle_bucket(self, bucket: _Bucket) -> None:
         if bucket.group is None:
-            if self.scale != 1.0:
-                for p in bucket.params:
-                    _local(p.grad).mul_(self.scale)
-            if self.shard and bucket.master is not None:
-                bucket.master.grad = torch.cat([_local(p.grad).reshape(-1).float()
-                                                for p in bucket.params])
+            self._settle_alone(bucket)
             return
         C.wait("reduce_scatter" if self.shard else "all_reduce", bucket.work, bucket.group)
         if self.shard:
             if bucket.master is not None:
                 bucket.master.grad = bucket.received.float().mul_(self.scale)
-        else:
+        elif self.masters:  # ZeRO 0 with master weights: the whole fp32 sum is the master's gradient
+            bucket.master.grad = bucket.flat.mul_(self.scale)
+        else:  # the gradients are views of the flat sum (`_release_grads`)
             bucket.flat.mul_(self.scale)
-            self._scatter_flat(bucket, bucket.flat, "grad")
         bucket.flat = bucket.received = bucket.work = None  # not held through the optimizer step
+
+    def _settle_alone(self, bucket: _Bucket) -> None:
+        """A bucket without replicas: its gradients scaled (into its master's gradient, fp32)."""
+        if self.masters and bucket.master is not None:
+            grads = [_local(self.grad_of(p)).reshape(-1).float() for p in bucket.params]
+            bucket.master.grad = torch.cat(grads).mul_(self.scale)
+            if self.main is not None:
+                for p in bucket.params:
+                    self.main.pop(id(p))
+            return
+        if self.scale != 1.0:
+            for p in bucket.params:
+                _local(p.grad).mul_(self.scale)
 
     @staticmethod
     def _scatter_flat(bucket: _Bucket, flat: torch.Tensor, what: str) -> None:
@@ -232,7 +317,8 @@ class GradSync:
     # ------------------------------------------------------------ ZeRO 1/2
     @torch.no_grad()
     def master_values(self) -> list[torch.Tensor]:
-        """This rank's fp32 slice of every bucket's flat parameters, as the parameters are now."""
+        """This rank's fp32 slice of every bucket's flat parameters, as the parameters are now
+        (under master weights after the cast: bf16 values; `_cast_to` takes them before)."""
         values = []
         for b in self.buckets:
             flat = torch.cat([_local(p.data).reshape(-1).float() for p in b.params])
@@ -242,9 +328,11 @@ class GradSync:
         return values
 
     def make_masters(self) -> list[torch.Tensor]:
-        """The master slices (`master_values`) as the leaf tensors `ShardedOptimizer` steps on."""
-        for b, value in zip(self.buckets, self.master_values()):
-            b.master = torch.nn.Parameter(value, requires_grad=False)
+        """The master slices (`master_values`) as the leaf tensors `ShardedOptimizer` steps on
+        (made once: under master weights when the sync is made, from the fp32 values)."""
+        if any(b.master is None for b in self.buckets):
+            for b, value in zip(self.buckets, self.master_values()):
+                b.master = torch.nn.Parameter(value, requires_grad=False)
         return [b.master for b in self.buckets]
 
     @torch.no_grad()
@@ -253,7 +341,7 @@ class GradSync:
         pending = []
         for b in self.buckets:
             dtype = b.params[0].dtype
-            if b.group is None:
+            if not b.gathered:
                 pending.append((b, b.master.to(dtype), None))
                 continue
             full = torch.empty(b.padded, dtype=dtype, device=b.master.device)
@@ -270,7 +358,7 @@ class GradSync:
         (one per bucket, as `make_masters`): an all-gather over each bucket's group."""
         out = []
         for b, piece in zip(self.buckets, slices):
-            if b.group is None:
+            if not b.gathered:
                 out.append(piece.clone())
                 continue
             full = piece.new_empty(b.padded)
@@ -278,20 +366,46 @@ class GradSync:
             out.append(full)
         return out
 
+    @torch.no_grad()
+    def param_masters(self) -> dict[int, torch.Tensor]:
+        """Under master weights, id(parameter) -> its fp32 master in its local shape (each bucket's
+        master slices gathered whole: a collective under ZeRO 1/2); empty otherwise. The whole buffers
+        are kept for `scatter_masters` (a checkpoint loads into them)."""
+        if self.main is None:
+            return {}
+        self._whole_masters = self.gather_full([b.master.detach() for b in self.buckets])
+        return {pid: view for i, whole in enumerate(self._whole_masters)
+                for pid, view in self.views(i, whole).items()}
+
+    @torch.no_grad()
+    def scatter_masters(self) -> None:
+        """This rank's slices of the whole masters `param_masters` handed out (loaded into), and the
+        parameters cast from them."""
+        for b, whole in zip(self.buckets, self._whole_masters):
+            lo, hi = b.owned
+            b.master.copy_(whole[lo:hi])
+        self.gather_parameters()
+
     def views(self, bucket_index: int, flat: torch.Tensor) -> dict[int, torch.Tensor]:
         """id(parameter) -> the piece of a bucket's whole `flat` tensor that is that parameter
         (its local shape)."""
-        views, offset = {}, 0
-        for p in self.buckets[bucket_index].params:
+        params = self.buckets[bucket_index].params
+        return {id(p): view for p, view in zip(params, self.views_of(params, flat))}
+
+    @staticmethod
+    def views_of(params: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
+        """The consecutive pieces of `flat` that are `params`, each in its local shape."""
+        views, offset = [], 0
+        for p in params:
             local = _local(p)
-            views[id(p)] = flat[offset:offset + local.numel()].view(local.shape)
+            views.append(flat[offset:offset + local.numel()].view(local.shape))
             offset += local.numel()
         return views
 
     @torch.no_grad()
     def gather_gradients(self) -> None:
-        """ZeRO 1/2: the reduced gradient slices all-gathered into every parameter's gradient
-        (for inspection: full_gradients; a collective over each bucket's group)."""
+        """The reduced gradient slices all-gathered into every parameter's gradient (ZeRO 1/2, master
+        weights; for inspection: full_gradients; a collective over each bucket's group)."""
         grads = self.gather_full([b.master.grad if b.master.grad is not None
                                   else b.master.new_zeros(b.master.shape) for b in self.buckets])
         for b, full in zip(self.buckets, grads):
@@ -301,9 +415,10 @@ class GradSync:
             self._scatter_flat(b, full.to(b.params[0].dtype), "grad")
 
     def shard_sumsq(self, copies) -> torch.Tensor:
-        """This rank's term of ||g||^2 under ZeRO 1/2 (fp64): the squares of its reduced slices,
-        each parameter's part divided by `copies(param)` / its group's size (the ranks that hold
-        the same slice: the parameter's replicas, less the group that now splits it)."""
+        """This rank's term of ||g||^2 when the optimizer steps on masters (fp64): the squares of its
+        reduced slices, each parameter's part divided by `copies(param)` / the ranks its bucket is
+        split over (the ranks that hold the same slice: the parameter's replicas, less the group
+        that now splits it)."""
         total = torch.zeros((), dtype=torch.float64)
         for b in self.buckets:
             if b.master is None or b.master.grad is None:
@@ -315,89 +430,6 @@ class GradSync:
                 a, z = max(lo, offset), min(hi, offset + n)
                 if a < z:
                     part = b.master.grad[a - lo:z - lo].double().square().sum()
-                    total += part.cpu() / (copies(p) // b.size)
+                    total += part.cpu() / (copies(p) // b.split)
                 offset += n
         return total
-
-
-class ShardedOptimizer(torch.optim.Optimizer):
-    """ZeRO 1/2: `optimizer_class` over this rank's fp32 master slices of `sync`'s buckets; `step`
-    steps them and all-gathers the parameters (module docstring). `optim` is the inner optimizer
-    (its `state` holds the slices' states)."""
-
-    def __init__(self, sync: GradSync, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> None:
-        self.sync = sync
-        masters = sync.make_masters()
-        self.optim = optimizer_class(masters, **kwargs)
-        super().__init__(masters, dict(self.optim.defaults))
-        self.param_groups = self.optim.param_groups
-        self.state = self.optim.state
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """The inner step on the slices (one with no gradient yet steps on zeros: the checkpoint
-        loader's lr-0 step that creates states), then the parameters all-gathered."""
-        for b in self.sync.buckets:
-            if b.master.grad is None:
-                b.master.grad = torch.zeros_like(b.master)
-        loss = self.optim.step(closure)
-        self.sync.gather_parameters()
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optim.zero_grad(set_to_none)
-        for b in self.sync.buckets:
-            for p in b.params:
-                p.grad = None
-
-    def state_dict(self):
-        return self.optim.state_dict()
-
-    def load_state_dict(self, state_dict) -> None:
-        self.optim.load_state_dict(state_dict)
-
-    @torch.no_grad()
-    def reload_parameters(self) -> None:
-        """The master slices taken again from the parameters (after they were loaded)."""
-        for b, fresh in zip(self.sync.buckets, self.sync.master_values()):
-            b.master.copy_(fresh)
-
-    @torch.no_grad()
-    def param_states(self) -> dict[int, dict[str, torch.Tensor]]:
-        """id(parameter) -> its optimizer states in its local shape (a checkpoint's terms):
-        each state's slices all-gathered over the bucket's group (a collective); a 0-d state
-        (AdamW's step) is the bucket's own tensor. `scatter_states` writes them back."""
-        masters = [b.master for b in self.sync.buckets]
-        first = self.state.get(masters[0], {})
-        out: dict[int, dict[str, torch.Tensor]] = {}
-        self._whole: dict[str, list[torch.Tensor]] = {}
-        for key, value in first.items():
-            if not isinstance(value, torch.Tensor):
-                continue
-            if value.dim() == 0:
-                for b in self.sync.buckets:
-                    for p in b.params:
-                        out.setdefault(id(p), {})[key] = self.state[b.master][key]
-                continue
-            self._whole[key] = self.sync.gather_full([self.state[m][key] for m in masters])
-            for i, whole in enumerate(self._whole[key]):
-                for pid, view in self.sync.views(i, whole).items():
-                    out.setdefault(pid, {})[key] = view
-        return out
-
-    @torch.no_grad()
-    def scatter_states(self) -> None:
-        """This rank's slices of the whole states `param_states` handed out (loaded into)."""
-        for key, wholes in self._whole.items():
-            for b, whole in zip(self.sync.buckets, wholes):
-                lo, hi = b.owned
-                self.state[b.master][key].copy_(whole[lo:hi])
-
-
-def check_optimizer(sync: GradSync | None, optimizer: torch.optim.Optimizer, zero_stage: int) -> None:
-    """Under ZeRO 1/2 the step runs on this rank's slices: `optimizer` must be the program's
-    `ShardedOptimizer` (both runtimes' train_step check this before the step)."""
-    if sync is not None and sync.shard and not isinstance(optimizer, ShardedOptimizer):
-        raise ConfigError(f"ZeRO {zero_stage} steps on this rank's slices of the parameters: make the "
-                          f"optimizer with program.make_optimizer(...), not {type(optimizer).__name__} "
-                          f"over the parameters")

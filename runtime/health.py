@@ -86,7 +86,7 @@ def local_sumsq(program: "RankProgram") -> torch.Tensor:
     dtype per group of equal `copies` (one foreach kernel each): a norm that overflows fp32 is
     infinite, as torch's clip_grad_norm_ reports it."""
     sync = program.grad_sync
-    if sync is not None and sync.shard:  # ZeRO 1/2: the reduced gradients are this rank's slices
+    if sync is not None and sync.masters:  # ZeRO 1/2, master weights: the reduced gradients are master slices
         names = {id(p): n for n, p in program.named_local_parameters()}
         return sync.shard_sumsq(lambda p: copies(program, names[id(p)])).to(program.device)
     by_copies: dict[int, list[torch.Tensor]] = {}

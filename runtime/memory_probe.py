@@ -12,6 +12,10 @@ tensor's, the bytes this rank holds). After the forward,
                   outside recomputed regions, and the regions' inputs): equal to saved_bytes when
                   nothing is recomputed, which tests check as a second view of the same quantity
 
+    copied_bytes  the storages made from parameters alone that the forward saved for backward and are
+                  alive after it (autocast's weight copies; not FSDP2's gathered parameters): what the
+                  memory model prices as weight copies (`cost_model.memory`, plan precision "autocast")
+
 and while `backward` runs,
 
     recompute_bytes  the most bytes made by re-running one recomputed region that are alive when its
@@ -57,6 +61,7 @@ class MeasuredMemory:
     saved_bytes: int
     hooked_bytes: int
     recompute_bytes: int
+    copied_bytes: int = 0
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
@@ -77,6 +82,7 @@ class _StorageTracker(TorchDispatchMode):
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
         super().__init__()
         self.from_params = {_key(p) for p in params}
+        self.parameters = set(self.from_params)  # the parameters' own storages (FSDP2's gathered ones too)
         self.made: dict[int, tuple[StorageWeakRef, int, str]] = {}  # key -> (ref, bytes, phase)
         self.backward = False
         self.regions = 0  # region calls open
@@ -93,7 +99,9 @@ class _StorageTracker(TorchDispatchMode):
     def note_parameters(self, module: nn.Module, _args) -> None:
         """The parameters `module` runs with, as parameters: FSDP2 swaps gathered (unsharded) ones in
         before its forward, so a cast of them is a weight copy, left out as on an unsharded model."""
-        self.from_params.update(_key(p) for p in module.parameters(recurse=False))
+        keys = {_key(p) for p in module.parameters(recurse=False)}
+        self.from_params.update(keys)
+        self.parameters.update(keys)
 
     def enter_region(self) -> None:
         self.regions += 1
@@ -155,9 +163,13 @@ def measure_saved_bytes(forward: Callable[[], torch.Tensor], module: nn.Module,
     recomputed regions are watched) and, with `backward`, `loss.backward()`, measuring what the
     forward leaves for backward (module docstring); returns (loss, MeasuredMemory)."""
     tracker, packed = _StorageTracker(p for _, p in module.named_parameters()), set()
+    copies: dict[int, tuple[StorageWeakRef, int]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        packed.add(_key(t))
+        key = _key(t)
+        packed.add(key)
+        if key in tracker.from_params and key not in tracker.parameters:  # a weight copy, saved
+            copies[key] = (StorageWeakRef(_storage(t)), _storage(t).nbytes())
         return t
 
     with tracker, _watch_regions(tracker, module):
@@ -166,11 +178,12 @@ def measure_saved_bytes(forward: Callable[[], torch.Tensor], module: nn.Module,
         _settle()
         returned = {_key(t) for t in tree_leaves(loss) if isinstance(t, torch.Tensor)}
         live = {k: n for k, n in tracker.live("forward").items() if k not in returned}
+        copied = sum(n for ref, n in copies.values() if not ref.expired())
         tracker.backward = True
         if backward:
             loss.backward()
     hooked = sum(n for k, n in live.items() if k in packed)
-    return loss, MeasuredMemory(sum(live.values()), hooked, tracker.recompute_bytes)
+    return loss, MeasuredMemory(sum(live.values()), hooked, tracker.recompute_bytes, copied)
 
 
 class _StepTracker(_StorageTracker):

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from autoplan.runtime.module_program import ModuleProgram
 
 
-def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+def laid_out_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """`local` (a state in the parameter's local shape) as a tensor laid out like `param`."""
     if not isinstance(param, DTensor) or isinstance(local, DTensor) or local.dim() == 0:
         return local.detach()
@@ -47,10 +47,12 @@ def module_state_dict(program: "ModuleProgram", states: dict[str, dict[str, torc
     """DCP's state dict of this rank (module docstring); `states`: name -> the optimizer's state
     tensors of that parameter (`runtime.checkpoint._states`)."""
     params = dict(program.named_local_parameters())
-    found = {f"model.{name}": p.detach() for name, p in params.items()}
+    masters = program.grad_sync.param_masters() if program.grad_sync is not None else {}
+    found = {f"model.{name}": laid_out_like(p, masters[id(p)]) if id(p) in masters else p.detach()
+             for name, p in params.items()}
     for name, tensors in states.items():
         for key, value in tensors.items():
-            found[f"optim.{name}.{key}"] = _like(params[name], value)
+            found[f"optim.{name}.{key}"] = laid_out_like(params[name], value)
     return found
 
 

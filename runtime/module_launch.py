@@ -213,17 +213,19 @@ def parallelize_module_program(model: nn.Module, plan: Plan, *, cluster: Cluster
         model, recompute_policy(plan.recompute), cut.held_blocks() if pipelined else None)
     if program.fsdp:
         roots = program.stage_modules if pipelined else [model]
-        _shard_over_dp(model, roots, program.replica_mesh, plan.zero_stage)
+        _shard_over_dp(model, roots, program.replica_mesh, plan.zero_stage, plan.precision)
     return program
 
 
-def _shard_over_dp(model: nn.Module, roots: list[nn.Module], dp_mesh, zero_stage: int) -> None:
+def _shard_over_dp(model: nn.Module, roots: list[nn.Module], dp_mesh, zero_stage: int, precision: str) -> None:
     """FSDP2 over `dp_mesh` (dp x cp) on every block and the roots: the model, or its pipeline stages
-    (ZeRO 3; module_program docstring)."""
+    (ZeRO 3; module_program docstring), with the plan precision's policy (`zero.fsdp_precision`)."""
     from torch.distributed.fsdp import fully_shard
 
-    reshard = zero_stage == 3
+    from autoplan.runtime.zero import fsdp_precision
+
+    reshard, policy = zero_stage == 3, fsdp_precision(precision)
     for block in block_lists(model):
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     for root in roots:
-        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)

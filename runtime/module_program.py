@@ -57,9 +57,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from autoplan.errors import ConfigError, TrainingDivergedError
 from autoplan.plan import Plan
-from autoplan.runtime.grad_sync import GradSync, Replica, ShardedOptimizer, check_optimizer
+from autoplan.runtime.grad_sync import GradSync, Replica
+from autoplan.runtime.sharded_optimizer import ShardedOptimizer, check_optimizer
 from autoplan.runtime.health import check_token_range
-from autoplan.runtime.module_checkpoint import module_state_dict, parameter_shapes
+from autoplan.runtime.module_checkpoint import laid_out_like, module_state_dict, parameter_shapes
 from autoplan.runtime.module_context import ContextParallel
 from autoplan.runtime.module_experts import expert_weight_names
 from autoplan.runtime.module_plan import ModulePlan
@@ -150,12 +151,13 @@ class ModuleProgram(nn.Module):
         experts = self.replica_mesh.get_group() if replicas > 1 else None
         held = [Replica(p, experts, replicas) if name in self.experts else Replica(p, dense, self.data)
                 for name, p in self.model.named_parameters()]
-        return GradSync(held, 1.0 / self.data, shard=self.plan.zero_stage in (1, 2) and replicas > 1)
+        return GradSync(held, 1.0 / self.data, shard=self.plan.zero_stage in (1, 2) and replicas > 1,
+                        compute_dtype=torch.bfloat16 if self.plan.precision == "bf16-master" else None)
 
     def make_optimizer(self, cls: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
         """`cls` over the parameters; under ZeRO 1/2 over this rank's slices of them
         (`grad_sync.ShardedOptimizer`, the optimizer train_step then requires)."""
-        if self.grad_sync is not None and self.grad_sync.shard:
+        if self.grad_sync is not None and self.grad_sync.masters:
             self.optimizer = ShardedOptimizer(self.grad_sync, cls, **kwargs)
         else:
             self.optimizer = cls(self.model.parameters(), **kwargs)
@@ -196,13 +198,22 @@ class ModuleProgram(nn.Module):
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter gathered whole, on CPU (a collective: call it on every rank)."""
-        return {n: _full(p) for n, p in self.model.named_parameters()}
+        """Every parameter gathered whole (under master weights its fp32 master), on CPU (a
+        collective: call it on every rank)."""
+        held = self._held_parameters()
+        return {n: _full(held.get(id(p), p)) for n, p in self.model.named_parameters()}
+
+    def _held_parameters(self) -> dict[int, torch.Tensor]:
+        """id(parameter) -> its fp32 master laid out as the parameter (under master weights; else empty)."""
+        if self.grad_sync is None:
+            return {}
+        params = {id(p): p for p in self.model.parameters()}
+        return {pid: laid_out_like(params[pid], m) for pid, m in self.grad_sync.param_masters().items()}
 
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every gradient gathered whole (zeros where none), on CPU; call it on every rank."""
-        if self.grad_sync is not None and self.grad_sync.shard:
+        if self.grad_sync is not None and self.grad_sync.masters:
             self.grad_sync.gather_gradients()
         return {n: _full(p.grad) if p.grad is not None else torch.zeros(p.shape)
                 for n, p in self.model.named_parameters()}
@@ -210,8 +221,10 @@ class ModuleProgram(nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict, every tensor whole and on CPU, under the model's own names
-        (tied weights under each of their names); a collective: call it on every rank."""
-        return {n: _full(t) for n, t in self.model.state_dict().items()}
+        (tied weights under each of their names; under master weights the fp32 masters); a collective:
+        call it on every rank."""
+        held = self._held_parameters()  # under master weights: the fp32 masters, by parameter
+        return {n: _full(held.get(id(t), t)) for n, t in self.model.state_dict(keep_vars=bool(held)).items()}
 
     # ------------------------------------------------------------ running
     def _rows(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -236,8 +249,8 @@ class ModuleProgram(nn.Module):
     def _autocast(self) -> contextlib.AbstractContextManager:
         dtype = getattr(torch, self.plan.dtype)
         floats = {p.dtype for p in self.model.parameters() if p.is_floating_point()}
-        if dtype == torch.float32 or floats == {dtype}:
-            return contextlib.nullcontext()
+        if dtype == torch.float32 or floats == {dtype} or self.plan.precision == "bf16-master":
+            return contextlib.nullcontext()  # bf16-master: bf16 weights (FSDP2's policy under ZeRO 3)
         return torch.autocast(self.device.type, dtype=dtype)
 
     @torch.no_grad()
@@ -359,7 +372,7 @@ class ModuleProgram(nn.Module):
         """self.grad_norm (module docstring); TrainingDivergedError when it or `loss` is not finite."""
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         world = dist.get_world_size() // self.plan.mesh.pp  # a parameter lives on one pipeline stage
-        sharded = self.grad_sync is not None and self.grad_sync.shard
+        sharded = self.grad_sync is not None and self.grad_sync.masters
         if sharded:  # the reduced gradients are this rank's slices
             squares += self.grad_sync.shard_sumsq(lambda p: world // _pieces(p)).to(self.device)
         for p in self.model.parameters():

@@ -12,7 +12,8 @@ and head): `stage_walk`. The loss and the nodes that depend only on the targets 
 
 Each stage is a GraphModule (`StageProgram.module`, readable with `.code`) whose inputs are the
 values that earlier stages make and it or later ones use, and whose outputs are those that later
-stages use (cast to fp32, so that boundaries have one dtype under autocast too); on the last stage
+stages use (cast to fp32, so that boundaries have one dtype under autocast too; to bf16 under the plan
+precision "bf16-master", whose residual stream is bf16: `boundary_dtype`); on the last stage
 the output is the loss's input, as made (not sent: the loss keeps it as it would in one stage). Boundary shapes are static: the whole per-rank graph runs once on
 the meta device (collectives on meta tensors only compute shapes) at one microbatch's local shape.
 
@@ -42,9 +43,14 @@ SCHEDULES = {SCHEDULE_1F1B: "Schedule1F1B", SCHEDULE_GPIPE: "ScheduleGPipe",
              SCHEDULE_INTERLEAVED: "ScheduleInterleaved1F1B"}
 
 
-def to_float32(x: torch.Tensor) -> torch.Tensor:
-    """Stage outputs leave in fp32 (a no-op in fp32 runs)."""
-    return x.float() if x.is_floating_point() else x
+def to_boundary(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stage outputs leave in the boundary dtype (a no-op where they are in it already)."""
+    return x.to(dtype) if x.is_floating_point() else x
+
+
+def boundary_dtype(plan: Plan) -> torch.dtype:
+    """The dtype of the values crossing stage boundaries: fp32, or bf16 under master weights."""
+    return torch.bfloat16 if plan.precision == "bf16-master" else torch.float32
 
 
 @dataclass
@@ -141,16 +147,16 @@ def split(gm: fx.GraphModule, infos: dict[str, NodeInfo], plan: Plan
         nodes = [n for n in gm.graph.nodes if stage.get(n) == s]
         # the last stage's output (the logits) goes to the loss on this rank, not over a link: kept as made,
         # a float32 copy would be what the loss keeps for backward
-        module = _subgraph(gm, nodes, inputs, outputs, f"stage{s}", cast=s < count - 1)
+        module = _subgraph(gm, nodes, inputs, outputs, f"stage{s}", boundary_dtype(plan) if s < count - 1 else None)
         programs.append(StageProgram(s, module, tuple(n.name for n in inputs),
                                      tuple(n.name for n in outputs)))
     loss_nodes = [n for n in gm.graph.nodes if n in loss_part]
-    loss_module = _subgraph(gm, loss_nodes, [pred, placeholders[1]], [loss], "loss", cast=False)
+    loss_module = _subgraph(gm, loss_nodes, [pred, placeholders[1]], [loss], "loss", None)
     return programs, loss_module
 
 
 def _subgraph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node],
-              outputs: list[fx.Node], name: str, cast: bool) -> fx.GraphModule:
+              outputs: list[fx.Node], name: str, cast: torch.dtype | None) -> fx.GraphModule:
     sub = fx.Graph()
     env = {v: sub.placeholder(v.name) for v in inputs}
     for node in nodes:
@@ -161,7 +167,7 @@ def _subgraph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node],
                 raise PlanError(f"{name}: node {node.name!r} needs {arg.name!r}, which reaches it "
                                 f"neither as an input nor from this stage")
         env[node] = sub.node_copy(node, lambda a: env[a])
-    results = [sub.call_function(to_float32, (env[o],)) if cast else env[o] for o in outputs]
+    results = [sub.call_function(to_boundary, (env[o], cast)) if cast is not None else env[o] for o in outputs]
     sub.output(results[0] if len(results) == 1 else tuple(results))
     module = fx.GraphModule(gm, sub, class_name=name)
     module.graph.lint()
@@ -199,9 +205,10 @@ class PipelineRunner:
         count = len(programs)
         self.stages = []
         for program in self.local:
-            inputs = tuple(_example(name, shapes, microbatch, device, first=program.index == 0)
+            dtype = boundary_dtype(plan)
+            inputs = tuple(_example(name, shapes, microbatch, device, program.index == 0, dtype)
                            for name in program.inputs)
-            outputs = tuple(torch.empty(shapes[name], device=device, requires_grad=True)
+            outputs = tuple(torch.empty(shapes[name], device=device, dtype=dtype, requires_grad=True)
                             for name in program.outputs)
             self.stages.append(pipelining.PipelineStage(
                 program.module, program.index, count, device, input_args=inputs,
@@ -237,10 +244,10 @@ class PipelineRunner:
 
 
 def _example(name: str, shapes: dict[str, torch.Size], microbatch: tuple[int, int],
-             device: torch.device, first: bool) -> torch.Tensor:
+             device: torch.device, first: bool, dtype: torch.dtype) -> torch.Tensor:
     if first:  # the token ids
         return torch.zeros(microbatch, dtype=torch.int64, device=device)
     if name not in shapes:
         raise PlanError(f"value {name!r} crosses a pipeline stage boundary but is not a tensor")
-    return torch.empty(shapes[name], device=device, requires_grad=True)  # its grad goes back
+    return torch.empty(shapes[name], device=device, dtype=dtype, requires_grad=True)  # its grad goes back
 

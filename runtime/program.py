@@ -49,7 +49,8 @@ from autoplan.plan import Plan
 from autoplan.runtime import collectives as C
 from autoplan.runtime import health
 from autoplan.mesh import MeshShape
-from autoplan.runtime.grad_sync import GradSync, Replica, ShardedOptimizer, check_optimizer
+from autoplan.runtime.grad_sync import GradSync, Replica
+from autoplan.runtime.sharded_optimizer import ShardedOptimizer, check_optimizer
 from autoplan.runtime.groups import RankGroup, group_of
 from autoplan.runtime.init import InitRule, init_local, nested_bounds
 from autoplan.runtime.rewrite import ParamLayout, Rewritten
@@ -91,13 +92,14 @@ class RankProgram(nn.Module):
         self.grad_sync = None
         if self.fsdp:
             shard_over_dp(self.graph_module, rewritten.module_targets, rewritten.module_layers,
-                          self.data.group, device, plan.zero_stage)
-        else:
+                          self.data.group, device, plan.zero_stage, plan.precision)
+        else:  # under master weights it takes the fp32 masters, then casts the parameters
             self.grad_sync = GradSync(
                 [Replica(p, g.group if g.size > 1 else None, g.size)
                  for n, p in self.named_local_parameters() for g in [self._replicas(n)]],
                 1.0 / self.data_shards / (plan.num_microbatches if self.pipeline else 1),
-                shard=plan.zero_stage in (1, 2) and self.data.size > 1)
+                shard=plan.zero_stage in (1, 2) and self.data.size > 1,
+                compute_dtype=torch.bfloat16 if plan.precision == "bf16-master" else None)
 
     # ------------------------------------------------------------ groups
     @property
@@ -174,15 +176,16 @@ class RankProgram(nn.Module):
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters (those of its pipeline stages) gathered over tp and the expert
-        group, on CPU (a collective: call it on every rank)."""
-        return {n: self._gather(n, p.detach()) for n, p in self.named_local_parameters()}
+        """This rank's parameters (those of its pipeline stages; under master weights their fp32
+        masters) gathered over tp and the expert group, on CPU (a collective: call it on every rank)."""
+        masters = self.grad_sync.param_masters() if self.grad_sync is not None else {}
+        return {n: self._gather(n, masters.get(id(p), p).detach()) for n, p in self.named_local_parameters()}
 
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """This rank's gradients gathered over tp and the expert group, on CPU (zeros where none);
         call it on every rank."""
-        if self.grad_sync is not None and self.grad_sync.shard:
+        if self.grad_sync is not None and self.grad_sync.masters:
             self.grad_sync.gather_gradients()
         return {n: self._gather(n, p.grad if p.grad is not None else torch.zeros_like(p))
                 for n, p in self.named_local_parameters()}
@@ -319,9 +322,9 @@ class RankProgram(nn.Module):
                        **kwargs) -> torch.optim.Optimizer:
         """`optimizer_class` over this rank's parameters; under zero_stage 1 and 2 over this
         rank's slices of the gradient buckets, each split over the ranks that hold the same
-        parameters (`grad_sync.ShardedOptimizer`). The program remembers it for
+        parameters, and under master weights over their fp32 masters (`ShardedOptimizer`). The program remembers it for
         `save_checkpoint` / `load_checkpoint`."""
-        if self.grad_sync is not None and self.grad_sync.shard:
+        if self.grad_sync is not None and self.grad_sync.masters:
             self.optimizer = ShardedOptimizer(self.grad_sync, optimizer_class, **kwargs)
         else:
             self.optimizer = optimizer_class([p for _, p in self.named_local_parameters()], **kwargs)

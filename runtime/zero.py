@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from autoplan.errors import PlanError
@@ -36,14 +36,24 @@ IN_PLACE_TARGETS = ("iadd", "isub", "imul", "itruediv", "add_", "sub_", "mul_", 
 
 
 def shard_over_dp(graph_module: fx.GraphModule, module_targets: tuple[str, ...], module_layers: tuple[int | None, ...],
-                  dp_group, device: torch.device, zero_stage: int) -> None:
+                  dp_group, device: torch.device, zero_stage: int, precision: str = "autocast") -> None:
     """Apply `fully_shard` to the modules of each layer together (`layer_units`), then to the root."""
     _refuse_in_place(graph_module)
     mesh = DeviceMesh.from_group(dp_group, device.type)
-    reshard = zero_stage == 3
+    reshard, policy = zero_stage == 3, fsdp_precision(precision)
     for modules in layer_units(graph_module, module_targets, module_layers):
-        fully_shard(modules, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(graph_module, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(modules, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(graph_module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+
+
+def fsdp_precision(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy for a plan precision (both runtimes): under "bf16-master" the sharded float32
+    parameters are the master weights, gathered in bfloat16 for compute, and gradients reduce-scattered
+    in float32 (torchtitan's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)); under
+    "autocast" FSDP2 leaves dtypes alone (torch.autocast casts)."""
+    if precision == "bf16-master":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def layer_units(graph_module: nn.Module, module_targets: tuple[str, ...],

@@ -23,7 +23,7 @@ from autoplan.cost_model.compute import Efficiency
 from autoplan.models.config import ModelConfig
 from autoplan.cost_model.step import Priced
 from autoplan.errors import ConfigError
-from autoplan.plan import Plan
+from autoplan.plan import Plan, searched_precision
 from autoplan.solver.context import VARIANT_ILP, VARIANT_MEGATRON, BaselineResult, GraphSource, SearchContext
 from autoplan.cost_model.step_config import Config
 from autoplan.solver.space import SearchOptions, divisors, divisors_up_to, memory_lower_bound
@@ -46,6 +46,7 @@ def megatron_tp(config: ModelConfig, cluster: ClusterSpec) -> int:
 
 
 def _fits(ctx: SearchContext, cfg: Config, variant: str) -> Priced | None:
+    cfg = cfg.replace(precision=searched_precision(ctx.dtype))  # as the search's (Megatron-LM: bf16 masters too)
     if memory_lower_bound(ctx.config, cfg, ctx.seq_len, ctx.dtype) > ctx.cluster.device.memory_bytes:
         return None
     priced = ctx.price(cfg, variant)

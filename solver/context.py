@@ -221,7 +221,7 @@ class SearchContext:
                                   + self._replicated_note(cfg.tp, cfg.etp) + fits
                                   + (self.efficiency.kernels.note(self.efficiency.memory),
                                      self.efficiency.floor_note())),
-            dtype=self.dtype, kernels=self.efficiency.kernels.option)
+            dtype=self.dtype, kernels=self.efficiency.kernels.option, precision=cfg.precision)
 
     def _replicated_note(self, tp: int, etp: int) -> tuple[str, ...]:
         """The ops that do work (FLOPs or bytes) and that no strategy rule can shard at this tp, so they run

@@ -47,7 +47,7 @@ from autoplan.cost_model.step import Priced
 from autoplan.errors import ConfigError
 from autoplan.mesh import MeshShape
 from autoplan.models.config import ModelConfig
-from autoplan.plan import Plan
+from autoplan.plan import Plan, precision_problem, searched_precision
 from autoplan.solver.baselines import all_baselines
 from autoplan.solver.context import (VARIANT_ILP, VARIANT_MEGATRON, BaselineResult, GraphSource, Progress, ProgressMessage,
                                      SearchContext)
@@ -240,7 +240,7 @@ def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq
     start, report = time.perf_counter(), progress or (lambda message: None)
     if top < 1:
         raise ConfigError(f"top={top} must be >= 1")
-    options = options or SearchOptions()
+    options = dataclasses.replace(options or SearchOptions(), precision=searched_precision(dtype))
     if not callable(graph) and not any(n.op_kind == "moe" for n in graph.nodes):
         options = dataclasses.replace(options, expert_tensor_parallel=False)  # no MoE layer for etp to change
     fitting, num_configs = fitting_configs(config, cluster, global_batch, seq_len, options, dtype)
@@ -305,19 +305,24 @@ def _plans(ctx: SearchContext, ranking: _Best, found_baselines, stats: SearchSta
 
 def check_config(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, mesh: MeshShape,
                  microbatch_size: int, zero_stage: int, recompute: str, schedule: str, virtual_stages: int,
-                 heads_rule: bool = True, stage_layers: Sequence[int] | None = None) -> Config:
+                 heads_rule: bool = True, stage_layers: Sequence[int] | None = None, precision: str = "autocast",
+                 dtype: str = "bfloat16") -> Config:
     """A Config for a user-given configuration; ConfigError naming the first rule it breaks
     (`autoplan.validity`: the rules the runtime applies too) and values that would work.
     `heads_rule`: tp must split the attention heads (off when an assignment decides the strategies);
-    `stage_layers`: the layers of each pipeline chunk in flow order (None: the stage search's)."""
+    `stage_layers`: the layers of each pipeline chunk in flow order (None: the stage search's); `precision`:
+    `autoplan.plan.PRECISIONS`, which must suit `dtype`."""
     if mesh.world_size != cluster.world_size:
         raise ConfigError(f"mesh {mesh} has pp x dp x ep x cp x tp = {mesh.world_size} ranks but the cluster "
                           f"{cluster.describe()} has {cluster.world_size}")
     given = None if stage_layers is None else tuple(int(n) for n in stage_layers)
     check(configuration_problems(config, mesh, global_batch, seq_len, microbatch_size, zero_stage, recompute,
                                  schedule, virtual_stages, heads_rule, given))
+    problem = precision_problem(precision, dtype)
+    if problem:
+        raise ConfigError(problem)
     m = global_batch // (mesh.batch_shards * microbatch_size)
-    return Config(mesh, microbatch_size, m, zero_stage, recompute, schedule, virtual_stages, given)
+    return Config(mesh, microbatch_size, m, zero_stage, recompute, schedule, virtual_stages, given, precision)
 
 
 def price_given(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, cfg: Config, *,

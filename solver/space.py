@@ -79,6 +79,7 @@ class SearchOptions:
     recompute: tuple[str, ...] = SEARCHED  # policy names (`autoplan.recompute_policy`), each on every layer
     partial_recompute: bool = True  # where "full" fits and "none" does not: the fewest layers "full:k" needs
     orders: bool = True  # also try the other orders of the axes over ranks (`mesh_orders`)
+    precision: str = "autocast"  # of every configuration (`autoplan.plan.PRECISIONS`; the search sets its dtype's)
 
     def __post_init__(self) -> None:
         check_int("SearchOptions max_microbatch_size", self.max_microbatch_size)
@@ -273,12 +274,14 @@ def _mesh_configs(model: ModelConfig, global_batch: int, options: SearchOptions,
         schedules = [(s, v) for s, v in [(SCHEDULE_1F1B, 1)] + [(SCHEDULE_INTERLEAVED, v) for v in options.virtual_stages]
                      if pipeline_problem(model.num_layers, pp, s, v, m) is None]
         zeros = runnable_zero_stages(options.zero_stages, pp, ep)
-        kept = [z for z in zeros if keep is None or keep(Config(meshes[0], mbs, m, z, "none"))]
+        precision = options.precision
+        kept = [z for z in zeros if keep is None or keep(Config(meshes[0], mbs, m, z, "none", precision=precision))]
         total += len(schedules) * len(zeros) * len(options.recompute) * len(meshes)
         for schedule, v in schedules:
             for zero in kept:
                 for recompute in options.recompute:
-                    configs.extend(Config(mesh, mbs, m, zero, recompute, schedule, v) for mesh in meshes)
+                    configs.extend(Config(mesh, mbs, m, zero, recompute, schedule, v, precision=precision)
+                                   for mesh in meshes)
     return configs, total
 
 
@@ -304,7 +307,7 @@ def memory_lower_bound(model: ModelConfig, cfg: Config, seq_len: int, dtype: str
                        sizes: tuple[int, int] | None = None) -> float:
     """A bound no priced configuration goes below (module docstring), in bytes per rank. `sizes`:
     (dense, expert) parameter counts, when the caller has them (the count walks the config)."""
-    state = state_bytes_for(dtype)
+    state = state_bytes_for(dtype, cfg.precision)
     experts = expert_parameters(model) if sizes is None else sizes[1]
     dense = model.num_parameters() - experts if sizes is None else sizes[0]
     data = cfg.data_ranks

@@ -175,7 +175,7 @@ def make_plan(model_name, dp: int, tp: int, assignment="replicate", *, seq_len: 
               cp: int = 1, ep: int = 1, pp: int = 1, virtual_stages: int = 1,
               schedule: str | None = None, etp: int | None = None,
               order: tuple[str, ...] | None = None, ep_as: str = "dp",
-              stage_layers: tuple[int, ...] | None = None):
+              stage_layers: tuple[int, ...] | None = None, precision: str = "autocast"):
     """A Plan for a preset model (a name, or a ModelConfig) from the planner's
     `plan_from_assignment`.
 
@@ -216,7 +216,7 @@ def make_plan(model_name, dp: int, tp: int, assignment="replicate", *, seq_len: 
     return plan_from_assignment(graph, config, cluster, mesh, chosen, microbatch_size,
                                 num_microbatches, zero_stage, recompute, registry=registry,
                                 dtype=dtype, schedule=schedule, virtual_stages=virtual_stages,
-                                stage_layers=stage_layers)
+                                stage_layers=stage_layers, precision=precision)
 
 
 

@@ -189,21 +189,33 @@ def test_a_profile_brings_its_measured_launch_floor():
 # ------------------------------------------------------------------------------ memory
 
 
-@pytest.mark.parametrize("stage, expected", [
-    (0, (2e9, 2e9, 12e9)), (1, (2e9, 2e9, 1.5e9)), (2, (2e9, 2e9, 1.5e9)), (3, (0.25e9, 0.25e9, 1.5e9))])
-def test_model_states_under_each_zero_stage(stage, expected):
-    """ZeRO 2 holds what ZeRO 1 holds: the runtime's distributed optimizer keeps whole gradients."""
-    state = state_bytes_for("bfloat16")  # 2 + 2 + 12 bytes per parameter
-    assert model_state_bytes(1e9, 8, stage, state) == pytest.approx(expected)
+@pytest.mark.parametrize("dtype, precision, stage, expected", [
+    ("float32", "autocast", 0, (4e9, 4e9, 8e9)), ("float32", "autocast", 1, (4e9, 4.5e9, 1.5e9)),
+    ("float32", "autocast", 3, (0.5e9, 0.5e9, 1e9)),
+    ("bfloat16", "autocast", 0, (5.8e9, 4e9, 8e9)), ("bfloat16", "autocast", 1, (5.8e9, 4.5e9, 1.5e9)),
+    ("bfloat16", "autocast", 2, (5.8e9, 4.5e9, 1.5e9)), ("bfloat16", "autocast", 3, (2.3e9, 0.5e9, 1e9)),
+    ("bfloat16", "bf16-master", 0, (2e9, 4e9, 12e9)), ("bfloat16", "bf16-master", 1, (2e9, 4.5e9, 1.5e9)),
+    ("bfloat16", "bf16-master", 3, (0.5e9, 0.5e9, 1e9))])
+def test_model_states_under_each_zero_stage(dtype, precision, stage, expected):
+    """1e9 local parameters (0.9e9 of them GEMM weights) over 8 data ranks, as the runtime holds them
+    (cost_model.memory's table; benchmarks/state_memory.py measures it): autocast keeps fp32 parameters
+    and a bf16 copy of each GEMM weight, bf16-master bf16 parameters and fp32 masters; ZeRO 1/2 (ZeRO 2
+    runs as 1) the flat buckets and the reduced slices, and fp32 master slices under every precision."""
+    state = state_bytes_for(dtype, precision)
+    assert model_state_bytes(1e9, 8, stage, state, cast_params=0.9e9) == pytest.approx(expected)
 
 
 def test_parameter_bytes_match_the_config_count():
     cfg, graph = tiny_graph("tiny-gpt")
     registry = default_registry()
     replicated = resolve_strategies(graph, registry, cfg.rule_info(), 1, {})
-    mem = memory_breakdown(graph, replicated, 1, 1, 1, 0, "none")
+    mem = memory_breakdown(graph, replicated, 1, 1, 1, 0, "none", precision="bf16-master")
     assert mem.parameters_bytes == 2 * cfg.num_parameters()
+    assert mem.gradients_bytes == 4 * cfg.num_parameters()  # fp32 main gradients
     assert mem.optimizer_bytes == 12 * cfg.num_parameters()
+    autocast = memory_breakdown(graph, replicated, 1, 1, 1, 0, "none")  # fp32 weights and bf16 GEMM copies
+    linear = sum(p.numel for n in graph.nodes if n.op_kind == "linear" for _, p in n.params)
+    assert autocast.parameters_bytes == 4 * cfg.num_parameters() + 2 * linear
 
 
 MIXED = RunShape(mixed=True)  # bf16 under autocast over fp32 parameters, as the runtime trains

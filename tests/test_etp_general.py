@@ -326,7 +326,9 @@ def test_search_picks_etp_2_for_few_large_experts():
     plan = result.plans[0]
     assert (plan.mesh.ep, plan.mesh.tp, plan.mesh.etp) == (2, 4, 2) and plan.to_json()["mesh"]["etp"] == 2
     assert Plan.from_json(plan.to_json()) == plan
-    assert best["2"] < best["1"] < best["tp"]
+    # with model states priced as the runtime holds them (bf16-master's fp32 main gradients, cost_model.memory)
+    # etp 1 needs more recompute: etp2 17.07 s, etp = tp 18.10 s, etp1 18.73 s
+    assert best["2"] < min(best["1"], best["tp"])
     assert best["1"] / best["2"] > 1.0003 and best["tp"] / best["2"] > 1.02
 
 

@@ -103,7 +103,7 @@ def test_buckets_are_reduced_while_backward_runs():
 
 def _sharded(rank: int, world: int) -> dict:
     import torch.distributed as dist
-    from autoplan.runtime.grad_sync import ShardedOptimizer
+    from autoplan.runtime.sharded_optimizer import ShardedOptimizer
 
     model, reference = _model(), _model()
     sync = _sync(model, dist.group.WORLD, shard=True)
@@ -137,10 +137,13 @@ def test_zero_1_2_refuse_an_optimizer_over_the_whole_parameters():
     from types import SimpleNamespace
 
     from autoplan.errors import ConfigError
-    from autoplan.runtime.grad_sync import check_optimizer
+    from autoplan.runtime.sharded_optimizer import check_optimizer
 
     plain = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     check_optimizer(None, plain, 0)  # ZeRO 3 (FSDP2): no GradSync
-    check_optimizer(SimpleNamespace(shard=False), plain, 0)
-    with pytest.raises(ConfigError, match=r"ZeRO 2 steps on this rank's slices .* not SGD over the parameters"):
-        check_optimizer(SimpleNamespace(shard=True), plain, 2)
+    check_optimizer(SimpleNamespace(shard=False, masters=False), plain, 0)
+    with pytest.raises(ConfigError, match=r"ZeRO 2 with master weights steps on this rank's fp32 master slices"
+                                          r".* not SGD over the parameters"):
+        check_optimizer(SimpleNamespace(shard=True, masters=True), plain, 2)
+    with pytest.raises(ConfigError, match=r"ZeRO 0 under master weights steps"):  # precision bf16-master
+        check_optimizer(SimpleNamespace(shard=False, masters=True), plain, 0)

@@ -4,7 +4,7 @@ backward, measured by storage (`runtime.memory_probe`: parameters and tensors ma
 left out), and against the most a recomputed layer's re-run holds in backward.
 
     one process    tiny-gpt, tiny-llama, tiny-moe x float32, bfloat16 (autocast) x none, selective,
-                   matmul-only, full, full:1
+                   matmul-only, full, full:1; and x bf16-master (bf16 parameters) x none, full
     2 gloo ranks   tp (Megatron), tp with sequence parallelism, cp (Ulysses), ep, over the families,
                    dtypes and policies (a sample of the product, every pair of them present)
 
@@ -32,6 +32,9 @@ MICROBATCH = {"tiny-moe": 4}  # more tokens per expert: routing closer to its me
 SINGLE = [(f"{model}-{dtype}-{policy}", model, dict(dtype=dtype, recompute=policy))
           for model in ("tiny-gpt", "tiny-llama", "tiny-moe") for dtype in ("float32", "bfloat16")
           for policy in POLICIES]
+# bf16 parameters with fp32 masters (plan precision "bf16-master"): the residual stream in bf16
+SINGLE += [(f"{model}-bf16-master-{policy}", model, dict(dtype="bfloat16", precision="bf16-master", recompute=policy))
+           for model in ("tiny-gpt", "tiny-llama", "tiny-moe") for policy in ("none", "full")]
 PARALLEL = [(f"{model}-{name}-{dtype}-{policy}", model, dict(dtype=dtype, recompute=policy, **mesh))
             for model, name, mesh, dtype, policy in (
                 ("tiny-gpt", "tp2", dict(tp=2, assignment="megatron"), "float32", "selective"),
@@ -46,6 +49,8 @@ PARALLEL = [(f"{model}-{name}-{dtype}-{policy}", model, dict(dtype=dtype, recomp
                 ("tiny-moe", "ep2", dict(ep=2), "float32", "selective"),
                 ("tiny-moe", "ep2", dict(ep=2), "bfloat16", "none"),
                 ("tiny-moe", "ep2", dict(ep=2), "bfloat16", "full"))]
+PARALLEL += [("tiny-llama-sp2-bf16-master-selective", "tiny-llama",
+              dict(dtype="bfloat16", precision="bf16-master", recompute="selective", tp=2, assignment="megatron-sp"))]
 
 
 def _plan(model: str, kwargs: dict):

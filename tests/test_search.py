@@ -20,7 +20,7 @@ from autoplan.api import search_context
 from autoplan.solver.context import VARIANT_ILP, VARIANT_MEGATRON, ProgressMessage, SearchContext
 from autoplan.api import search_plans
 from autoplan.placement import Shard
-from autoplan.plan import Plan
+from autoplan.plan import Plan, searched_precision
 from autoplan.api import estimate
 from autoplan.cost_model.step_config import Config
 from autoplan.solver.space import SearchOptions, enumerate_configs, memory_lower_bound, time_lower_bound_s
@@ -49,6 +49,7 @@ def _price_everything(ctx: SearchContext, options: SearchOptions) -> list:
     """Every configuration with every strategy variant, the fitting ones ranked (the brute-force reference);
     with every "full:k" where "full" fits and "none" does not (the search bisects over k there)."""
     best: dict[Config, object] = {}
+    options = dataclasses.replace(options, precision=searched_precision(ctx.dtype))  # as the search sets it
     for cfg in enumerate_configs(ctx.config, ctx.cluster, ctx.global_batch, ctx.seq_len, options):
         for variant in (VARIANT_ILP, VARIANT_MEGATRON) if cfg.tp > 1 else (VARIANT_ILP,):
             for priced in _with_partial_recompute(ctx, cfg, variant):
@@ -199,7 +200,8 @@ def test_context_parallel_splits_the_sequence_and_pays_all_to_alls():
 
 def test_expert_parallel_divides_expert_weights_and_pays_dispatch():
     ctx = search_context(MID_MOE, small_gpus(1, 80.0), 16, 2048)
-    one = Config.of(tp=1, cp=1, pp=1, ep=1, dp=8, microbatch_size=1, num_microbatches=2, zero_stage=0, recompute="none")
+    one = Config.of(tp=1, cp=1, pp=1, ep=1, dp=8, microbatch_size=1, num_microbatches=2, zero_stage=0,
+                    recompute="none").replace(precision="bf16-master")  # bf16 weights: 2 bytes each
     four = one.replace(ep=4, dp=2)
     p1, p4 = ctx.price(one), ctx.price(four)
     experts = 3 * MID_MOE.experts * MID_MOE.hidden * MID_MOE.ffn_hidden * MID_MOE.num_layers
@@ -360,7 +362,8 @@ def test_when_nothing_fits_the_error_names_the_configuration_closest_to_fitting(
     with pytest.raises(InfeasibleError) as error:
         search_plans(MID, cluster, 64, 4096, options=OPTIONS)
     ctx = search_context(MID, cluster, 64, 4096)
-    priced = [ctx.price(cfg, variant) for cfg in enumerate_configs(MID, cluster, 64, 4096, OPTIONS)
+    searched = dataclasses.replace(OPTIONS, precision="bf16-master")  # the search's, for bfloat16
+    priced = [ctx.price(cfg, variant) for cfg in enumerate_configs(MID, cluster, 64, 4096, searched)
               if memory_lower_bound(MID, cfg, 4096, "bfloat16") <= cluster.device.memory_bytes
               for variant in ((VARIANT_ILP, VARIANT_MEGATRON) if cfg.tp > 1 else (VARIANT_ILP,))]
     closest = min(p.peak_memory_bytes for p in priced)

@@ -86,8 +86,8 @@ def test_the_floor_holds_under_every_fewer_recomputed_layers_that_fit():
     `fewer_recomputed` = j is under every "full:k", k >= j, that fits, and under "full" itself. On 0.8 GB
     GPUs: on `mid`'s 0.6 GB few "full:k" fit once cp ranks are solved for the tokens they hold."""
     mid = search_context(MID, small_gpus(2, 0.8), 64, 4096)
-    configs = [c for c in enumerate_configs(MID, mid.cluster, 64, 4096, SearchOptions(max_microbatch_size=2))
-               if c.recompute == "full"]
+    options = SearchOptions(max_microbatch_size=2, precision="bf16-master")  # the search's, for bfloat16
+    configs = [c for c in enumerate_configs(MID, mid.cluster, 64, 4096, options) if c.recompute == "full"]
     bisected = [c for c in random.Random(7).sample(configs, min(120, len(configs)))
                 if mid.price(c).fits and not mid.price(c.replace(recompute="none")).fits][:12]
     checked = 0
