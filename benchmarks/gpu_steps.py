@@ -6,15 +6,16 @@ plan's prediction (issues 17, 19, 20).
     python benchmarks/gpu_steps.py compare benchmarks/data/h200_steps.json
 
 `plan` prices each case of `CASES` (built-in Llama and GPT shapes that fit one H200, bf16 autocast over
-fp32 weights, AdamW) with `autoplan.estimate` on the `1xh200` cluster, by the device preset, and writes
+fp32 weights or bf16 parameters with fp32 masters, AdamW) with `autoplan.estimate` on the `1xh200` cluster, by the device preset, and writes
 one plan file per case (and, with `--profile`, a second set priced with that hardware profile).
 `run` compiles each plan with `autoplan.parallelize` on a one-rank NCCL group (the model built on meta,
 parameters from the seeded init), takes `--warmup` untimed and `--steps` timed `train_step`s on fixed
 random tokens, each timed by the wall clock between two `torch.cuda.synchronize()`s, and records the
 median step, `torch.cuda.max_memory_allocated()` over the timed steps, the memory of one more step by
-phase (`memory_phases`), and the plan's predicted step time, peak memory and their parts. The cases share
-one process: what an earlier case leaves allocated counts in a later case's `max_memory_allocated`, so
-`compare` subtracts it where the phases were recorded (`own_peak_bytes`). A case that fails is recorded with its error; the rest still run.
+phase (`memory_phases`), and the plan's predicted step time, peak memory and their parts. Cases run in one
+process count what an earlier case left allocated in a later case's `max_memory_allocated`, so `compare`
+subtracts it where the phases were recorded (`own_peak_bytes`); `gpu_session.sh diagnose` runs each case
+in a process of its own (`isolated`). A case that fails is recorded with its error; the rest still run.
 `compare` prints measured against the current cost model's prediction of each case (re-priced, by the
 preset or a profile): error = predicted / measured - 1.
 """
@@ -34,16 +35,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 from json_out import write_json  # noqa: E402
 
 CLUSTER = "1xh200"
-# (name, family, layers, hidden, heads, kv heads, ffn, vocab, seq, microbatch, microbatches, recompute)
+# (name, family, layers, hidden, heads, kv heads, ffn, vocab, seq, microbatch, microbatches, recompute, precision)
 CASES = (
-    ("llama-1b-T4096-b1", "llama", 16, 2048, 16, 8, 7168, 32000, 4096, 1, 2, "none"),
-    ("llama-1b-T4096-b2-full", "llama", 16, 2048, 16, 8, 7168, 32000, 4096, 2, 2, "full"),
-    ("llama-1b-T2048-b4-sel", "llama", 16, 2048, 16, 8, 7168, 32000, 2048, 4, 1, "selective"),
-    ("llama-h4096-8l-T4096-b1", "llama", 8, 4096, 32, 8, 14336, 128256, 4096, 1, 2, "none"),
-    ("gpt-1.3b-T2048-b4", "gpt", 24, 2048, 16, 16, 8192, 51200, 2048, 4, 1, "none"),
-    ("gpt-1.3b-T2048-b8-full", "gpt", 24, 2048, 16, 16, 8192, 51200, 2048, 8, 1, "full"),
-    ("llama-3b-T2048-b2", "llama", 28, 3072, 24, 8, 8192, 128256, 2048, 2, 2, "none"),
-    ("gpt-2.7b-T2048-b4-sel", "gpt", 32, 2560, 20, 20, 10240, 51200, 2048, 4, 1, "selective"),
+    ("llama-1b-T4096-b1", "llama", 16, 2048, 16, 8, 7168, 32000, 4096, 1, 2, "none", "autocast"),
+    ("llama-1b-T4096-b2-full", "llama", 16, 2048, 16, 8, 7168, 32000, 4096, 2, 2, "full", "autocast"),
+    ("llama-1b-T2048-b4-sel", "llama", 16, 2048, 16, 8, 7168, 32000, 2048, 4, 1, "selective", "autocast"),
+    ("llama-h4096-8l-T4096-b1", "llama", 8, 4096, 32, 8, 14336, 128256, 4096, 1, 2, "none", "autocast"),
+    ("gpt-1.3b-T2048-b4", "gpt", 24, 2048, 16, 16, 8192, 51200, 2048, 4, 1, "none", "autocast"),
+    ("gpt-1.3b-T2048-b8-full", "gpt", 24, 2048, 16, 16, 8192, 51200, 2048, 8, 1, "full", "autocast"),
+    ("llama-3b-T2048-b2", "llama", 28, 3072, 24, 8, 8192, 128256, 2048, 2, 2, "none", "autocast"),
+    ("gpt-2.7b-T2048-b4-sel", "gpt", 32, 2560, 20, 20, 10240, 51200, 2048, 4, 1, "selective", "autocast"),
+    # bf16 parameters with fp32 masters, as the search plans bfloat16 runs
+    ("bfm-llama-1b-T4096-b1", "llama", 16, 2048, 16, 8, 7168, 32000, 4096, 1, 2, "none", "bf16-master"),
+    ("bfm-llama-1b-T2048-b4-sel", "llama", 16, 2048, 16, 8, 7168, 32000, 2048, 4, 1, "selective", "bf16-master"),
+    ("bfm-gpt-1.3b-T2048-b4", "gpt", 24, 2048, 16, 16, 8192, 51200, 2048, 4, 1, "none", "bf16-master"),
+    ("bfm-gpt-1.3b-T2048-b8-full", "gpt", 24, 2048, 16, 16, 8192, 51200, 2048, 8, 1, "full", "bf16-master"),
+    ("bfm-llama-3b-T2048-b2", "llama", 28, 3072, 24, 8, 8192, 128256, 2048, 2, 2, "none", "bf16-master"),
 )
 
 
@@ -273,6 +280,7 @@ def cmd_run(args) -> int:
         try:
             if tag == "preset" or not any(r["case"] == name and "measured" in r for r in result["cases"]):
                 row["measured"] = run_plan(plan, configs[name], args.warmup, args.steps, args.diagnose)
+                row["measured"]["isolated"] = bool(args.only) and len(args.only) == 1  # gpu_session.sh diagnose
             else:  # the same program: measured once, under the preset's file
                 row["measured"] = next(r["measured"] for r in result["cases"] if r["case"] == name and "measured" in r)
         except Exception as exc:  # recorded; the next case still runs
@@ -290,9 +298,9 @@ def price_case(case, profile=None):
     from autoplan.api import estimate
     from autoplan.mesh import MeshShape
 
-    seq, mbs, n_mb, recompute = case[8], case[9], case[10], case[11]
+    seq, mbs, n_mb, recompute, precision = case[8:13]
     return estimate(case_config(case), CLUSTER, mbs * n_mb, seq, mesh=MeshShape(), microbatch_size=mbs, zero_stage=0,
-                    recompute=recompute, profile=profile)
+                    recompute=recompute, profile=profile, precision=precision)
 
 
 STATE_BYTES_PER_PARAMETER = 16  # what the runtime keeps per parameter between steps: fp32 weights, gradients, m, v
@@ -304,7 +312,7 @@ def own_peak_bytes(measured: dict, config) -> tuple[float, float]:
     (STATE_BYTES_PER_PARAMETER per parameter), since `max_memory_allocated` counts every live tensor of
     the process; (peak, 0) for runs without them."""
     phases = measured.get("memory_phases")
-    if not phases:
+    if not phases or measured.get("isolated"):  # a process of its own: nothing is left by another case
         return measured["peak_bytes"], 0.0
     left = max(0.0, phases["allocated_before"] - STATE_BYTES_PER_PARAMETER * config.num_parameters())
     return measured["peak_bytes"] - left, left
