@@ -182,7 +182,7 @@ def test_gpu_rope_cross_entropy_moe(dtype):
 
 def _errors(fn, inputs: list[torch.Tensor], grad: torch.Tensor, dtype: torch.dtype, device: str) -> list[torch.Tensor]:
     """fn's output and its inputs' grads for `grad`, run in `dtype` on `device`, as float64 on the CPU."""
-    xs = [t.to(dtype).to(device).requires_grad_() for t in inputs]
+    xs = [t.detach().to(dtype).to(device).clone().requires_grad_() for t in inputs]  # fresh leaves each call
     out = fn(*xs)
     out.backward(grad.to(dtype).to(device))
     return [out.detach().cpu().double()] + [x.grad.cpu().double() for x in xs]
