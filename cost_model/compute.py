@@ -141,15 +141,16 @@ COLLECTIVE_CALL_S = 6.6e-6
 # 13 host-bound layers of benchmarks/data/h200_layer_times.json (GPU busy under 60% of the layer's time;
 # 77-121 us, layers of 3.6-5.7 ms)
 HOST_KERNEL_S = 75e-6
-# host seconds per forward kernel of a recomputed layer, by recompute kind, where no profile measured them
-# (`profiler.dispatch.measure_recompute_host_s`: the checkpoint's bookkeeping, the re-run's dispatch and, where
-# the kind saves something, torch's selective checkpointing's Python dispatch modes over every op of forward
-# and of the re-run); CPU: CPU_BLOCK on the 2-core development machine, the fastest window by thread CPU time,
-# three runs of 43.9-44.4 / 133.7-137.3 / 135.9-137.0 us (2026-11-26, load 4)
-CPU_RECOMPUTE_S = (("full", 44e-6), ("matmul-only", 136e-6), ("selective", 136e-6))
-# GPU: provisional (the host's 75 us per kernel for the re-run, with selective checkpointing's modes about 2.5x
-# it, as on the CPU above), until `autoplan profile` measures it on a lent GPU
-GPU_RECOMPUTE_S = (("full", 100e-6), ("matmul-only", 250e-6), ("selective", 250e-6))
+# (recompute kind, forward, re-run): host seconds per forward kernel of a recomputed layer where no profile
+# measured them (`profiler.dispatch.measure_recompute_host_s`: in forward the checkpoint's bookkeeping and, where the
+# kind saves something, torch's selective checkpointing's Python dispatch mode over every op; in backward the
+# re-run's dispatch and the replay mode's). CPU: CPU_BLOCK on the 2-core development machine, the fastest window by
+# thread CPU time (2026-11-26; totals 43.3-44.4 / 133.7-138.2 / 135.9-143.1 us over four runs at load 2-4).
+CPU_RECOMPUTE_S = (("full", 10.7e-6, 32.6e-6), ("matmul-only", 58.2e-6, 80.0e-6), ("selective", 59.1e-6, 84.0e-6))
+# GPU: the totals `autoplan profile` measured on the lent H200 (HOST_BLOCK, median window; 2026-11-26,
+# benchmarks/data/h200_profile_host.json: 116.1 / 284.2 / 336.4 us), split between forward and re-run as the CPU
+# split them (0.25 / 0.42 / 0.41 forward): that profile measured the totals only
+GPU_RECOMPUTE_S = (("full", 29e-6, 87e-6), ("matmul-only", 119e-6, 165e-6), ("selective", 138e-6, 198e-6))
 # memory-bound ops: kernels (forward, backward) each launches (module docstring)
 OP_KERNELS = {"norm": (1, 2), "elementwise": (1, 1), "embedding": (1, 2), "cross_entropy": (2, 3)}
 MOE_KERNELS = (3, 6)
@@ -200,8 +201,9 @@ class Efficiency:
     floor_source: str = ("kernel floor: meta-pytorch/autoparallel's 7 us; collective call: NCCL's ring LL base "
                          "latency, 6.6 us (cost_model.compute)")
     host_kernel_s: float | None = None  # None: the device's default (`resolved`: HOST_KERNEL_S on a GPU, 0 on a CPU)
-    # ((recompute kind, host s per forward kernel of a recomputed layer), ...); None: the device's default (`resolved`)
-    host_recompute_s: tuple[tuple[str, float], ...] | None = None
+    # ((recompute kind, forward, re-run host s per forward kernel of a recomputed layer), ...); None: the device's
+    # default (`resolved`)
+    host_recompute_s: tuple[tuple[str, float, float], ...] | None = None
     host_serial: bool | None = None  # the host's dispatch adds to the kernels (None: `resolved`, True on a CPU)
     fresh_copies: FreshCopyCurve | None = None  # a CPU profile's (`cost_model.eager`); None: the flat copy
     attention_rates: AttentionRates | None = None  # a CPU profile's causal SDPA (`cost_model.eager`)
@@ -220,10 +222,11 @@ class Efficiency:
             if getattr(self, name) is not None and not 0 <= getattr(self, name) < 1e-2:
                 raise ConfigError(f"efficiency {name}={getattr(self, name)!r} must be in [0, 0.01) seconds "
                                   f"(a fixed cost per kernel or call, microseconds; 0 turns it off)")
-        for kind, seconds in self.host_recompute_s or ():
-            if not 0 <= seconds < 1e-2:
-                raise ConfigError(f"efficiency host_recompute_s[{kind!r}]={seconds!r} must be in [0, 0.01) seconds "
-                                  f"(the host's cost per forward kernel of a recomputed layer; 0 turns it off)")
+        for kind, *seconds in self.host_recompute_s or ():
+            if len(seconds) != 2 or not all(0 <= s < 1e-2 for s in seconds):
+                raise ConfigError(f"efficiency host_recompute_s[{kind!r}]={tuple(seconds)!r} must be (forward, re-run) "
+                                  f"in [0, 0.01) seconds (the host's cost per forward kernel of a recomputed layer; 0 "
+                                  f"turns it off)")
 
     def collective_s(self, kind: str, nbytes: float, cluster: ClusterSpec, group: AxisGroup) -> float:
         """One collective over `group` (`comm.group_collective_time_s`): a profile's fit inside a node where
@@ -328,7 +331,8 @@ def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "Har
     if profile.fsdp_unit_s is not None:
         calibrated = replace(calibrated, fsdp_unit_s=profile.fsdp_unit_s)
     if profile.host_recompute_s:
-        calibrated = replace(calibrated, host_recompute_s=tuple(sorted(profile.host_recompute_s.items())))
+        calibrated = replace(calibrated, host_recompute_s=tuple(sorted((kind, *pair) for kind, pair in
+                                                                       profile.host_recompute_s.items())))
     if profile.kernel_floor_s is not None:
         calibrated = replace(calibrated, kernel_floor_s=profile.kernel_floor_s,
                              floor_source=f"kernel floor measured by `autoplan profile` on {profile.device_name!r}; "

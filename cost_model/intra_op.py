@@ -377,14 +377,22 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
 
 
 def layer_rerun_s(layer_ops: list[tuple[str, float, int]], ctx: CostContext) -> tuple[tuple[str, float], ...]:
-    """((recompute kind, seconds), ...): what re-running the layers' forward adds to a microbatch under each
-    kind the efficiency has a host cost for: the ops whose family the kind does not save re-run on the device,
-    and the host pays `host_recompute_s` per forward kernel of every op (the saved ones are replayed from the
-    cache, which under selective checkpointing costs the host as much), as a host/device pipeline on a GPU and
-    one after the other on a CPU (`compute.host_paced_s`, `Efficiency.host_serial`)."""
-    serial, out = bool(ctx.efficiency.host_serial), []
-    for kind, host_s in ctx.efficiency.host_recompute_s or ():
+    """((recompute kind, seconds), ...): what recomputing the layers adds to a microbatch under each kind the
+    efficiency has a host cost for (`Efficiency.host_recompute_s`: forward r_f and re-run r_b per forward kernel):
+
+        forward  paced(the layers' forward ops, h + r_f) - paced(the same, h): the host's share in forward,
+                 which the GEMMs of a wide layer hide
+        re-run   paced(the ops whose family the kind does not save, at their forward device time, and the
+                 saved ones at none, each op's kernels at r_b): replaying a saved output costs the host too
+
+    paced: `compute.host_paced_s`, a host/device pipeline on a GPU, one after the other on a CPU
+    (`Efficiency.host_serial`); h the host's dispatch per kernel."""
+    serial, host_s, out = bool(ctx.efficiency.host_serial), ctx.efficiency.host_kernel_s or 0.0, []
+    forward = [(fwd, k) for _, fwd, k in layer_ops]
+    plain = host_paced_s(forward, host_s, serial)
+    for kind, forward_s, rerun_s in ctx.efficiency.host_recompute_s or ():
         saves = KINDS.get(kind, frozenset())
-        out.append((kind, host_paced_s([(0.0 if family in saves else fwd, k) for family, fwd, k in layer_ops], host_s,
-                                       serial)))
+        rerun = [(0.0 if family in saves else fwd, k) for family, fwd, k in layer_ops]
+        out.append((kind, host_paced_s(forward, host_s + forward_s, serial) - plain
+                    + host_paced_s(rerun, rerun_s, serial)))
     return tuple(out)

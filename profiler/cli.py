@@ -136,9 +136,9 @@ def host_dispatch_s(device: "torch.device", quick: bool) -> float | None:
     return per_kernel
 
 
-def recompute_host_s(device: "torch.device", quick: bool) -> dict[str, float] | None:
-    """The host's seconds per forward kernel of a recomputed layer, per recompute kind (`profiler.dispatch`);
-    None, saying why, where the timed block cannot run."""
+def recompute_host_s(device: "torch.device", quick: bool) -> dict[str, list[float]] | None:
+    """The host's [forward, re-run] seconds per forward kernel of a recomputed layer, per recompute kind
+    (`profiler.dispatch`); None, saying why, where the timed block cannot run."""
     from autoplan.profiler.dispatch import measure_recompute_host_s
 
     try:
@@ -146,8 +146,9 @@ def recompute_host_s(device: "torch.device", quick: bool) -> dict[str, float] | 
     except Exception as exc:  # an optional measurement: report it, keep the rest of the profile
         print(f"recompute host cost skipped: {type(exc).__name__}: {exc}; the cost model keeps its default")
         return None
-    print("recompute host cost per forward kernel: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in measured.items()))
-    return measured
+    print("recompute host cost per forward kernel, forward + re-run: "
+          + ", ".join(f"{k} {f * 1e6:.1f} + {r * 1e6:.1f} us" for k, (f, r) in measured.items()))
+    return {kind: list(pair) for kind, pair in measured.items()}
 
 
 def run_profile(device: "torch.device", quick: bool = False, dtype: str | None = None, collectives: bool = True,
@@ -242,8 +243,9 @@ def render_profile(profile: HardwareProfile, console=None) -> None:
         table.add_row("host dispatch", f"{profile.host_kernel_s * 1e6:,.1f} us per priced kernel (a small layer's forward + "
                       f"backward, `profiler.dispatch`)")
     if profile.host_recompute_s:
-        table.add_row("recompute host", ", ".join(f"{k} {v * 1e6:,.1f} us" for k, v in profile.host_recompute_s.items())
-                      + " per forward kernel of a recomputed layer (`profiler.dispatch`)")
+        table.add_row("recompute host", ", ".join(f"{k} {f * 1e6:,.1f} + {r * 1e6:,.1f} us"
+                                                  for k, (f, r) in profile.host_recompute_s.items())
+                      + " per forward kernel of a recomputed layer, forward + re-run (`profiler.dispatch`)")
     if profile.fresh_copies:
         curve = ", ".join(f"{m.buffer_bytes / 2**20:,.0f} MiB {m.bandwidth_bytes_per_s / 1e9:,.1f}"
                           for m in profile.fresh_copies)

@@ -140,18 +140,20 @@ def recompute_block(device: torch.device) -> tuple[object, int, torch.dtype]:
     return host_block_config(CPU_BLOCK), CPU_BLOCK["seq"], torch.float32
 
 
-def measure_recompute_host_s(device: torch.device, quick: bool = False) -> dict[str, float]:
-    """{recompute kind: host seconds per priced forward kernel of a recomputed layer}, on any device:
+def measure_recompute_host_s(device: torch.device, quick: bool = False) -> dict[str, tuple[float, float]]:
+    """{recompute kind: (forward, re-run) host seconds per priced forward kernel of a recomputed layer}, on any
+    device:
 
-        (time of one forward + backward of the block as `runtime.recompute.recompute` runs it under the kind
-         - time without recomputation) / the block's forward kernels (`forward_kernels`)
+        forward = (block forward under the kind - plain forward) / K
+        re-run  = (block forward + backward under the kind - plain forward + backward) / K - forward
 
-    where the block's device work is small (`recompute_block`), so that what is timed is the host's: the
-    checkpoint's bookkeeping, the re-run's dispatch and, under a kind that saves something, selective
-    checkpointing's Python dispatch modes over every op of forward and of the re-run. Times: the median
-    window on CUDA (as `measure_host_kernel_s`), the fastest on a CPU (as `measure_cpu_dispatch_s`: a
-    difference of two timings on a shared machine). The cost model pays it per forward kernel of each
-    recomputed layer, with the re-run's device time, as a host/device pipeline on a GPU and one after the
+    with K the block's forward kernels (`forward_kernels`), the block run as `runtime.recompute.recompute` runs
+    it, and its device work small (`recompute_block`), so that what is timed is the host's: in forward the
+    checkpoint's bookkeeping and, under a kind that saves something, selective checkpointing's Python dispatch
+    mode over every op; in backward the re-run's dispatch and, under such a kind, the replay mode's. Times: the
+    median window on CUDA (as `measure_host_kernel_s`), the fastest on a CPU (as `measure_cpu_dispatch_s`: a
+    difference of two timings on a shared machine). The cost model pays the forward share with the layer's
+    forward and the re-run share with its re-run, each as a host/device pipeline on a GPU and one after the
     other on a CPU (`cost_model.intra_op.layer_rerun_s`)."""
     from autoplan.profiler.gemm import fastest_call_s, timed_windows_s
     from autoplan.recompute_policy import KINDS
@@ -162,10 +164,10 @@ def measure_recompute_host_s(device: torch.device, quick: bool = False) -> dict[
     x = torch.randn(1, seq, config.hidden, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn_like(x)
 
-    def timed(kind: str) -> float:
+    def timed(kind: str, backward: bool) -> float:
         saves = tuple(sorted(KINDS[kind]))
-        run = (lambda: block(x).backward(dy)) if kind == "none" else \
-            (lambda: recompute(block, x, saves=saves).backward(dy))
+        forward = (lambda: block(x)) if kind == "none" else (lambda: recompute(block, x, saves=saves))
+        run = (lambda: forward().backward(dy)) if backward else forward
         if device.type != "cuda":
             return fastest_call_s(run, device, 0.1 if quick else 0.3)
         for _ in range(5):
@@ -175,12 +177,12 @@ def measure_recompute_host_s(device: torch.device, quick: bool = False) -> dict[
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the host's time is one thread's; a CPU's pool only adds waits to tiny ops
     try:
-        plain = timed("none")
-        extra = {kind: max(0.0, timed(kind) - plain) for kind in KINDS if kind != "none"}
+        plain = (timed("none", False), timed("none", True))
+        extra = {kind: (timed(kind, False) - plain[0], timed(kind, True) - plain[1]) for kind in KINDS if kind != "none"}
     finally:
         torch.set_num_threads(threads)
     kernels = forward_kernels(config, seq)
-    return {kind: seconds / kernels for kind, seconds in extra.items()}
+    return {kind: (max(0.0, f) / kernels, max(0.0, total - max(0.0, f)) / kernels) for kind, (f, total) in extra.items()}
 
 
 def measure_cpu_dispatch_s(device: torch.device, kernel_floor_s: float, quick: bool = False

@@ -264,7 +264,8 @@ class HardwareProfile:
     kernel_floor_s: float | None = None  # `profiler.launch`; None: not measured
     host_kernel_s: float | None = None  # `profiler.dispatch`; None: not measured
     fsdp_unit_s: float | None = None  # `profiler.fsdp`; None: not measured
-    host_recompute_s: dict[str, float] | None = None  # `profiler.dispatch.measure_recompute_host_s`; None: not measured
+    # {kind: [forward, re-run]} (`profiler.dispatch.measure_recompute_host_s`); None: not measured
+    host_recompute_s: dict[str, list[float]] | None = None
     fresh_copies: tuple[MemorySample, ...] = ()  # `profiler.memory.measure_fresh_copies` (CPU)
     attention: tuple[AttentionSample, ...] = ()  # `profiler.attention` (CPU)
     version: int = PROFILE_VERSION
@@ -287,10 +288,14 @@ class HardwareProfile:
             _positive("fsdp_unit_s", self.fsdp_unit_s, allow_zero=True)
         if self.host_recompute_s is not None:
             if not isinstance(self.host_recompute_s, dict):
-                raise ProfileError(f"host_recompute_s must be a JSON object of recompute kind -> seconds, got "
-                                   f"{self.host_recompute_s!r}")
-            for kind, seconds in self.host_recompute_s.items():
-                _positive(f"host_recompute_s[{kind!r}]", seconds, allow_zero=True)
+                raise ProfileError(f"host_recompute_s must be a JSON object of recompute kind -> [forward, re-run] "
+                                   f"seconds, got {self.host_recompute_s!r}")
+            for kind, pair in self.host_recompute_s.items():
+                if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                    raise ProfileError(f"host_recompute_s[{kind!r}] must be [forward, re-run] seconds per forward "
+                                       f"kernel, got {pair!r}; re-run `autoplan profile`")
+                for seconds in pair:
+                    _positive(f"host_recompute_s[{kind!r}]", seconds, allow_zero=True)
 
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -427,9 +427,9 @@ def test_host_paced_time_lies_between_the_busier_resource_and_both_in_turn(ops, 
 
 
 def test_a_recomputed_layer_pays_the_hosts_rerun_as_the_device_runs_it():
-    """`Efficiency.host_recompute_s`: the host's cost per forward kernel of a recomputed layer
-    (`profiler.dispatch.measure_recompute_host_s`). On a GPU the small tp 8 layer's re-run is host-bound, so
-    each kind's recompute is at least its forward kernels x its host cost, and saving the GEMMs' outputs
+    """`Efficiency.host_recompute_s`: the host's cost per forward kernel of a recomputed layer, forward and re-run
+    (`profiler.dispatch.measure_recompute_host_s`). On a GPU the small tp 8 layer is host-bound, so each kind's
+    recompute is at least its forward kernels x (forward + re-run host cost), and saving the GEMMs' outputs
     (selective) re-runs no GEMM on the device; on a CPU the host's seconds add to the re-run ops' own."""
     from autoplan.cost_model.compute import CPU_RECOMPUTE_S, GPU_RECOMPUTE_S
 
@@ -441,19 +441,21 @@ def test_a_recomputed_layer_pays_the_hosts_rerun_as_the_device_runs_it():
     ctx = make_context(graph, parse_cluster("1x8xh100"), MeshShape(tp=8), 1, "bfloat16", Efficiency(matmul=0.7))
     assert ctx.efficiency.host_recompute_s == GPU_RECOMPUTE_S
     kernels = sum(node_kernels(n, ctx)[0] for n in layer.nodes)
-    rerun = dict(price_assignment(layer, strategies, ctx).layer_recompute_s)
-    for kind, host_s in GPU_RECOMPUTE_S:
-        assert kernels * host_s <= rerun[kind] <= kernels * host_s + price_assignment(layer, strategies, ctx).layer_fwd_compute_s
+    cost = price_assignment(layer, strategies, ctx)
+    rerun = dict(cost.layer_recompute_s)
+    for kind, forward_s, rerun_s in GPU_RECOMPUTE_S:
+        assert kernels * (forward_s + rerun_s) <= rerun[kind] <= kernels * (forward_s + rerun_s) + cost.layer_fwd_compute_s
+    assert rerun["selective"] > rerun["full"]  # selective checkpointing's modes cost more than the GEMMs it saves
     assert price_assignment(layer, strategies, ctx, host=False).layer_recompute_s == ()  # the ILP: kernels' own times
     cpu = make_context(graph, parse_cluster("1x8xcpu"), MeshShape(tp=8), 1, "float32", Efficiency(matmul=0.7))
     cost = price_assignment(layer, strategies, cpu)
     own, saved = cost.layer_fwd_compute_s, dict(cost.layer_saved_fwd_s)
-    for kind, host_s in CPU_RECOMPUTE_S:
+    for kind, forward_s, rerun_s in CPU_RECOMPUTE_S:
         reran = own - sum(saved.get(f, 0.0) for f in ("matmul", "attention") if kind == "selective" or
                           (kind == "matmul-only" and f == "matmul"))
-        assert dict(cost.layer_recompute_s)[kind] == pytest.approx(reran + kernels * host_s, rel=1e-9)
-    measured = dataclasses.replace(_h100_profile(0.5), host_recompute_s={"full": 1e-4, "selective": 3e-4})
+        assert dict(cost.layer_recompute_s)[kind] == pytest.approx(reran + kernels * (forward_s + rerun_s), rel=1e-9)
+    measured = dataclasses.replace(_h100_profile(0.5), host_recompute_s={"full": [1e-5, 1e-4], "selective": [2e-5, 3e-4]})
     _, calibrated = calibrate(parse_cluster("1x8xh100"), None, measured)
-    assert calibrated.host_recompute_s == (("full", 1e-4), ("selective", 3e-4))
-    with pytest.raises(ConfigError, match=r"host_recompute_s\['full'\]=0.5 must be in"):
-        Efficiency(host_recompute_s=(("full", 0.5),))
+    assert calibrated.host_recompute_s == (("full", 1e-5, 1e-4), ("selective", 2e-5, 3e-4))
+    with pytest.raises(ConfigError, match=r"host_recompute_s\['full'\]=\(0.0, 0.5\) must be"):
+        Efficiency(host_recompute_s=(("full", 0.0, 0.5),))
