@@ -171,7 +171,7 @@ class StepModel:
         self._links_of: dict[MeshShape, tuple[AxisGroup, ...]] = {}
         self._schedules: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._p2p: dict[tuple, float] = {}
-        self.floor_memo: dict[tuple, float] = {}  # `cost_model.step_bounds`' slowest-rank floors
+        self.floor_memo: dict[tuple, object] = {}  # the floors' cached parts (`memory_floor_bytes`, `cost_model.step_bounds`)
         self._pipeline: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # (pp, m, v): per boundary byte
 
     def group(self, cfg: Config, axes: tuple[str, ...]) -> AxisGroup:
@@ -294,10 +294,18 @@ class StepModel:
         if key not in self.floor_memo:  # as `times` holds them: the busiest rank's, both ends included
             held = block.activations(cfg.recompute, cfg.context_parallel, spread)
             self.floor_memo[key] = float(held["activation"].sum()) + held["pre"] + held["post"]
-        in_flight, _ = self.schedule(cfg)
-        states = sum(float(st.prefix[k][-1]) for k in ("weights", "grads", "optimizer")) + sum(st.pre[2:]) + sum(st.post[2:])
-        pipeline = float(self._pipeline_bytes(block, cfg, in_flight).sum())  # exact per rank: their mean
-        return (states + float(in_flight.min()) * self.floor_memo[key] + pipeline) / cfg.pp + st.temporary
+        # a deep model's search asks this of hundreds of configurations that share their states and their
+        # schedule and boundary: each sum is found once per what it reads (the same sums, the same bits)
+        states = ("states", id(st))
+        if states not in self.floor_memo:
+            self.floor_memo[states] = (sum(float(st.prefix[k][-1]) for k in ("weights", "grads", "optimizer"))
+                                       + sum(st.pre[2:]) + sum(st.post[2:]))
+        sends = ("sends", id(block), cfg.context_parallel, spread, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
+        if sends not in self.floor_memo:  # the pipeline's bytes, exact per rank (their mean), and f_min
+            in_flight, _ = self.schedule(cfg)
+            self.floor_memo[sends] = (float(self._pipeline_bytes(block, cfg, in_flight).sum()), float(in_flight.min()))
+        pipeline, fewest = self.floor_memo[sends]
+        return (self.floor_memo[states] + fewest * self.floor_memo[key] + pipeline) / cfg.pp + st.temporary
 
     def schedule(self, cfg: Config) -> tuple[np.ndarray, np.ndarray]:
         """Microbatches in flight and the fewest layers per pipeline rank: what the schedule alone decides."""
