@@ -87,7 +87,7 @@ from autoplan.grad_buckets import bucket_count
 from autoplan.validity import ulysses_kv_heads
 from autoplan.cost_model.comm import AxisGroup
 from autoplan.cost_model.compute import Efficiency, adamw_step_bytes, memory_time_s, op_time_s
-from autoplan.cost_model.memory import model_state_bytes, state_bytes_for, temporary_bytes
+from autoplan.cost_model.memory import FP32_BYTES, model_state_bytes, state_bytes_for, temporary_bytes
 from autoplan.cost_model.parallel_dims import (axes_group, expert_all_to_all_s, expert_tp_exchange_s,
                                                ulysses_all_to_all_s)
 from autoplan.validity import stage_min_layers
@@ -247,22 +247,36 @@ class StepModel:
         return w + we, g + ge, o + oe
 
     def states(self, block: BlockCosts, cfg: Config) -> LayerStates:
-        key = (id(block), cfg.zero_stage, cfg.data_ranks, cfg.ep, cfg.precision)  # ep_as moves no parameter
+        held = cfg.num_microbatches > 1  # a step's gradients live through a later microbatch's forward
+        key = (id(block), cfg.zero_stage, cfg.data_ranks, cfg.ep, cfg.precision, held)  # ep_as moves no parameter
         if key not in self._states:
             a = block.arrays("none")
             dense, expert = a["params"], a["expert"] / cfg.ep
             w, g, o = self._split_states(dense, expert, cfg, a["cast"])
-            ends = []
+            cast, temp = self._step_phase(dense, expert, a["cast"], cfg)
+            ends, ends_step = [], []
             for part in (block.pre, block.post):
                 e = part.expert_params / cfg.ep
                 ends.append((part.params, e, *self._split_states(part.params, e, cfg, part.cast_params)))
+                ends_step.append(tuple(float(x) for x in self._step_phase(part.params, e, part.cast_params, cfg)))
             largest = float(np.max(dense + expert)) if dense.size else 0.0
             prefix = {"dense": prefix_sums(dense), "expert": prefix_sums(expert), "weights": prefix_sums(w), "grads": prefix_sums(g),
-                      "optimizer": prefix_sums(o)}
-            self._states[key] = LayerStates(w + g + o, prefix, ends[0], ends[1],
-                                        temporary_bytes(block.comm_buffer_bytes, largest, cfg.zero_stage,
-                                                        state_bytes_for(self.env.dtype, cfg.precision)))
+                      "optimizer": prefix_sums(o), "cast": prefix_sums(cast), "step_temp": prefix_sums(temp)}
+            self._states[key] = LayerStates(w + o + (g if held else 0.0), prefix, ends[0], ends[1],
+                                            temporary_bytes(block.comm_buffer_bytes, largest, cfg.zero_stage,
+                                                            state_bytes_for(self.env.dtype, cfg.precision)),
+                                            grads_held=held, ends_step=(ends_step[0], ends_step[1]))
         return self._states[key]
+
+    def _step_phase(self, dense, expert, cast, cfg: Config):
+        """(autocast's weight copies, AdamW's fp32 temporary) bytes of `dense` and `expert` parameters per rank
+        (`cast` of the dense ones read by GEMMs): the copies are gone by the optimizer step, and foreach AdamW
+        makes one fp32 tensor per parameter it steps (its sqrt of v; 4 B each, of this rank's 1 / data-ranks
+        share under ZeRO 1-3), measured on the lent H200 (benchmarks/README.md, one-GPU steps)."""
+        state = state_bytes_for(self.env.dtype, cfg.precision)
+        data = cfg.data_ranks if cfg.zero_stage >= 1 else 1
+        expert_data = cfg.data_ranks // cfg.ep if cfg.zero_stage >= 1 else 1
+        return state.cast * (cast + expert), FP32_BYTES * (dense / data + expert / expert_data)
 
     def lower_bound_s(self, block: BlockCosts, cfg: Config, fewer_recomputed: int = 0) -> float:
         """A floor under `price(block, cfg).step_time_s` whatever partition the stage DP picks
@@ -297,9 +311,8 @@ class StepModel:
         # a deep model's search asks this of hundreds of configurations that share their states and their
         # schedule and boundary: each sum is found once per what it reads (the same sums, the same bits)
         states = ("states", id(st))
-        if states not in self.floor_memo:
-            self.floor_memo[states] = (sum(float(st.prefix[k][-1]) for k in ("weights", "grads", "optimizer"))
-                                       + sum(st.pre[2:]) + sum(st.post[2:]))
+        if states not in self.floor_memo:  # what forward + backward holds (no gradients in a one-microbatch step)
+            self.floor_memo[states] = float(st.static.sum()) + st.held(st.pre) + st.held(st.post)
         sends = ("sends", id(block), cfg.context_parallel, spread, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
         if sends not in self.floor_memo:  # the pipeline's bytes, exact per rank (their mean), and f_min
             in_flight, _ = self.schedule(cfg)
@@ -322,8 +335,8 @@ class StepModel:
 
     def _problem(self, block: BlockCosts, cfg: Config, t: LayerTimes, st: LayerStates) -> StageProblem:
         pp, p2p = cfg.pp, self.p2p_s(block, cfg)
-        first = Part(t.pre_s, sum(st.pre[2:]), t.ends_bytes[0])
-        last = Part(t.post_s, sum(st.post[2:]), t.ends_bytes[1])
+        first = Part(t.pre_s, st.held(st.pre), t.ends_bytes[0])
+        last = Part(t.post_s, st.held(st.post), t.ends_bytes[1])
         activation = np.diff(t.prefix["activation"])
         in_flight, min_layers = self.schedule(cfg)
         return StageProblem(t.time, st.static, activation, t.transient, in_flight, self.env.memory_limit_bytes,
@@ -423,7 +436,10 @@ class StepModel:
         ends = [(p, e, held) for p, e, held, here in ((block.pre, st.pre, t.ends_bytes[0], stage == 0),
                                                      (block.post, st.post, t.ends_bytes[1], stage == cfg.pp - 1)) if here]
         sums = {k: float(sum(v[b] - v[a] for a, b in ranges)) for k, v in (*t.lists().items(), *st.lists().items())}
-        for p, e, held in ends:
+        for (p, e, held), end in zip(ends, [st.ends_step[k] for k, here in enumerate((stage == 0, stage == cfg.pp - 1))
+                                            if here]):
+            sums["cast"] += end[0]
+            sums["step_temp"] += end[1]
             sums["dense"] += e[0]
             sums["expert"] += e[1]
             sums["weights"] += e[2]
@@ -439,14 +455,11 @@ class StepModel:
         imbalance = in_flight * sums["imbalance"] + transient - mean_transient  # the ep margin's bytes
         activations = in_flight * sums["activation"] + transient - imbalance
         time = sums["time"] + (t.pre_s if stage == 0 else 0.0) + (t.post_s if stage == cfg.pp - 1 else 0.0)
-        temporary = float(problem.extra_bytes[stage])
-        states = sums["weights"] + sums["grads"] + sums["optimizer"]
+        peak = peak_phase(sums, st.grads_held, activations, imbalance, float(problem.extra_bytes[stage]))
         return {
             "time": time + float(problem.overhead_s[stage]), "compute": sums["compute"], "forward": sums["forward"],
             "backward": sums["backward"], "dense": sums["dense"], "expert": sums["expert"],
-            "buckets": sum(b - a for a, b in ranges) + 1, "weights": sums["weights"], "grads": sums["grads"],
-            "optimizer_states": sums["optimizer"], "activations": activations, "temporary": temporary,
-            "imbalance": imbalance, "memory": states + activations + imbalance + temporary,
+            "buckets": sum(b - a for a, b in ranges) + 1, **peak, "memory": sum(peak.values()),
             "optimizer": self.optimizer_s(cfg, sums["dense"] + sums["expert"]),
         }
 
@@ -512,3 +525,21 @@ class StepModel:
         nbytes = sum(count * (2 * (2 * w / g.size + 2 * w) + 2 * gr + 2 * gr / g.size)
                      for count, g in groups if count and g.size > 1)
         return memory_time_s(nbytes, self.env.cluster.device, self.env.efficiency)
+
+
+def peak_phase(sums: dict[str, float], grads_held: bool, activations: float, imbalance: float, temporary: float
+               ) -> dict[str, float]:
+    """A stage's memory at the larger of its two peaks, by part (MemoryBreakdown's):
+
+        forward + backward   weights + optimizer states (+ gradients where a later microbatch's forward finds
+                             them) + activations + the ep margin + temporary buffers
+        optimizer step       weights less autocast's copies + gradients + optimizer states + AdamW's temporary
+
+    (`LayerStates`; the lent H200's one-GPU steps peaked at the first in every case but one, a Llama 3B of two
+    microbatches under bf16-master with small activations, whose optimizer step peaked 1.9 GB higher)."""
+    forward = {"weights": sums["weights"], "grads": sums["grads"] if grads_held else 0.0,
+               "optimizer_states": sums["optimizer"], "activations": activations, "temporary": temporary,
+               "imbalance": imbalance}
+    step = {"weights": sums["weights"] - sums["cast"], "grads": sums["grads"], "optimizer_states": sums["optimizer"],
+            "activations": 0.0, "temporary": sums["step_temp"], "imbalance": 0.0}
+    return step if sum(step.values()) > sum(forward.values()) else forward

@@ -49,13 +49,23 @@ class LayerTimes:
 
 @dataclass
 class LayerStates:
-    """Per-layer model-state bytes for one (solution, ZeRO, data-parallel ranks, ep), with prefix sums."""
+    """Per-layer model-state bytes for one (solution, ZeRO, data-parallel ranks, ep, precision, whether a step's
+    gradients live through its forward), with prefix sums. `static`: what a layer holds at the peak of forward +
+    backward (`grads_held`: a step of one microbatch frees its gradients as it starts and makes them while backward
+    frees the activations, so that peak holds none); prefix "cast" and "step_temp": the autocast copies (gone by
+    the optimizer step) and AdamW's fp32 temporary (4 B per parameter it steps), for the optimizer step's peak."""
 
     static: np.ndarray
-    prefix: dict[str, np.ndarray]  # dense, expert, weights, grads, optimizer
+    prefix: dict[str, np.ndarray]  # dense, expert, weights, grads, optimizer, cast, step_temp
     pre: tuple[float, float, float, float, float]  # dense, expert, weights, grads, optimizer
     post: tuple[float, float, float, float, float]
     temporary: float
     _lists: dict | None = None
+    grads_held: bool = True
+    ends_step: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))  # (cast, step_temp) per end
 
     lists = LayerTimes.lists
+
+    def held(self, end: tuple[float, ...]) -> float:
+        """The model-state bytes an end (`pre` / `post`) holds at the peak of forward + backward."""
+        return end[2] + end[4] + (end[3] if self.grads_held else 0.0)
