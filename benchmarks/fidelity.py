@@ -109,7 +109,7 @@ def llama3_price(gpus: int, cp: int, seq: int, layout: str = "megatron") -> tupl
     assignment = megatron_assignment(graph, default_registry(), mesh.tp, config.rule_info(), sequence_parallel=True)
     batch, cluster = 16 * 2**20 // seq, parse_cluster(f"{gpus // 8}x8xh100")
     shared = dict(schedule="interleaved-1f1b", virtual_stages=8, stage_layers=(0,) + (1,) * 126 + (0,),
-                  efficiency=META_HOSTS)
+                  efficiency=META_HOSTS, precision="bf16-master")  # bf16 weights, fp32 masters, as Megatron-LM keeps them
     plans = []
     for recompute in RECOMPUTE_ORDER:
         if layout == "solver":
