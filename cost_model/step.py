@@ -100,7 +100,7 @@ from autoplan.cost_model.parts import BlockCosts, PartCost
 from autoplan.plan import MemoryBreakdown, TimeBreakdown
 from autoplan.cost_model.step_config import ITEMSIZE, Config
 from autoplan.cost_model.step_bounds import rising_floors, step_time_floor_s
-from autoplan.cost_model.step_sums import LayerStates, LayerTimes, flat_value, prefix_sums, range_peak
+from autoplan.cost_model.step_sums import LayerStates, LayerTimes, flat_value, peak_phase, prefix_sums, range_peak
 
 
 class StagePartitionLike(Protocol):
@@ -526,20 +526,3 @@ class StepModel:
                      for count, g in groups if count and g.size > 1)
         return memory_time_s(nbytes, self.env.cluster.device, self.env.efficiency)
 
-
-def peak_phase(sums: dict[str, float], grads_held: bool, activations: float, imbalance: float, temporary: float
-               ) -> dict[str, float]:
-    """A stage's memory at the larger of its two peaks, by part (MemoryBreakdown's):
-
-        forward + backward   weights + optimizer states (+ gradients where a later microbatch's forward finds
-                             them) + activations + the ep margin + temporary buffers
-        optimizer step       weights less autocast's copies + gradients + optimizer states + AdamW's temporary
-
-    (`LayerStates`; the lent H200's one-GPU steps peaked at the first in every case but one, a Llama 3B of two
-    microbatches under bf16-master with small activations, whose optimizer step peaked 1.9 GB higher)."""
-    forward = {"weights": sums["weights"], "grads": sums["grads"] if grads_held else 0.0,
-               "optimizer_states": sums["optimizer"], "activations": activations, "temporary": temporary,
-               "imbalance": imbalance}
-    step = {"weights": sums["weights"] - sums["cast"], "grads": sums["grads"], "optimizer_states": sums["optimizer"],
-            "activations": 0.0, "temporary": sums["step_temp"], "imbalance": 0.0}
-    return step if sum(step.values()) > sum(forward.values()) else forward
