@@ -125,17 +125,23 @@ def test_a_small_tp8_layer_pays_a_floor_per_kernel_and_a_fixed_cost_per_collecti
     assert calls == pytest.approx((4, 6))
 
 
-def test_a_layer_takes_at_least_the_hosts_dispatch_of_its_kernels_forward_and_backward_apart():
-    """The same small tp 8 layer: its kernels' own times are microseconds, so on a GPU the host's dispatch
-    (kernels x host_kernel_s, `compute.host_paced_s`) sets its forward and its backward; a wide layer's GEMMs
-    hide it but for the first kernel's issue; a CPU's ops hold their dispatch already (0); a profile's
-    measurement replaces the default."""
+def _small_tp8_layer():
+    """(graph, its layer 0, Megatron's tp 8 strategies, an H100 context): a layer whose kernels take microseconds."""
     config = ModelConfig("small-llama", "llama", 2, 512, 8, 8, 1024, 512, 128)
     graph = capture(build_model(config, "meta", torch.bfloat16), config, 1, 128)
     registry, info = default_registry(), config.rule_info()
     strategies = resolve_strategies(graph, registry, info, 8, megatron_assignment(graph, registry, 8, info))
     layer = dataclasses.replace(graph, nodes=tuple(n for n in graph.nodes if n.layer == 0))
-    ctx = make_context(graph, parse_cluster("1x8xh100"), MeshShape(tp=8), 1, "bfloat16", Efficiency(matmul=0.7))
+    return graph, layer, strategies, make_context(graph, parse_cluster("1x8xh100"), MeshShape(tp=8), 1, "bfloat16",
+                                                  Efficiency(matmul=0.7))
+
+
+def test_a_layer_takes_at_least_the_hosts_dispatch_of_its_kernels_forward_and_backward_apart():
+    """The same small tp 8 layer: its kernels' own times are microseconds, so on a GPU the host's dispatch
+    (kernels x host_kernel_s, `compute.host_paced_s`) sets its forward and its backward; a wide layer's GEMMs
+    hide it but for the first kernel's issue; a CPU's ops hold their dispatch already (0); a profile's
+    measurement replaces the default."""
+    graph, layer, strategies, ctx = _small_tp8_layer()
     assert ctx.efficiency.host_kernel_s == HOST_KERNEL_S
     fwd, bwd = (sum(node_kernels(n, ctx)[k] for n in layer.nodes) for k in (0, 1))
     assert (fwd, bwd) == (14, 33)  # as the floor counts them
@@ -146,6 +152,7 @@ def test_a_layer_takes_at_least_the_hosts_dispatch_of_its_kernels_forward_and_ba
     wide = ModelConfig("wide-llama", "llama", 2, 8192, 64, 8, 28672, 512, 4096)
     wide_graph = capture(build_model(wide, "meta", torch.bfloat16), wide, 1, 4096)
     wide_layer = dataclasses.replace(wide_graph, nodes=tuple(n for n in wide_graph.nodes if n.layer == 0))
+    registry = default_registry()
     wide_strategies = resolve_strategies(wide_graph, registry, wide.rule_info(), 1,
                                          megatron_assignment(wide_graph, registry, 1, wide.rule_info()))
     wide_ctx = make_context(wide_graph, parse_cluster("1x8xh100"), MeshShape(dp=8), 1, "bfloat16")
@@ -433,12 +440,7 @@ def test_a_recomputed_layer_pays_the_hosts_rerun_as_the_device_runs_it():
     (selective) re-runs no GEMM on the device; on a CPU the host's seconds add to the re-run ops' own."""
     from autoplan.cost_model.compute import CPU_RECOMPUTE_S, GPU_RECOMPUTE_S
 
-    config = ModelConfig("small-llama", "llama", 2, 512, 8, 8, 1024, 512, 128)
-    graph = capture(build_model(config, "meta", torch.bfloat16), config, 1, 128)
-    registry, info = default_registry(), config.rule_info()
-    strategies = resolve_strategies(graph, registry, info, 8, megatron_assignment(graph, registry, 8, info))
-    layer = dataclasses.replace(graph, nodes=tuple(n for n in graph.nodes if n.layer == 0))
-    ctx = make_context(graph, parse_cluster("1x8xh100"), MeshShape(tp=8), 1, "bfloat16", Efficiency(matmul=0.7))
+    graph, layer, strategies, ctx = _small_tp8_layer()
     assert ctx.efficiency.host_recompute_s == GPU_RECOMPUTE_S
     kernels = sum(node_kernels(n, ctx)[0] for n in layer.nodes)
     cost = price_assignment(layer, strategies, ctx)
