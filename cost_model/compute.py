@@ -260,12 +260,13 @@ class Efficiency:
             return out
         return replace(out, gemm=GemmEfficiency.from_device_default(device))
 
-    def for_node(self, node: "NodeInfo", strategy: str) -> "Efficiency":
-        """This efficiency with `memory` = the measured efficiency of the fused kernel that runs
-        `node` under `strategy`, where the kernels are Triton and it was measured; else itself."""
+    def for_node(self, node: "NodeInfo", strategy: str, direction: str | None = None) -> "Efficiency":
+        """This efficiency with `memory` = the measured efficiency of the kernel that runs `node` under
+        `strategy` (Triton, or on a CPU its torch fallback) in pass `direction` ("fwd" | "bwd"; None: both
+        pooled), where a profile measured it; else itself."""
         if not self.kernels.measured:
             return self
-        e = self.kernels.efficiency(node_kernel(node, strategy))
+        e = self.kernels.efficiency(node_kernel(node, strategy, eager=not self.kernels.triton), direction)
         if e is None:
             return self
         if e not in self._by_kernel:  # one copy per distinct efficiency, not one per node priced
