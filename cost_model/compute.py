@@ -50,6 +50,14 @@ their fp32 master, one temporary for the denominator) 4 bytes each and its gradi
 m and v; torch 2.13's AdamW on one CPU thread, over the 10M parameters of benchmarks/step_fidelity.py's
 models, took the time of 80 to 130 bytes per parameter at the profile's copy bandwidth).
 
+Those passes run tensor by tensor, at the bandwidth of the tensor's size (`adamw_time_s`), where a CPU
+profile measured fresh-allocation copies by size (`cost_model.eager`): the three passes into d write
+temporaries that torch allocates (sqrt, the division), at the fresh-copy curve read at the tensor's fp32
+bytes; the in-place passes at the faster of that and the flat copy (a small tensor's passes after the
+first find it in cache, as a small fresh copy's destination is; a large one streams as the flat 256 MiB
+copy does, without the fresh allocation's page faults). The tensor's size: `StepModel.optimizer_s`'s
+representative tensor. Without the curve (GPUs, older profiles): every pass at the flat copy.
+
 Every op with parameters also pays, in backward, autograd's accumulation of the microbatch's weight
 gradient into .grad (read both, write one: 3 x the gradient bytes per parameter; the first microbatch
 of a step could skip it, which is ignored).
@@ -513,6 +521,25 @@ def adamw_step_bytes(grad_bytes: float, weight_bytes: float) -> float:
     (72 + 2 g), the gradient norm before it (g), and the master's cast into weights narrower than fp32."""
     cast = ADAM_STATE_BYTES + weight_bytes if weight_bytes < ADAM_STATE_BYTES else 0.0
     return 18 * ADAM_STATE_BYTES + 3 * grad_bytes + cast
+
+
+ADAMW_FRESH_BYTES = 6 * ADAM_STATE_BYTES  # d = sqrt(v) / c2 + eps: its three passes, into fresh temporaries
+
+
+def adamw_time_s(params: float, grad_bytes: float, weight_bytes: float, tensor_params: float, device: DeviceSpec,
+                 efficiency: Efficiency) -> float:
+    """Seconds of the optimizer step over `params` local parameters in tensors of `tensor_params` each (module
+    docstring): the temporaries' bytes at the fresh-copy curve at the tensor's fp32 bytes, the rest at the faster
+    of that and the flat copy; all at the flat copy where no curve was measured. One kernel's floor at least."""
+    total = adamw_step_bytes(grad_bytes, weight_bytes) * params
+    curve = efficiency.fresh_copies
+    if curve is None:
+        return efficiency.kernels_s(memory_time_s(total, device, efficiency))
+    fresh = curve.bandwidth(tensor_params * ADAM_STATE_BYTES)
+    in_place = max(device.memory_bandwidth_bytes_per_s, fresh)
+    temporaries = ADAMW_FRESH_BYTES * params
+    seconds = (total - temporaries) / in_place + temporaries / fresh
+    return efficiency.kernels_s(seconds / efficiency.memory)
 
 
 def grad_accumulation_bytes(local_param_bytes: float) -> float:

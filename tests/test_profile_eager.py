@@ -218,3 +218,34 @@ def test_the_runtimes_kernels_are_timed_as_their_torch_fallbacks_on_a_cpu():
     assert all(s.time_s > 0 and s.dtype == "float32" for s in samples)
     assert samples[0].bytes == EAGER_BYTES["rms_norm"](CPU_SHAPES["rms_norm"][0], 4)[0]
     assert measure_eager_kernels(torch.device("meta")) == ()
+
+
+# ------------------------------------------------------------------------------ the optimizer, tensor by tensor
+
+
+def test_the_optimizer_is_priced_at_the_bandwidth_of_its_tensors_size():
+    """AdamW's passes at the fresh-copy curve read at the tensor's fp32 bytes (in place: no slower than the flat
+    copy; the temporaries into d: the curve alone), all at the flat copy without a curve; and in a plan, a curve
+    twice as fast at the model's tensor sizes halves the optimizer's price."""
+    from autoplan.api import estimate
+    from autoplan.cost_model.compute import ADAMW_FRESH_BYTES, adamw_step_bytes, adamw_time_s
+
+    curve = (MemorySample(MiB, 2 * MiB / 50e9), MemorySample(16 * MiB, 32 * MiB / 50e9),
+             MemorySample(64 * MiB, 128 * MiB / 5e9))
+    flat, curved = (_ctx(_small_llama()[0], p).efficiency for p in (_cpu_profile(), _cpu_profile(fresh_copies=curve)))
+    device = parse_cluster("1x2xcpu").device
+    device = dataclasses.replace(device, memory_bandwidth_bytes_per_s=1e10)  # the profile's flat copy
+    per_param = adamw_step_bytes(4, 4)
+    assert adamw_time_s(1e6, 4, 4, 2**18, device, flat) == pytest.approx(per_param * 1e6 / 1e10 / 0.8)
+    assert adamw_time_s(1e6, 4, 4, 2**18, device, curved) == pytest.approx(per_param * 1e6 / 50e9 / 0.8)
+    big = (per_param - ADAMW_FRESH_BYTES) * 64e6 / 1e10 + ADAMW_FRESH_BYTES * 64e6 / 5e9
+    assert adamw_time_s(64e6, 4, 4, 2**24, device, curved) == pytest.approx(big / 0.8)
+
+    def optimizer_s(bandwidth: float) -> float:
+        fresh = tuple(MemorySample(m.buffer_bytes, m.time_s * 50e9 / bandwidth) for m in curve)
+        plan = estimate(ModelConfig("opt-llama", "llama", 2, 384, 6, 2, 1024, 4096, 256), "1x1xcpu", 2, 256,
+                        mesh=MeshShape(), microbatch_size=2, zero_stage=0, recompute="none", dtype="float32",
+                        profile=_cpu_profile(fresh_copies=fresh))
+        return plan.predicted.time.optimizer_s
+
+    assert optimizer_s(100e9) == pytest.approx(optimizer_s(50e9) / 2, rel=1e-6)
