@@ -268,13 +268,14 @@ class Efficiency:
             return out
         return replace(out, gemm=GemmEfficiency.from_device_default(device))
 
-    def for_node(self, node: "NodeInfo", strategy: str, direction: str | None = None) -> "Efficiency":
+    def for_node(self, node: "NodeInfo", strategy: str, direction: str | None = None, nbytes: float | None = None
+                 ) -> "Efficiency":
         """This efficiency with `memory` = the measured efficiency of the kernel that runs `node` under
-        `strategy` (Triton, or on a CPU its torch fallback) in pass `direction` ("fwd" | "bwd"; None: both
-        pooled), where a profile measured it; else itself."""
+        `strategy` (Triton, or on a CPU its torch fallback) in pass `direction` ("fwd" | "bwd") at the pass's
+        `nbytes` (None: both passes pooled), where a profile measured it (`cost_model.kernels`); else itself."""
         if not self.kernels.measured:
             return self
-        e = self.kernels.efficiency(node_kernel(node, strategy, eager=not self.kernels.triton), direction)
+        e = self.kernels.efficiency(node_kernel(node, strategy, eager=not self.kernels.triton), direction, nbytes)
         if e is None:
             return self
         if e not in self._by_kernel:  # one copy per distinct efficiency, not one per node priced

@@ -17,9 +17,13 @@ A kernel's efficiency, measured (`autoplan profile` on CUDA, `profiler.kernels`)
 
     e_k = (sum of bytes / sum of time_s over the kernel's samples, fwd and bwd) / copy bandwidth
 
-and, where a pass was measured, that pass's own (its samples alone), which prices the nodes' forward
-and backward apart (`FusedKernels.passes`; eager RMSNorm's backward on a CPU ran 10-20 times slower
-per byte than its forward, so one pooled figure would price a recomputed forward at the backward's rate)
+and, where a pass was measured, that pass's own by size (`FusedKernels.passes`): each sample's
+bytes / time_s / copy, interpolated piecewise linearly in (log bytes, log e_k) at the node's bytes of
+that pass and clamped to the smallest and largest sample (`cost_model.eager`'s curves' rule). Forward
+and backward apart: eager RMSNorm's backward on a CPU ran 3-15 times slower per byte than its forward;
+by size: it ran at 14 GB/s over a 1.5 MiB activation and 1.2 GB/s over 16 MiB, so a figure pooled over
+sizes prices a small model's norms by its largest sample. A node looks its kernel up at its own bytes:
+for silu_mul's two nodes 2/5 and 3/5 of the kernel's (forward), which the curve reads a little off.
 
 with bytes the least HBM traffic of each pass (`profiler.kernels.BYTES`) and the copy bandwidth
 the same profile's device-to-device copy. With a profile loaded the cost model prices HBM at that
@@ -57,6 +61,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from autoplan.cost_model.eager import log_interpolate, merged_points
 from autoplan.errors import ConfigError
 from autoplan.plan import KERNELS
 from autoplan.profiler.profile import KERNEL_NAMES, same_device
@@ -102,24 +107,29 @@ class FusedKernels:
     triton: bool | None = None
     measured: tuple[tuple[str, float], ...] = ()
     source: str = ""
-    passes: tuple[tuple[str, str, float], ...] = ()  # (kernel, "fwd" | "bwd", e_k of that pass alone)
+    # (kernel, "fwd" | "bwd", ((bytes, e_k), ...) of that pass's samples, ascending in bytes)
+    passes: tuple[tuple[str, str, tuple[tuple[float, float], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if self.option not in KERNELS:
             raise ConfigError(f"kernels {self.option!r} must be one of {KERNELS}")
-        for name, value in self.measured + tuple((k, e) for k, _, e in self.passes):
+        for name, value in self.measured + tuple((k, e) for k, _, points in self.passes for _, e in points):
             if name not in KERNEL_NAMES:
                 raise ConfigError(f"measured kernel {name!r} is not one of {KERNEL_NAMES}")
             if not (isinstance(value, float) and math.isfinite(value) and value > 0):
                 raise ConfigError(f"measured efficiency of {name!r} must be a finite float > 0, "
                                   f"got {value!r}")
 
-    def efficiency(self, kernel: str | None, direction: str | None = None) -> float | None:
+    def efficiency(self, kernel: str | None, direction: str | None = None, nbytes: float | None = None
+                   ) -> float | None:
         """e_k of `kernel` (capped at 1) where the variant that runs measured it, else None: of the pass
-        `direction` ("fwd" | "bwd") where that was measured apart, else of both pooled."""
+        `direction` ("fwd" | "bwd") at `nbytes` where that pass was measured, else both pooled."""
         if kernel is None:
             return None
-        value = {(k, d): e for k, d, e in self.passes}.get((kernel, direction)) or dict(self.measured).get(kernel)
+        points = {(k, d): p for k, d, p in self.passes}.get((kernel, direction))
+        if points and nbytes is not None:
+            return min(log_interpolate(points, max(nbytes, 1.0)), 1.0)
+        value = dict(self.measured).get(kernel)
         return None if value is None else min(value, 1.0)
 
     def note(self, memory: float) -> str:
@@ -149,16 +159,14 @@ def measured_efficiencies(profile: "HardwareProfile") -> tuple[tuple[str, float]
     return tuple((k, float(moved[k] / taken[k] / copy)) for k in KERNEL_NAMES if taken.get(k))
 
 
-def pass_efficiencies(profile: "HardwareProfile") -> tuple[tuple[str, str, float], ...]:
-    """(kernel, direction, e_k) for every pass with samples in `profile`: that pass's bytes over its time,
-    over the copy bandwidth (module docstring)."""
-    moved, taken = defaultdict(float), defaultdict(float)
-    for s in profile.kernels:
-        moved[s.kernel, s.direction] += s.bytes
-        taken[s.kernel, s.direction] += s.time_s
+def pass_efficiencies(profile: "HardwareProfile") -> tuple[tuple[str, str, tuple[tuple[float, float], ...]], ...]:
+    """(kernel, direction, ((bytes, e_k), ...)) for every pass with samples in `profile`: each sample's bytes
+    over its time, over the copy bandwidth, ascending in bytes (equal sizes merged; module docstring)."""
+    points = defaultdict(list)
     copy = profile.memory.bandwidth_bytes_per_s
-    return tuple((k, d, float(moved[k, d] / taken[k, d] / copy)) for k in KERNEL_NAMES for d in ("fwd", "bwd")
-                 if taken.get((k, d)))
+    for s in profile.kernels:
+        points[s.kernel, s.direction].append((float(s.bytes), s.bytes / s.time_s / copy))
+    return tuple((k, d, merged_points(points[k, d])) for k in KERNEL_NAMES for d in ("fwd", "bwd") if points.get((k, d)))
 
 
 def fused_kernels(option: str, device: "DeviceSpec", profile: "HardwareProfile | None" = None

@@ -261,7 +261,8 @@ def render_profile(profile: HardwareProfile, console=None) -> None:
     if profile.kernels:
         from autoplan.cost_model.kernels import pass_efficiencies
 
-        effs = ", ".join(f"{k} {d} {e:.0%}" for k, d, e in pass_efficiencies(profile))
+        effs = ", ".join(f"{k} {d} " + "/".join(f"{e:.0%}" for _, e in points)
+                         for k, d, points in pass_efficiencies(profile))
         which = "fused kernels" if profile.device_kind == "cuda" else "kernels as torch runs them"
         table.add_row(f"{which} ({len(profile.kernels)} samples)", f"of copy bandwidth: {effs}")
     if profile.fsdp_unit_s is not None:

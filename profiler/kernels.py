@@ -17,7 +17,7 @@ imported by the kernels themselves, on first use.
 
 On a CPU the runtime runs the same op kinds as their torch fallbacks (`runtime.kernels`, backend
 "torch", as `runtime.kernel_ops` calls them), and `measure_eager_kernels` times those instead, at
-`CPU_SHAPES` (the per-rank tensors of small models, 0.5-16 MiB: below glibc's mmap threshold, where
+`CPU_SHAPES` (the per-rank tensors of small models, 0.4-16 MiB: below glibc's mmap threshold, where
 `cost_model.eager`'s fresh-copy curve prices the fall-off above it), one thread's CPU time per fastest
 window (`profiler.gemm.fastest_call_s`), forward with autograd recording as in training. Their bytes
 are not the least traffic but what the cost model counts for the nodes each runs (`EAGER_BYTES`,
@@ -70,12 +70,14 @@ SHAPES: dict[str, list[dict[str, int]]] = {
 }
 # CPU: the runtime's torch fallbacks at per-rank sizes of small models (module docstring)
 CPU_SHAPES: dict[str, list[dict[str, int]]] = {
-    "rms_norm": [dict(tokens=1024, hidden=384), dict(tokens=2048, hidden=768), dict(tokens=4096, hidden=1024)],
-    "layer_norm": [dict(tokens=1024, hidden=384), dict(tokens=2048, hidden=768), dict(tokens=4096, hidden=1024)],
-    "silu_mul": [dict(tokens=1024, ffn=1024), dict(tokens=512, ffn=512), dict(tokens=2048, ffn=2048)],
-    "bias_gelu": [dict(tokens=1024, ffn=1536), dict(tokens=512, ffn=768), dict(tokens=2048, ffn=2048)],
-    "add": [dict(tokens=1024, hidden=384), dict(tokens=2048, hidden=768), dict(tokens=4096, hidden=1024)],
-    "cross_entropy": [dict(tokens=1024, vocab=4096), dict(tokens=512, vocab=2048), dict(tokens=2048, vocab=2048)],
+    "rms_norm": [dict(tokens=1024, hidden=384), dict(tokens=256, hidden=384), dict(tokens=2048, hidden=768),
+                 dict(tokens=4096, hidden=1024)],
+    "layer_norm": [dict(tokens=1024, hidden=384), dict(tokens=256, hidden=384), dict(tokens=2048, hidden=768),
+                   dict(tokens=4096, hidden=1024)],
+    "silu_mul": [dict(tokens=1024, ffn=1024), dict(tokens=256, ffn=512), dict(tokens=2048, ffn=2048)],
+    "bias_gelu": [dict(tokens=1024, ffn=1536), dict(tokens=256, ffn=768), dict(tokens=2048, ffn=2048)],
+    "add": [dict(tokens=1024, hidden=384), dict(tokens=256, hidden=384), dict(tokens=4096, hidden=1024)],
+    "cross_entropy": [dict(tokens=1024, vocab=4096), dict(tokens=256, vocab=2048), dict(tokens=2048, vocab=2048)],
 }
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # short name -> torch's
 

@@ -185,14 +185,16 @@ def _eager_samples(kernel: str, shape: dict[str, int], fwd_gbps: float, bwd_gbps
 
 
 def test_eager_kernels_price_their_nodes_at_the_measured_rates_each_pass_apart():
-    """RMSNorm measured at 5 GB/s forward and 1 GB/s backward (the profile's copy: 10 GB/s): the norm's forward
-    takes its bytes at 5 GB/s and its backward at 1, and halving the backward's rate adds its bytes at 1 GB/s;
+    """RMSNorm measured at 5 GB/s forward and 1 GB/s backward at the node's size (the profile's copy: 10 GB/s),
+    and far slower at a larger one: the norm's forward takes its bytes at 5 GB/s and its backward at 1, and
+    halving the backward's rate adds its bytes at 1 GB/s;
     the residual add takes its own rate; every other node, and a plan with kernels "triton", prices as
     without the samples."""
     graph, strategies = _small_llama()
     norm_shape, add_shape = {"tokens": 2048, "hidden": 384}, {"tokens": 2048, "hidden": 384}  # 8 x 256 tokens
-    measured = _eager_samples("rms_norm", norm_shape, 5.0, 1.0) + _eager_samples("add", add_shape, 2.5, 2.5)
-    halved = _eager_samples("rms_norm", norm_shape, 5.0, 0.5) + _eager_samples("add", add_shape, 2.5, 2.5)
+    larger = _eager_samples("rms_norm", {"tokens": 8192, "hidden": 1024}, 1.0, 0.1)  # priced by size: not read
+    measured = _eager_samples("rms_norm", norm_shape, 5.0, 1.0) + _eager_samples("add", add_shape, 2.5, 2.5) + larger
+    halved = _eager_samples("rms_norm", norm_shape, 5.0, 0.5) + _eager_samples("add", add_shape, 2.5, 2.5) + larger
     ctxs = {name: _ctx(graph, _cpu_profile(kernels=k), kernels) for name, k, kernels in
             (("plain", (), "auto"), ("measured", measured, "auto"), ("halved", halved, "auto"),
              ("triton", measured, "triton"))}
@@ -209,7 +211,7 @@ def test_eager_kernels_price_their_nodes_at_the_measured_rates_each_pass_apart()
             assert times["measured"][name] == plain, name
         assert times["triton"][name] == plain, name
     note = ctxs["measured"].efficiency.kernels.note(0.8)
-    assert "torch eager" in note and "rms_norm 0.15" in note  # the note gives both passes pooled
+    assert "torch eager" in note and "rms_norm 0.02" in note  # the note gives both passes and sizes pooled
 
 
 def test_the_runtimes_kernels_are_timed_as_their_torch_fallbacks_on_a_cpu():
