@@ -18,7 +18,8 @@ measurements when one is loaded, else the default curve of the device (sustained
 small GEMMs); small and skinny GEMMs are not at peak. e_memory = 0.80: device-to-device copies reach
 ~4.07 of 4.8 TB/s on the H200 (0.85, ENVIRONMENT.md) and elementwise kernels a little less. A node that
 the runtime runs with a fused Triton kernel takes that kernel's measured efficiency instead, when the
-plan's kernels are Triton and a profile measured it (`cost_model.kernels`, `Efficiency.for_node`).
+plan's kernels are Triton and a profile measured it; on a CPU, where the runtime runs the kernels' torch
+fallbacks, their measured efficiency, per pass and by size (`cost_model.kernels`, `Efficiency.for_node`).
 
 Memory-bound bytes per element of a tensor of the op (i = its itemsize), forward / backward:
 
