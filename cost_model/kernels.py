@@ -31,8 +31,8 @@ copy bandwidth (`calibration.device_spec_from_profile`), so a node of B bytes ta
 B / (copy * e_k) = B / (the kernel's achieved bytes/s). e_k is capped at 1: no node is priced
 faster than a copy of its bytes. A kernel without a measurement (no profile, a profile made
 without CUDA, or one that lacks it) takes `Efficiency.memory`, the same fraction as torch eager,
-and the plan's notes say "assumed"; eager torch ("torch", or "auto" on a CPU cluster) always
-takes `Efficiency.memory`.
+and the plan's notes say "assumed"; eager torch ("torch", or "auto" on a CPU cluster) takes
+`Efficiency.memory` unless a CPU profile measured the torch fallbacks (below).
 
 On a CPU (eager torch: "torch", or "auto" on a CPU cluster) the runtime runs the same op kinds as
 the kernels' torch fallbacks, and the residual add as torch's; a CPU profile times those
@@ -58,7 +58,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from autoplan.cost_model.eager import log_interpolate, merged_points
@@ -109,6 +109,7 @@ class FusedKernels:
     source: str = ""
     # (kernel, "fwd" | "bwd", ((bytes, e_k), ...) of that pass's samples, ascending in bytes)
     passes: tuple[tuple[str, str, tuple[tuple[float, float], ...]], ...] = ()
+    _by_pass: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.option not in KERNELS:
@@ -119,6 +120,7 @@ class FusedKernels:
             if not (isinstance(value, float) and math.isfinite(value) and value > 0):
                 raise ConfigError(f"measured efficiency of {name!r} must be a finite float > 0, "
                                   f"got {value!r}")
+        self._by_pass.update(((k, d), points) for k, d, points in self.passes)  # looked up per node priced
 
     def efficiency(self, kernel: str | None, direction: str | None = None, nbytes: float | None = None
                    ) -> float | None:
@@ -126,7 +128,7 @@ class FusedKernels:
         `direction` ("fwd" | "bwd") at `nbytes` where that pass was measured, else both pooled."""
         if kernel is None:
             return None
-        points = {(k, d): p for k, d, p in self.passes}.get((kernel, direction))
+        points = self._by_pass.get((kernel, direction))
         if points and nbytes is not None:
             return min(log_interpolate(points, max(nbytes, 1.0)), 1.0)
         value = dict(self.measured).get(kernel)
