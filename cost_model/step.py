@@ -23,10 +23,8 @@ sends (`cost_model.pipeline`). Per optimizer step:
                       sync (the largest over stages; ZeRO rules below)
     bubble_s        = (sum of stage times - slowest) / v
     optimizer_s     = torch's AdamW over the stage's local parameters (ZeRO 1-3: their 1 / data-parallel
-                      share), its passes over memory (`compute.adamw_step_bytes`; the largest stage), at
-                      the bandwidth of a representative tensor's size where a CPU profile measured it by
-                      size (`compute.adamw_time_s`): a layer's hidden x hidden projection, its tp shard,
-                      and under ZeRO its 1 / data-ranks slice
+                      share), its passes over memory (`compute.adamw_time_s`: at a hidden x hidden tensor's
+                      size, its tp shard's and ZeRO slice's, where a CPU profile measured copies by size)
 
 Data-parallel sync per stage, over dp x ep x cp ranks for dense parameters and dp x cp for expert
 ones (whatever etp: the ranks holding the same experts differ only in dp and cp), as the runtime runs
@@ -277,8 +275,7 @@ class StepModel:
         """AdamW's step over a stage's `params` (ZeRO 1-3: this rank's 1 / data-ranks share of them)."""
         shard = cfg.data_ranks if cfg.zero_stage >= 1 else 1
         tensor = self.env.model.hidden ** 2 / (cfg.mesh.tp * shard)  # the representative tensor (module docstring)
-        return adamw_time_s(params / shard, self.state.grad, self.state.weight, tensor, self.env.cluster.device,
-                            self.env.efficiency)
+        return adamw_time_s(params / shard, self.state.grad, self.state.weight, tensor, self.env.cluster.device, self.env.efficiency)
 
     def memory_floor_bytes(self, block: BlockCosts, cfg: Config) -> float:
         """A floor under the busiest pipeline rank's memory, whatever the partition (given or searched, ranks
