@@ -18,7 +18,8 @@ measurements when one is loaded, else the default curve of the device (sustained
 small GEMMs); small and skinny GEMMs are not at peak. e_memory = 0.80: device-to-device copies reach
 ~4.07 of 4.8 TB/s on the H200 (0.85, ENVIRONMENT.md) and elementwise kernels a little less. A node that
 the runtime runs with a fused Triton kernel takes that kernel's measured efficiency instead, when the
-plan's kernels are Triton and a profile measured it (`cost_model.kernels`, `Efficiency.for_node`).
+plan's kernels are Triton and a profile measured it; on a CPU, where the runtime runs the kernels' torch
+fallbacks, their measured efficiency, per pass and by size (`cost_model.kernels`, `Efficiency.for_node`).
 
 Memory-bound bytes per element of a tensor of the op (i = its itemsize), forward / backward:
 
@@ -49,6 +50,14 @@ their fp32 master, one temporary for the denominator) 4 bytes each and its gradi
 (the plain fp32 step: 84 bytes per parameter, 3.5 times the 24 of one pass over weights, gradients,
 m and v; torch 2.13's AdamW on one CPU thread, over the 10M parameters of benchmarks/step_fidelity.py's
 models, took the time of 80 to 130 bytes per parameter at the profile's copy bandwidth).
+
+Those passes run tensor by tensor, at the bandwidth of the tensor's size (`adamw_time_s`), where a CPU
+profile measured fresh-allocation copies by size (`cost_model.eager`): the three passes into d write
+temporaries that torch allocates (sqrt, the division), at the fresh-copy curve read at the tensor's fp32
+bytes; the in-place passes at the faster of that and the flat copy (a small tensor's passes after the
+first find it in cache, as a small fresh copy's destination is; a large one streams as the flat 256 MiB
+copy does, without the fresh allocation's page faults). The tensor's size: `StepModel.optimizer_s`'s
+representative tensor. Without the curve (GPUs, older profiles): every pass at the flat copy.
 
 Every op with parameters also pays, in backward, autograd's accumulation of the microbatch's weight
 gradient into .grad (read both, write one: 3 x the gradient bytes per parameter; the first microbatch
@@ -264,12 +273,14 @@ class Efficiency:
             return out
         return replace(out, gemm=GemmEfficiency.from_device_default(device))
 
-    def for_node(self, node: "NodeInfo", strategy: str) -> "Efficiency":
-        """This efficiency with `memory` = the measured efficiency of the fused kernel that runs
-        `node` under `strategy`, where the kernels are Triton and it was measured; else itself."""
+    def for_node(self, node: "NodeInfo", strategy: str, direction: str | None = None, nbytes: float | None = None
+                 ) -> "Efficiency":
+        """This efficiency with `memory` = the measured efficiency of the kernel that runs `node` under
+        `strategy` (Triton, or on a CPU its torch fallback) in pass `direction` ("fwd" | "bwd") at the pass's
+        `nbytes` (None: both passes pooled), where a profile measured it (`cost_model.kernels`); else itself."""
         if not self.kernels.measured:
             return self
-        e = self.kernels.efficiency(node_kernel(node, strategy))
+        e = self.kernels.efficiency(node_kernel(node, strategy, eager=not self.kernels.triton), direction, nbytes)
         if e is None:
             return self
         if e not in self._by_kernel:  # one copy per distinct efficiency, not one per node priced
@@ -517,6 +528,25 @@ def adamw_step_bytes(grad_bytes: float, weight_bytes: float) -> float:
     (72 + 2 g), the gradient norm before it (g), and the master's cast into weights narrower than fp32."""
     cast = ADAM_STATE_BYTES + weight_bytes if weight_bytes < ADAM_STATE_BYTES else 0.0
     return 18 * ADAM_STATE_BYTES + 3 * grad_bytes + cast
+
+
+ADAMW_FRESH_BYTES = 6 * ADAM_STATE_BYTES  # d = sqrt(v) / c2 + eps: its three passes, into fresh temporaries
+
+
+def adamw_time_s(params: float, grad_bytes: float, weight_bytes: float, tensor_params: float, device: DeviceSpec,
+                 efficiency: Efficiency) -> float:
+    """Seconds of the optimizer step over `params` local parameters in tensors of `tensor_params` each (module
+    docstring): the temporaries' bytes at the fresh-copy curve at the tensor's fp32 bytes, the rest at the faster
+    of that and the flat copy; all at the flat copy where no curve was measured. One kernel's floor at least."""
+    total = adamw_step_bytes(grad_bytes, weight_bytes) * params
+    curve = efficiency.fresh_copies
+    if curve is None:
+        return efficiency.kernels_s(memory_time_s(total, device, efficiency))
+    fresh = curve.bandwidth(tensor_params * ADAM_STATE_BYTES)
+    in_place = max(device.memory_bandwidth_bytes_per_s, fresh)
+    temporaries = ADAMW_FRESH_BYTES * params
+    seconds = (total - temporaries) / in_place + temporaries / fresh
+    return efficiency.kernels_s(seconds / efficiency.memory)
 
 
 def grad_accumulation_bytes(local_param_bytes: float) -> float:

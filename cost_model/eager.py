@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from autoplan.profiler.profile import HardwareProfile
 
 
-def _log_interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
+def log_interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
     """y at x on the piecewise-linear curve through `points` (x ascending) in (log x, log y), clamped."""
     if x <= points[0][0]:
         return points[0][1]
@@ -42,7 +42,7 @@ def _log_interpolate(points: tuple[tuple[float, float], ...], x: float) -> float
     return points[-1][1]
 
 
-def _merged(points: list[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+def merged_points(points: list[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
     """`points` sorted by x, those of equal x merged into their geometric mean."""
     by_x: dict[float, list[float]] = {}
     for x, y in points:
@@ -59,11 +59,11 @@ class FreshCopyCurve:
     @classmethod
     def from_profile(cls, profile: "HardwareProfile") -> "FreshCopyCurve | None":
         samples = [(float(m.buffer_bytes), m.bandwidth_bytes_per_s) for m in profile.fresh_copies]
-        return cls(_merged(samples)) if samples else None
+        return cls(merged_points(samples)) if samples else None
 
     def bandwidth(self, buffer_bytes: float) -> float:
         """Bytes per second of a fresh-allocation copy of `buffer_bytes`."""
-        return _log_interpolate(self.points, max(buffer_bytes, 1.0))
+        return log_interpolate(self.points, max(buffer_bytes, 1.0))
 
 
 @dataclass(frozen=True)
@@ -86,5 +86,5 @@ class AttentionRates:
         if rows is None:
             return None
         x = max(forward_flops, 1.0)
-        fwd = _log_interpolate(_merged([(f, r) for f, r, _ in rows]), x)
-        return fwd, _log_interpolate(_merged([(f, r) for f, _, r in rows]), x)
+        fwd = log_interpolate(merged_points([(f, r) for f, r, _ in rows]), x)
+        return fwd, log_interpolate(merged_points([(f, r) for f, _, r in rows]), x)

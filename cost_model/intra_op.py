@@ -154,7 +154,6 @@ def node_compute_s(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tu
     params = _local_param_bytes(node, strategy, ctx.degree)
     share = ctx.batch_scale * strategy.compute_fraction
     accumulate = eff.kernels_s(memory_time_s(grad_accumulation_bytes(params), device, eff), len(node.params))
-    eff = eff.for_node(node, strategy.name)  # a fused Triton kernel's measured HBM efficiency, if any
     if node.op_kind == "linear":
         fwd, bwd = linear_time_s(*_linear_shape(node, strategy, ctx), node.output.nbytes / node.output.numel,
                                  device, dtype, eff)
@@ -168,14 +167,18 @@ def node_compute_s(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tu
         e = eff.gemm_efficiency(*_moe_shape(node, strategy, ctx), device, dtype)
         rate = device.peak_flops_for(dtype) * e
         moved = (node.fwd_bytes - _traffic_param_bytes(node)) * share + params
-        fwd = max(node.fwd_flops * share / rate, memory_time_s(moved, device, eff))
-        bwd = max(node.bwd_flops * share / rate, memory_time_s(2 * moved, device, eff))
+        fwd_eff, bwd_eff = (eff.for_node(node, strategy.name, d, b) for d, b in (("fwd", moved), ("bwd", 2 * moved)))
+        fwd = max(node.fwd_flops * share / rate, memory_time_s(moved, device, fwd_eff))
+        bwd = max(node.bwd_flops * share / rate, memory_time_s(2 * moved, device, bwd_eff))
         return eff.kernels_s(fwd, MOE_KERNELS[0]), eff.kernels_s(bwd, MOE_KERNELS[1]) + accumulate
     fwd_bytes, bwd_bytes = memory_op_bytes(node, params)
     extra = params if node.op_kind != "embedding" else 0.0  # a norm reads its weights (the embedding's rows are in)
     kernels = OP_KERNELS.get(node.op_kind, (1, 1))
-    fwd = op_time_s(node.fwd_flops * share, fwd_bytes * share + extra, device, dtype, eff, kernels[0], allocates=True)
-    bwd = op_time_s(node.bwd_flops * share, bwd_bytes * share + extra, device, dtype, eff, kernels[1], allocates=True)
+    fwd_bytes, bwd_bytes = fwd_bytes * share + extra, bwd_bytes * share + extra
+    # the measured efficiency of the kernel that runs the node (Triton, or a CPU's torch fallback), per pass and size
+    fwd_eff, bwd_eff = (eff.for_node(node, strategy.name, d, b) for d, b in (("fwd", fwd_bytes), ("bwd", bwd_bytes)))
+    fwd = op_time_s(node.fwd_flops * share, fwd_bytes, device, dtype, fwd_eff, kernels[0], allocates=True)
+    bwd = op_time_s(node.bwd_flops * share, bwd_bytes, device, dtype, bwd_eff, kernels[1], allocates=True)
     return fwd, bwd + accumulate
 
 

@@ -23,8 +23,8 @@ sends (`cost_model.pipeline`). Per optimizer step:
                       sync (the largest over stages; ZeRO rules below)
     bubble_s        = (sum of stage times - slowest) / v
     optimizer_s     = torch's AdamW over the stage's local parameters (ZeRO 1-3: their 1 / data-parallel
-                      share), its passes over memory at HBM bandwidth (`compute.adamw_step_bytes`; the
-                      largest stage)
+                      share), its passes over memory (`compute.adamw_time_s`: at a hidden x hidden tensor's
+                      size, its tp shard's and ZeRO slice's, where a CPU profile measured copies by size)
 
 Data-parallel sync per stage, over dp x ep x cp ranks for dense parameters and dp x cp for expert
 ones (whatever etp: the ranks holding the same experts differ only in dp and cp), as the runtime runs
@@ -86,7 +86,7 @@ from autoplan.cluster import ClusterSpec
 from autoplan.grad_buckets import bucket_count
 from autoplan.validity import ulysses_kv_heads
 from autoplan.cost_model.comm import AxisGroup
-from autoplan.cost_model.compute import Efficiency, adamw_step_bytes, memory_time_s, op_time_s
+from autoplan.cost_model.compute import Efficiency, adamw_time_s, memory_time_s
 from autoplan.cost_model.memory import FP32_BYTES, model_state_bytes, state_bytes_for, temporary_bytes
 from autoplan.cost_model.parallel_dims import (axes_group, expert_all_to_all_s, expert_tp_exchange_s,
                                                ulysses_all_to_all_s)
@@ -292,8 +292,8 @@ class StepModel:
     def optimizer_s(self, cfg: Config, params: float) -> float:
         """AdamW's step over a stage's `params` (ZeRO 1-3: this rank's 1 / data-ranks share of them)."""
         shard = cfg.data_ranks if cfg.zero_stage >= 1 else 1
-        opt_bytes = adamw_step_bytes(self.state.grad, self.state.weight) * params / shard
-        return op_time_s(0.0, opt_bytes, self.env.cluster.device, self.env.dtype, self.env.efficiency)
+        tensor = self.env.model.hidden ** 2 / (cfg.mesh.tp * shard)  # the representative tensor (module docstring)
+        return adamw_time_s(params / shard, self.state.grad, self.state.weight, tensor, self.env.cluster.device, self.env.efficiency)
 
     def memory_floor_bytes(self, block: BlockCosts, cfg: Config) -> float:
         """A floor under the busiest pipeline rank's memory, whatever the partition (given or searched, ranks

@@ -4,9 +4,10 @@
     autoplan profile --quick --device cpu -o cpu.json   # a small sweep, in seconds
     torchrun --nproc-per-node 8 -m autoplan.profiler.cli -o h200.json   # + collectives over 8 ranks
 
-On CUDA, rank 0 also times the runtime's fused Triton kernels (`profiler.kernels`); the cost model
-then prices the nodes they run at their measured HBM efficiency (`cost_model.kernels`). Elsewhere
-that step is skipped, saying why, and the cost model keeps its assumed efficiencies.
+On CUDA, rank 0 also times the runtime's fused Triton kernels (`profiler.kernels`); on a CPU every rank
+times their torch fallbacks, which the runtime runs there; the cost model then prices the nodes they run
+at their measured efficiency (`cost_model.kernels`). Where neither runs, that step is skipped, saying
+why, and the cost model keeps its assumed efficiencies.
 
 Under torchrun every rank runs the GEMM sweep, the copy and the launch floor at the same time, as
 training keeps every device busy, and the profile keeps the slowest rank's time of each (a step ends
@@ -51,7 +52,8 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-collectives", action="store_true", help="skip collectives even under torchrun")
     p.add_argument("--fsdp-units", action="store_true", help="also measure FSDP2's fixed cost per unit (ZeRO 3; under "
                    "torchrun); off by default: on gloo it aborts about 1 run in 8 at exit (profiler/fsdp.py)")
-    p.add_argument("--no-kernels", action="store_true", help="skip timing the fused Triton kernels (CUDA only)")
+    p.add_argument("--no-kernels", action="store_true",
+                   help="skip timing the runtime's kernels (Triton on CUDA, their torch fallbacks on a CPU)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's; 1 under torchrun); "
                    "on a shared CPU, 1 avoids stalls of threads waiting for a descheduled sibling")
     return p
@@ -90,18 +92,21 @@ def _memory_bytes(device: "torch.device") -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def _measure_device(device: "torch.device", quick: bool, dtype: str | None) -> dict:
+def _measure_device(device: "torch.device", quick: bool, dtype: str | None, kernels: bool = True) -> dict:
     """What this process measures of its own device, by name: the GEMM samples, the copy, the launch floor,
-    and on a CPU the fresh-allocation copies, causal attention and eager dispatch per kernel (`host`;
-    on CUDA rank 0 measures it alone, `host_dispatch_s`)."""
+    and on a CPU the fresh-allocation copies, causal attention, eager dispatch per kernel (`host`;
+    on CUDA rank 0 measures it alone, `host_dispatch_s`) and, with `kernels`, the runtime's kernels as
+    their torch fallbacks (`eager_kernels`, `profiler.kernels.measure_eager_kernels`)."""
     from autoplan.profiler.attention import measure_attention
     from autoplan.profiler.gemm import default_dtype, sweep_gemms
+    from autoplan.profiler.kernels import measure_eager_kernels
     from autoplan.profiler.launch import measure_kernel_floor
     from autoplan.profiler.memory import measure_fresh_copies, measure_memory_bandwidth
 
     out = {"gemm": sweep_gemms(device, dtype=dtype, quick=quick), "memory": measure_memory_bandwidth(device, quick=quick),
            "floor": measure_kernel_floor(device, quick), "fresh_copies": measure_fresh_copies(device, quick),
-           "attention": measure_attention(device, dtype or default_dtype(device.type), quick), "host": None}
+           "attention": measure_attention(device, dtype or default_dtype(device.type), quick), "host": None,
+           "eager_kernels": measure_eager_kernels(device, dtype or default_dtype(device.type), quick) if kernels else ()}
     if device.type == "cpu":
         from autoplan.profiler.dispatch import measure_cpu_dispatch_s
 
@@ -164,12 +169,14 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
 
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
-    own = _measure_device(device, quick, dtype)
+    own = _measure_device(device, quick, dtype, kernels)
     if distributed:
         own = slowest_rank(own)
     host = (host_dispatch_s(device, quick) if rank == 0 else None) if own["host"] is None else own["host"]
     rerun = recompute_host_s(device, quick) if rank == 0 else None
     fused, why = kernel_samples(device, quick, dtype) if rank == 0 and kernels else ((), None)
+    if own["eager_kernels"]:  # a CPU: the torch fallbacks, timed on every rank at once
+        fused, why = own["eager_kernels"], None
     if why is not None:
         print(f"fused-kernel efficiencies skipped: {why}; the cost model keeps its assumed efficiencies")
     samples, fits, fsdp_unit_s = (), (), None
@@ -254,10 +261,12 @@ def render_profile(profile: HardwareProfile, console=None) -> None:
         table.add_row(f"causal SDPA ({a.batch_heads}, {a.seq}, {a.head_dim}) {a.dtype}",
                       f"forward {_tflops(a.flops / a.fwd_s)}, backward {_tflops(2 * a.flops / a.bwd_s)} (full FLOPs)")
     if profile.kernels:
-        from autoplan.cost_model.kernels import measured_efficiencies
+        from autoplan.cost_model.kernels import pass_efficiencies
 
-        effs = ", ".join(f"{k} {e:.0%}" for k, e in measured_efficiencies(profile))
-        table.add_row(f"fused kernels ({len(profile.kernels)} samples)", f"of copy bandwidth: {effs}")
+        effs = ", ".join(f"{k} {d} " + "/".join(f"{e:.0%}" for _, e in points)
+                         for k, d, points in pass_efficiencies(profile))
+        which = "fused kernels" if profile.device_kind == "cuda" else "kernels as torch runs them"
+        table.add_row(f"{which} ({len(profile.kernels)} samples)", f"of copy bandwidth: {effs}")
     if profile.fsdp_unit_s is not None:
         table.add_row("FSDP2 unit", f"{profile.fsdp_unit_s * 1e6:,.1f} us per unit and microbatch beyond its calls' "
                       f"fitted latencies (hooks, fixed copies)")

@@ -14,6 +14,27 @@ For each kernel, pass (fwd, bwd) and shape:
 Tensors are at least 64 MiB, larger than the 50-60 MB L2 of an H100 / H200, so no flush between
 calls is needed. The kernels run only on CUDA (`skip_reason` says why not elsewhere); triton is
 imported by the kernels themselves, on first use.
+
+On a CPU the runtime runs the same op kinds as their torch fallbacks (`runtime.kernels`, backend
+"torch", as `runtime.kernel_ops` calls them), and `measure_eager_kernels` times those instead, at
+`CPU_SHAPES` (the per-rank tensors of small models, 0.4-16 MiB: below glibc's mmap threshold, where
+`cost_model.eager`'s fresh-copy curve prices the fall-off above it), one thread's CPU time per fastest
+window (`profiler.gemm.fastest_call_s`), forward with autograd recording as in training. Their bytes
+are not the least traffic but what the cost model counts for the nodes each runs (`EAGER_BYTES`,
+`cost_model.compute.memory_op_bytes`; tests/test_kernel_costs.py checks the two agree on captured
+models), so that bytes / (copy * e_k) gives back the measured time (`cost_model.kernels`):
+
+    kernel         nodes                              fwd bytes             bwd bytes
+    rms_norm       norm (x -> y, weight w)            2 N b + w             3 N b + w
+    layer_norm     norm (weight and bias)             2 N b + 2 w           3 N b + 2 w
+    silu_mul       silu (2 N b / 3 N b) + mul         5 N b                 8 N b
+                   (3 N b / 5 N b)
+    bias_gelu      gelu, no bias (the linear has it)  2 N b                 3 N b
+    add            the residual add                   3 N b                 3 N b
+    cross_entropy  N logits                           N (b + 12)            N (20 + b)
+
+with N the elements of the op's activation (tokens x width), b its itemsize. RoPE has no node of its
+own (it runs inside the attention core, priced by `profiler.attention`'s rates), so it is not timed.
 """
 
 from __future__ import annotations
@@ -47,6 +68,17 @@ SHAPES: dict[str, list[dict[str, int]]] = {
                     dict(tokens=16384, hidden=4096, experts=64, top_k=8),
                     dict(tokens=32768, hidden=6144, experts=8, top_k=2)],
 }
+# CPU: the runtime's torch fallbacks at per-rank sizes of small models (module docstring)
+CPU_SHAPES: dict[str, list[dict[str, int]]] = {
+    "rms_norm": [dict(tokens=1024, hidden=384), dict(tokens=256, hidden=384), dict(tokens=2048, hidden=768),
+                 dict(tokens=4096, hidden=1024)],
+    "layer_norm": [dict(tokens=1024, hidden=384), dict(tokens=256, hidden=384), dict(tokens=2048, hidden=768),
+                   dict(tokens=4096, hidden=1024)],
+    "silu_mul": [dict(tokens=1024, ffn=1024), dict(tokens=256, ffn=512), dict(tokens=2048, ffn=2048)],
+    "bias_gelu": [dict(tokens=1024, ffn=1536), dict(tokens=256, ffn=768), dict(tokens=2048, ffn=2048)],
+    "add": [dict(tokens=1024, hidden=384), dict(tokens=256, hidden=384), dict(tokens=4096, hidden=1024)],
+    "cross_entropy": [dict(tokens=1024, vocab=4096), dict(tokens=256, vocab=2048), dict(tokens=2048, vocab=2048)],
+}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # short name -> torch's
 
 
@@ -75,6 +107,24 @@ BYTES: dict[str, Callable[[dict[str, int], int], tuple[int, int]]] = {
     "moe_permute": lambda s, b: (
         (2 * s["tokens"] * s["hidden"] + 2 * s["tokens"] * s["top_k"] * s["hidden"]) * b,
         (2 * s["tokens"] * s["hidden"] + 3 * s["tokens"] * s["top_k"] * s["hidden"]) * b),
+}
+
+
+def _eager_norm_bytes(weights: int):
+    def count(s, b):
+        n, d = s["tokens"] * s["hidden"], s["hidden"]
+        return 2 * n * b + weights * d * b, 3 * n * b + weights * d * b
+    return count
+
+
+# (fwd_bytes, bwd_bytes) the cost model counts for the nodes a torch fallback runs (module docstring)
+EAGER_BYTES: dict[str, Callable[[dict[str, int], int], tuple[int, int]]] = {
+    "rms_norm": _eager_norm_bytes(1),
+    "layer_norm": _eager_norm_bytes(2),
+    "silu_mul": lambda s, b: (5 * s["tokens"] * s["ffn"] * b, 8 * s["tokens"] * s["ffn"] * b),
+    "bias_gelu": lambda s, b: (2 * s["tokens"] * s["ffn"] * b, 3 * s["tokens"] * s["ffn"] * b),
+    "add": lambda s, b: (3 * s["tokens"] * s["hidden"] * b,) * 2,
+    "cross_entropy": lambda s, b: (s["tokens"] * s["vocab"] * (b + 12), s["tokens"] * s["vocab"] * (20 + b)),
 }
 
 
@@ -244,3 +294,62 @@ def measure_kernels(device: torch.device, dtype: str = "bfloat16", quick: bool =
             rows += bench(kernel, s, device, getattr(torch, dtype), ["triton"], budget_s)
             torch.cuda.empty_cache()
     return samples(rows, dtype)
+
+
+# ---------------------------------------------------------------------------- a CPU's torch fallbacks
+
+
+def eager_call(kernel: str, s: dict[str, int], device, dtype) -> tuple[list[torch.Tensor], Callable]:
+    """Differentiable inputs of `kernel` at shape `s`, and the call the runtime makes of it on a CPU
+    (`runtime.kernel_ops`: backend "torch"; gelu without a bias; the residual add as `x + y`)."""
+    from autoplan.runtime import kernels as K
+
+    if kernel == "add":
+        return [torch.randn(s["tokens"], s["hidden"], device=device, dtype=dtype).requires_grad_()
+                for _ in range(2)], lambda x, y: x + y
+    if kernel == "bias_gelu":
+        x = torch.randn(s["tokens"], s["ffn"], device=device, dtype=dtype).requires_grad_()
+        return [x], lambda x: K.bias_gelu(x, None, backend="torch")
+    inputs, ctx = kernel_inputs(kernel, s, device, dtype)
+    calls = {"rms_norm": lambda x, w: K.rms_norm(x, w, backend="torch"),
+             "layer_norm": lambda x, w, b: K.layer_norm(x, w, b, backend="torch"),
+             "silu_mul": lambda a, b: K.silu_mul(a, b, backend="torch"),
+             "cross_entropy": lambda z: K.vocab_parallel_cross_entropy(z, ctx["targets"], backend="torch")}
+    return inputs, calls[kernel]
+
+
+def time_eager_s(kernel: str, s: dict[str, int], device, dtype, budget_s: float) -> tuple[float, float]:
+    """(forward, backward) seconds of `kernel`'s torch fallback at `s`: forward with autograd recording
+    (as training runs it), backward `torch.autograd.grad` of one forward's output (the add: the sum of two
+    gradients where the residual stream forks), each the fastest window."""
+    from autoplan.profiler.gemm import fastest_call_s
+
+    inputs, fn = eager_call(kernel, s, device, dtype)
+    fwd_s = fastest_call_s(lambda: fn(*inputs), device, budget_s)
+    out = fn(*inputs)
+    grad = torch.randn_like(out)
+    if kernel == "add":  # its backward passes dy through; the sum of the residual fork's two gradients is
+        other = torch.randn_like(out)  # what the cost model counts on it (`compute.memory_op_bytes`)
+        return fwd_s, fastest_call_s(lambda: grad + other, device, budget_s)
+    bwd_s = fastest_call_s(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True), device, budget_s)
+    return fwd_s, bwd_s
+
+
+def measure_eager_kernels(device: torch.device, dtype: str = "float32", quick: bool = False,
+                          budget_s: float | None = None) -> tuple[KernelSample, ...]:
+    """The torch fallbacks' fwd and bwd samples at `CPU_SHAPES` (quick: the first shape of each), bytes
+    as the cost model counts their nodes (`EAGER_BYTES`), on a CPU; () elsewhere (module docstring)."""
+    if device.type != "cpu":
+        return ()
+    if dtype not in DTYPES.values():
+        raise ConfigError(f"kernel dtype {dtype!r} is not one of {sorted(DTYPES.values())}")
+    budget_s = budget_s if budget_s is not None else (0.01 if quick else 0.03)
+    torch_dtype, out = getattr(torch, dtype), []
+    for kernel, shapes in CPU_SHAPES.items():
+        for s in shapes[:1] if quick else shapes:
+            times = time_eager_s(kernel, s, device, torch_dtype, budget_s)
+            label = " ".join(f"{k}={v}" for k, v in s.items())
+            for direction, nbytes, t in zip(("fwd", "bwd"), EAGER_BYTES[kernel](s, torch.finfo(torch_dtype).bits // 8),
+                                            times):
+                out.append(KernelSample(kernel, direction, label, dtype, nbytes, t))
+    return tuple(out)

@@ -8,10 +8,11 @@ anything the cost model uses from them:
   (every byte is read once and written once).
 - collectives: (kind, group_size, message_bytes, time_s), and per (kind, group_size) the alpha-beta
   fit t = latency_s + message_bytes * ring_factor / bandwidth_bytes_per_s (see collectives.py).
-- kernels (CUDA only; `profiler.kernels`): (kernel, fwd | bwd, shape, dtype, bytes, time_s) of the
-  runtime's fused Triton kernels; achieved bandwidth = bytes / time_s, bytes the least HBM traffic of
-  the pass. `cost_model.kernels` turns them into per-kernel efficiencies. Files written before this
-  field load with none.
+- kernels (`profiler.kernels`): (kernel, fwd | bwd, shape, dtype, bytes, time_s) of the runtime's fused
+  Triton kernels on CUDA, bytes the least HBM traffic of the pass; on a CPU of their torch fallbacks
+  (and the residual add), bytes as the cost model counts the nodes they run; achieved bandwidth =
+  bytes / time_s. `cost_model.kernels` turns them into per-kernel efficiencies. Files written before
+  this field load with none.
 - the launch floor (`profiler.launch`): seconds per back-to-back launch of a kernel that does nothing
   measurable, the least any kernel takes as the runtime issues them. Older files load with none.
 - host dispatch (`profiler.dispatch`): on CUDA the host's seconds per priced kernel of a few-token
@@ -45,8 +46,9 @@ from autoplan.validate import path_kind
 PROFILE_VERSION = 1
 DEVICE_KINDS = ("cpu", "cuda")
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-# the fused kernels of runtime.kernels, as benchmarks/kernels.py and profiler.kernels name them
-KERNEL_NAMES = ("rms_norm", "layer_norm", "silu_mul", "bias_gelu", "rope", "cross_entropy", "moe_permute")
+# the fused kernels of runtime.kernels, as benchmarks/kernels.py and profiler.kernels name them; "add": the
+# residual add, timed as eager torch on a CPU only
+KERNEL_NAMES = ("rms_norm", "layer_norm", "silu_mul", "bias_gelu", "rope", "cross_entropy", "moe_permute", "add")
 
 
 class ProfileError(ConfigError):
@@ -180,8 +182,8 @@ class CollectiveFit:
 
 @dataclass(frozen=True)
 class KernelSample:
-    """Median time of one pass ("fwd" or "bwd") of a fused Triton kernel of runtime.kernels on one
-    shape ("tokens=8192 hidden=4096"), moving `bytes` bytes of HBM traffic at least."""
+    """Time of one pass ("fwd" or "bwd") of a fused Triton kernel of runtime.kernels (on a CPU: its torch
+    fallback) on one shape ("tokens=8192 hidden=4096"), moving `bytes` bytes (module docstring)."""
 
     kernel: str
     direction: str

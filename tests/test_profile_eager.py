@@ -1,5 +1,6 @@
 """Eager PyTorch on a CPU as the profile measures it and the cost model prices it (issue 20): the
-dispatch each kernel adds, fresh-allocation copies by size, causal SDPA's rates.
+dispatch each kernel adds, fresh-allocation copies by size, causal SDPA's rates, the runtime's kernels
+as their torch fallbacks run (norms, silu * mul, gelu, the residual add, cross-entropy).
 
 Each measurement: taken by `autoplan profile` on this CPU, kept in the profile JSON (old files load
 without it), read by `calibrate`, and the price moves as the measurement says."""
@@ -13,7 +14,7 @@ import torch
 
 from autoplan.capture import capture
 from autoplan.cluster import parse_cluster
-from autoplan.cost_model.compute import Efficiency, calibrate, host_paced_s, memory_time_s
+from autoplan.cost_model.compute import Efficiency, calibrate, host_paced_s, memory_op_bytes, memory_time_s
 from autoplan.cost_model.eager import AttentionRates, FreshCopyCurve
 from autoplan.cost_model.intra_op import make_context, node_compute_s, node_kernels, price_assignment
 from autoplan.mesh import MeshShape
@@ -22,7 +23,9 @@ from autoplan.models.config import ModelConfig
 from autoplan.profiler.attention import measure_attention
 from autoplan.profiler.dispatch import measure_cpu_dispatch_s
 from autoplan.profiler.memory import measure_fresh_copies
-from autoplan.profiler.profile import AttentionSample, GemmSample, HardwareProfile, MemorySample
+from autoplan.cost_model.kernels import node_kernel
+from autoplan.profiler.kernels import CPU_SHAPES, EAGER_BYTES, measure_eager_kernels
+from autoplan.profiler.profile import AttentionSample, GemmSample, HardwareProfile, KernelSample, MemorySample
 from autoplan.cost_model.intra_op_problem import resolve_strategies
 from autoplan.strategies import default_registry
 
@@ -38,18 +41,19 @@ def _cpu_profile(**fields) -> HardwareProfile:
     return dataclasses.replace(base, **fields)
 
 
-def _small_llama(vocab: int = 4096):
-    """One Llama layer of benchmarks/step_fidelity.py's width, captured at one sequence of 256 tokens."""
-    config = ModelConfig("eager-llama", "llama", 1, 384, 6, 2, 1024, vocab, 256)
+def _small_llama(vocab: int = 4096, family: str = "llama"):
+    """One Llama (or GPT) layer of benchmarks/step_fidelity.py's width, captured at one sequence of 256 tokens."""
+    config = (ModelConfig("eager-llama", "llama", 1, 384, 6, 2, 1024, vocab, 256) if family == "llama"
+              else ModelConfig("eager-gpt", "gpt", 1, 384, 6, 6, 1536, vocab, 256))
     graph = capture(build_model(config, "meta", torch.float32), config, 1, 256, torch.float32)
     registry = default_registry()
     strategies = resolve_strategies(graph, registry, config.rule_info(), 1, {})
     return graph, strategies
 
 
-def _ctx(graph, profile):
-    """The cost context of a microbatch of 8 sequences, priced with `profile`."""
-    cluster, eff = calibrate(parse_cluster("1x2xcpu"), None, profile, dtype="float32")
+def _ctx(graph, profile, kernels: str | None = None):
+    """The cost context of a microbatch of 8 sequences, priced with `profile` (and the plan's `kernels`)."""
+    cluster, eff = calibrate(parse_cluster("1x2xcpu"), None, profile, kernels, dtype="float32")
     return make_context(graph, cluster, MeshShape(), 8, "float32", eff)
 
 
@@ -132,3 +136,118 @@ def test_a_cpus_dispatch_adds_to_every_kernel_serially():
     assert hosted.fwd_compute_s == pytest.approx(own.fwd_compute_s + fwd * 2e-5)
     assert hosted.bwd_compute_s == pytest.approx(own.bwd_compute_s + bwd * 2e-5)
     assert Efficiency().resolved(parse_cluster("1x8xh100").device).host_serial is False
+
+
+# ------------------------------------------------------------------------------ the runtime's kernels, eager
+
+
+def _shape(kernel: str, node) -> dict[str, int]:
+    """The `profiler.kernels.CPU_SHAPES`-style shape of the tensor `node`'s kernel runs over."""
+    t = node.input_metas[0] if kernel == "cross_entropy" else node.output
+    width = {"cross_entropy": "vocab", "silu_mul": "ffn", "bias_gelu": "ffn"}.get(kernel, "hidden")
+    return {"tokens": t.numel // t.shape[-1], width: t.shape[-1]}
+
+
+def _model_bytes(node) -> tuple[float, float]:
+    """(fwd, bwd) bytes the cost model prices the node at (`intra_op.node_compute_s`: a norm reads its weights)."""
+    params = float(sum(m.nbytes for _, m in node.params))
+    fwd, bwd = memory_op_bytes(node, params)
+    return fwd + params, bwd + params
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+def test_eager_kernel_bytes_are_what_the_cost_model_counts_for_their_nodes(family):
+    """Each eager kernel's byte count (`EAGER_BYTES`) is the sum of the bytes the cost model counts for the
+    nodes it runs (silu and mul: the two nodes of silu_mul), else a measured efficiency misprices them."""
+    graph, _ = _small_llama(family=family)
+    counted: dict[str, list] = {}
+    for node in graph.nodes:
+        kernel = node_kernel(node, "replicate", eager=True)
+        if kernel is not None:
+            fwd, bwd = _model_bytes(node)
+            shape = _shape(kernel, node) if node.target != "mul" else None
+            counted.setdefault(kernel, []).append((shape, fwd, bwd))
+    expected = {"llama": {"rms_norm", "silu_mul", "add", "cross_entropy"},
+                "gpt": {"layer_norm", "bias_gelu", "add", "cross_entropy"}}[family]
+    assert counted.keys() == expected
+    for kernel, rows in counted.items():
+        if kernel == "silu_mul":  # one silu and one mul node per layer, the kernel counts both
+            rows = [(rows[0][0] or rows[1][0], rows[0][1] + rows[1][1], rows[0][2] + rows[1][2])]
+        for shape, fwd, bwd in rows:
+            assert EAGER_BYTES[kernel](shape, 4) == (fwd, bwd), (kernel, shape)
+
+
+def _eager_samples(kernel: str, shape: dict[str, int], fwd_gbps: float, bwd_gbps: float) -> tuple[KernelSample, ...]:
+    fwd, bwd = EAGER_BYTES[kernel](shape, 4)
+    label = " ".join(f"{k}={v}" for k, v in shape.items())
+    return (KernelSample(kernel, "fwd", label, "float32", fwd, fwd / (fwd_gbps * 1e9)),
+            KernelSample(kernel, "bwd", label, "float32", bwd, bwd / (bwd_gbps * 1e9)))
+
+
+def test_eager_kernels_price_their_nodes_at_the_measured_rates_each_pass_apart():
+    """RMSNorm measured at 5 GB/s forward and 1 GB/s backward at the node's size (the profile's copy: 10 GB/s),
+    and far slower at a larger one: the norm's forward takes its bytes at 5 GB/s and its backward at 1, and
+    halving the backward's rate adds its bytes at 1 GB/s;
+    the residual add takes its own rate; every other node, and a plan with kernels "triton", prices as
+    without the samples."""
+    graph, strategies = _small_llama()
+    norm_shape, add_shape = {"tokens": 2048, "hidden": 384}, {"tokens": 2048, "hidden": 384}  # 8 x 256 tokens
+    larger = _eager_samples("rms_norm", {"tokens": 8192, "hidden": 1024}, 1.0, 0.1)  # priced by size: not read
+    measured = _eager_samples("rms_norm", norm_shape, 5.0, 1.0) + _eager_samples("add", add_shape, 2.5, 2.5) + larger
+    halved = _eager_samples("rms_norm", norm_shape, 5.0, 0.5) + _eager_samples("add", add_shape, 2.5, 2.5) + larger
+    ctxs = {name: _ctx(graph, _cpu_profile(kernels=k), kernels) for name, k, kernels in
+            (("plain", (), "auto"), ("measured", measured, "auto"), ("halved", halved, "auto"),
+             ("triton", measured, "triton"))}
+    times = {name: {n.name: node_compute_s(n, strategies[n.name], c) for n in graph.nodes} for name, c in ctxs.items()}
+    norm = _node(graph, "norm")
+    add = next(n for n in graph.nodes if n.target == "add")
+    norm_fwd, norm_bwd = EAGER_BYTES["rms_norm"](norm_shape, 4)
+    assert times["measured"][norm.name][0] == pytest.approx(norm_fwd / 5e9, rel=1e-9)
+    assert times["halved"][norm.name][1] - times["measured"][norm.name][1] == pytest.approx(norm_bwd / 1e9, rel=1e-9)
+    assert times["measured"][add.name] == pytest.approx(tuple(b / 2.5e9 for b in EAGER_BYTES["add"](add_shape, 4)))
+    for name, plain in times["plain"].items():
+        if node_kernel(next(n for n in graph.nodes if n.name == name), "replicate", eager=True) in (None, "silu_mul",
+                                                                                                  "cross_entropy"):
+            assert times["measured"][name] == plain, name
+        assert times["triton"][name] == plain, name
+    note = ctxs["measured"].efficiency.kernels.note(0.8)
+    assert "torch eager" in note and "rms_norm 0.02" in note  # the note gives both passes and sizes pooled
+
+
+def test_the_runtimes_kernels_are_timed_as_their_torch_fallbacks_on_a_cpu():
+    samples = measure_eager_kernels(CPU, quick=True, budget_s=0.005)
+    assert [(s.kernel, s.direction) for s in samples] == [(k, d) for k in CPU_SHAPES for d in ("fwd", "bwd")]
+    assert all(s.time_s > 0 and s.dtype == "float32" for s in samples)
+    assert samples[0].bytes == EAGER_BYTES["rms_norm"](CPU_SHAPES["rms_norm"][0], 4)[0]
+    assert measure_eager_kernels(torch.device("meta")) == ()
+
+
+# ------------------------------------------------------------------------------ the optimizer, tensor by tensor
+
+
+def test_the_optimizer_is_priced_at_the_bandwidth_of_its_tensors_size():
+    """AdamW's passes at the fresh-copy curve read at the tensor's fp32 bytes (in place: no slower than the flat
+    copy; the temporaries into d: the curve alone), all at the flat copy without a curve; and in a plan, a curve
+    twice as fast at the model's tensor sizes halves the optimizer's price."""
+    from autoplan.api import estimate
+    from autoplan.cost_model.compute import ADAMW_FRESH_BYTES, adamw_step_bytes, adamw_time_s
+
+    curve = (MemorySample(MiB, 2 * MiB / 50e9), MemorySample(16 * MiB, 32 * MiB / 50e9),
+             MemorySample(64 * MiB, 128 * MiB / 5e9))
+    flat, curved = (_ctx(_small_llama()[0], p).efficiency for p in (_cpu_profile(), _cpu_profile(fresh_copies=curve)))
+    device = parse_cluster("1x2xcpu").device
+    device = dataclasses.replace(device, memory_bandwidth_bytes_per_s=1e10)  # the profile's flat copy
+    per_param = adamw_step_bytes(4, 4)
+    assert adamw_time_s(1e6, 4, 4, 2**18, device, flat) == pytest.approx(per_param * 1e6 / 1e10 / 0.8)
+    assert adamw_time_s(1e6, 4, 4, 2**18, device, curved) == pytest.approx(per_param * 1e6 / 50e9 / 0.8)
+    big = (per_param - ADAMW_FRESH_BYTES) * 64e6 / 1e10 + ADAMW_FRESH_BYTES * 64e6 / 5e9
+    assert adamw_time_s(64e6, 4, 4, 2**24, device, curved) == pytest.approx(big / 0.8)
+
+    def optimizer_s(bandwidth: float) -> float:
+        fresh = tuple(MemorySample(m.buffer_bytes, m.time_s * 50e9 / bandwidth) for m in curve)
+        plan = estimate(ModelConfig("opt-llama", "llama", 2, 384, 6, 2, 1024, 4096, 256), "1x1xcpu", 2, 256,
+                        mesh=MeshShape(), microbatch_size=2, zero_stage=0, recompute="none", dtype="float32",
+                        profile=_cpu_profile(fresh_copies=fresh))
+        return plan.predicted.time.optimizer_s
+
+    assert optimizer_s(100e9) == pytest.approx(optimizer_s(50e9) / 2, rel=1e-6)
