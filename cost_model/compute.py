@@ -87,25 +87,8 @@ pays the bytes of both (conservative). With the default GEMM curve a tiny GEMM a
 TAU0_S / ceiling (`calibration`), above the floor; the floor binds on memory-bound kernels, on
 GEMMs under a flat or measured efficiency, and on the optimizer's step.
 
-Host dispatch (`Efficiency.host_kernel_s`): eager PyTorch issues every kernel from the CPU (Python, the
-dispatcher, autograd's bookkeeping, a Triton launcher), and the GPU can run no faster than it is fed.
-Where a rank's work per kernel is small (a 2048-wide layer at tp 4-8, short sequences) the host sets the
-pace: on the lent H200 one layer's forward + backward took 3.6-5.7 ms however little its kernels did
-(0.8 ms of GPU work at h 2048, tp 8; benchmarks/gpu_layer_time.py). So a set of ops priced together (a
-layer, the embedding, the head: `intra_op.price_assignment`) takes, forward and backward apart,
-
-    max(the sum of its kernels' times, the kernels it launches x host_kernel_s)
-
-(the CPU runs ahead of the GPU within a layer, so a long GEMM hides the dispatch of the small ops around
-it). Kernels are counted as the floor counts them, weight-gradient accumulations included
-(`intra_op.node_kernels`). host_kernel_s: measured by `autoplan profile` (`profiler.dispatch`), else
-HOST_KERNEL_S on a GPU, and 0 on a CPU. On a CPU the host is the device: an op's dispatch runs on the core
-that then runs its kernels, so nothing overlaps, and the profile's figure there is what eager training adds
-per kernel beyond the bare call its profiled time holds (the module call, autograd's bookkeeping):
-
-    the sum of its kernels' times + the kernels it launches x host_kernel_s
-
-(`host_paced_s` with serial = `Efficiency.host_serial`: True on a CPU).
+Host dispatch (`Efficiency.host_kernel_s`, `host_recompute_s`, `host_serial`): the host's share of a step, eager
+PyTorch's dispatch of every kernel and recomputation's bookkeeping, in `cost_model.host`.
 
 Eager PyTorch on a CPU (`cost_model.eager`, where a profile measured them): a memory-bound op's bytes at
 the bandwidth of a fresh-allocation copy of the buffer one of its kernels moves where that is below the
@@ -119,11 +102,12 @@ have none), the bias adds of linear layers (fused in GEMM epilogues) and their b
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from autoplan.cluster import ClusterSpec, DeviceSpec
 from autoplan.cost_model.comm import AxisGroup, group_collective_time_s
 from autoplan.cost_model.eager import AttentionRates, FreshCopyCurve
+from autoplan.cost_model.host import CPU_RECOMPUTE_S, GPU_RECOMPUTE_S, HOST_KERNEL_S
 from autoplan.cost_model.calibration import CollectiveCalibration, GemmEfficiency, device_spec_from_profile
 from autoplan.cost_model.kernels import FusedKernels, fused_kernels, node_kernel
 from autoplan.errors import ConfigError
@@ -144,22 +128,6 @@ KERNEL_FLOOR_S = 7e-6
 # fixed cost of one collective call: NCCL's base latency of a ring, LL protocol (the one small messages
 # use), NVIDIA/nccl src/graph/tuning.cc baseLat {Ring, LL} = 6.6 us (`cost_model.comm`)
 COLLECTIVE_CALL_S = 6.6e-6
-# host (CPU) seconds to issue one priced kernel from eager PyTorch, autograd included (module docstring):
-# one layer forward + backward of this runtime (Triton kernels) on the lent H200's host, where the GPU work
-# is far shorter: the median of (layer time / the 47 (Llama) or 49 (GPT) kernels the model counts) over the
-# 13 host-bound layers of benchmarks/data/h200_layer_times.json (GPU busy under 60% of the layer's time;
-# 77-121 us, layers of 3.6-5.7 ms)
-HOST_KERNEL_S = 75e-6
-# (recompute kind, forward, re-run): host seconds per forward kernel of a recomputed layer where no profile
-# measured them (`profiler.dispatch.measure_recompute_host_s`: in forward the checkpoint's bookkeeping and, where the
-# kind saves something, torch's selective checkpointing's Python dispatch mode over every op; in backward the
-# re-run's dispatch and the replay mode's). CPU: CPU_BLOCK on the 2-core development machine, the fastest window by
-# thread CPU time (2026-11-26; totals 43.3-44.4 / 133.7-138.2 / 135.9-143.1 us over four runs at load 2-4).
-CPU_RECOMPUTE_S = (("full", 10.7e-6, 32.6e-6), ("matmul-only", 58.2e-6, 80.0e-6), ("selective", 59.1e-6, 84.0e-6))
-# GPU: the totals `autoplan profile` measured on the lent H200 (HOST_BLOCK, median window; 2026-11-26,
-# benchmarks/data/h200_profile_host.json: 116.1 / 284.2 / 336.4 us), split between forward and re-run as the CPU
-# split them (0.25 / 0.42 / 0.41 forward): that profile measured the totals only
-GPU_RECOMPUTE_S = (("full", 29e-6, 87e-6), ("matmul-only", 119e-6, 165e-6), ("selective", 138e-6, 198e-6))
 # memory-bound ops: kernels (forward, backward) each launches (module docstring)
 OP_KERNELS = {"norm": (1, 2), "elementwise": (1, 1), "embedding": (1, 2), "cross_entropy": (2, 3)}
 MOE_KERNELS = (3, 6)
@@ -369,29 +337,6 @@ def op_time_s(flops: float, nbytes: float, device: DeviceSpec, dtype: str, effic
     compute_s = flops / (device.peak_flops_for(dtype) * efficiency.max_matmul(device, dtype))
     memory_s = memory_time_s(nbytes, device, efficiency, kernels if allocates else 0)
     return efficiency.kernels_s(max(compute_s, memory_s), kernels)
-
-
-def host_paced_s(ops: "Sequence[tuple[float, int]]", host_kernel_s: float, serial: bool = False) -> float:
-    """Seconds of `ops` run in order, each (its kernels' device seconds d, the kernels k it launches), when
-    the host issues one kernel per host_kernel_s h and the device starts an op once its first kernel is
-    issued and the op before it is done (module docstring, "Host dispatch"):
-
-        issued_i = h * sum_{j < i} k_j
-        end_i    = max(max(end_{i-1}, issued_i + h) + d_i,  issued_i + k_i h + d_i / k_i)
-        time     = max(end_n, issued_n + k_n h)
-
-    h = 0 gives sum d; d = 0 gives h sum k; a long op lets the host run ahead, and the short ops it then
-    issues wait no more. `serial` (a CPU: the host is the device): sum (d_i + k_i h)."""
-    if serial:
-        return sum(device_s + kernels * host_kernel_s for device_s, kernels in ops)
-    issued = end = 0.0
-    for device_s, kernels in ops:
-        if kernels == 0:
-            end += device_s
-            continue
-        end = max(max(end, issued + host_kernel_s) + device_s, issued + kernels * host_kernel_s + device_s / kernels)
-        issued += kernels * host_kernel_s
-    return max(end, issued)
 
 
 def memory_time_s(nbytes: float, device: DeviceSpec, efficiency: Efficiency, kernels: int = 0) -> float:

@@ -48,8 +48,9 @@ from autoplan.capture.graph import attention_keys
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.comm import AxisGroup
 from autoplan.cost_model.compute import (MOE_KERNELS, OP_KERNELS, Efficiency, attention_kernels, attention_time_s,
-                                         grad_accumulation_bytes, host_paced_s, linear_time_s, memory_op_bytes, memory_time_s,
+                                         grad_accumulation_bytes, linear_time_s, memory_op_bytes, memory_time_s,
                                          op_time_s)
+from autoplan.cost_model.host import host_paced_s
 from autoplan.cost_model.memory import StateBytes, comm_tensor_nbytes, local_nbytes, param_placements, scaled_nbytes
 from autoplan.errors import AutoplanError
 from autoplan.mesh import MeshShape
@@ -370,7 +371,7 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
             sums["lfm"] += comm_f
             family = captured_op_family(node.op_kind)
             families[family] = families.get(family, 0.0) + fwd
-    if host_s:  # the host issues forward in graph order, backward in reverse (`compute.host_paced_s`)
+    if host_s:  # the host issues forward in graph order, backward in reverse (`host.host_paced_s`)
         serial = bool(ctx.efficiency.host_serial)
         sums["fc"], sums["lfc"] = host_paced_s(paced["f"], host_s, serial), host_paced_s(paced["lf"], host_s, serial)
         sums["bc"] = host_paced_s(paced["b"][::-1], host_s, serial)
@@ -388,7 +389,7 @@ def layer_rerun_s(layer_ops: list[tuple[str, float, int]], ctx: CostContext) -> 
         re-run   paced(the ops whose family the kind does not save, at their forward device time, and the
                  saved ones at none, each op's kernels at r_b): replaying a saved output costs the host too
 
-    paced: `compute.host_paced_s`, a host/device pipeline on a GPU, one after the other on a CPU
+    paced: `host.host_paced_s`, a host/device pipeline on a GPU, one after the other on a CPU
     (`Efficiency.host_serial`); h the host's dispatch per kernel."""
     serial, host_s, out = bool(ctx.efficiency.host_serial), ctx.efficiency.host_kernel_s or 0.0, []
     forward = [(fwd, k) for _, fwd, k in layer_ops]

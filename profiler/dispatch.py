@@ -25,7 +25,7 @@ measurable (`measure_cpu_dispatch_s`, `CPU_BLOCK`: a Llama block of hidden 64, 8
 
     host_kernel_s (CPU) = max(0, fastest window's (block forward + backward) / kernels - kernel_floor_s)
 
-and the cost model adds it to each kernel's time (`cost_model.compute.host_paced_s`, serial). On the
+and the cost model adds it to each kernel's time (`cost_model.host.host_paced_s`, serial). On the
 2-core development machine (2026-11-26, one thread a rank, both ranks at once; three profiles): 9.0-11.4 us
 per kernel over a 1.8 us floor.
 """

@@ -12,7 +12,8 @@ import torch
 from autoplan.capture import capture
 from autoplan.cluster import ClusterSpec, LinkSpec, parse_cluster, preset
 from autoplan.cost_model import comm
-from autoplan.cost_model.compute import HOST_KERNEL_S, Efficiency, calibrate, linear_time_s, op_time_s
+from autoplan.cost_model.compute import Efficiency, calibrate, linear_time_s, op_time_s
+from autoplan.cost_model.host import HOST_KERNEL_S
 from autoplan.cost_model.intra_op import InputSpec, make_context, node_kernels, price_assignment, reshard_collectives
 from autoplan.cost_model.intra_op_problem import assignment_from_choice, build_intra_op_problem, resolve_strategies
 from autoplan.cost_model.activations import RunShape, activations
@@ -138,7 +139,7 @@ def _small_tp8_layer():
 
 def test_a_layer_takes_at_least_the_hosts_dispatch_of_its_kernels_forward_and_backward_apart():
     """The same small tp 8 layer: its kernels' own times are microseconds, so on a GPU the host's dispatch
-    (kernels x host_kernel_s, `compute.host_paced_s`) sets its forward and its backward; a wide layer's GEMMs
+    (kernels x host_kernel_s, `host.host_paced_s`) sets its forward and its backward; a wide layer's GEMMs
     hide it but for the first kernel's issue; a CPU's ops hold their dispatch already (0); a profile's
     measurement replaces the default."""
     graph, layer, strategies, ctx = _small_tp8_layer()
@@ -425,7 +426,7 @@ def test_dp_sync_is_priced_per_bucket_as_the_runtime_runs_it():
 def test_host_paced_time_lies_between_the_busier_resource_and_both_in_turn(ops, host_s):
     """`host_paced_s`: no less than the device's work or the host's issue alone, no more than the two one after
     the other; with no host cost, the device's sum."""
-    from autoplan.cost_model.compute import host_paced_s
+    from autoplan.cost_model.host import host_paced_s
 
     device, issued = sum(d for d, _ in ops), host_s * sum(k for _, k in ops)
     paced = host_paced_s(ops, host_s)
@@ -438,7 +439,7 @@ def test_a_recomputed_layer_pays_the_hosts_rerun_as_the_device_runs_it():
     (`profiler.dispatch.measure_recompute_host_s`). On a GPU the small tp 8 layer is host-bound, so each kind's
     recompute is at least its forward kernels x (forward + re-run host cost), and saving the GEMMs' outputs
     (selective) re-runs no GEMM on the device; on a CPU the host's seconds add to the re-run ops' own."""
-    from autoplan.cost_model.compute import CPU_RECOMPUTE_S, GPU_RECOMPUTE_S
+    from autoplan.cost_model.host import CPU_RECOMPUTE_S, GPU_RECOMPUTE_S
 
     graph, layer, strategies, ctx = _small_tp8_layer()
     assert ctx.efficiency.host_recompute_s == GPU_RECOMPUTE_S

@@ -14,7 +14,8 @@ import torch
 
 from autoplan.capture import capture
 from autoplan.cluster import parse_cluster
-from autoplan.cost_model.compute import Efficiency, calibrate, host_paced_s, memory_op_bytes, memory_time_s
+from autoplan.cost_model.compute import Efficiency, calibrate, memory_op_bytes, memory_time_s
+from autoplan.cost_model.host import host_paced_s
 from autoplan.cost_model.eager import AttentionRates, FreshCopyCurve
 from autoplan.cost_model.intra_op import make_context, node_compute_s, node_kernels, price_assignment
 from autoplan.mesh import MeshShape

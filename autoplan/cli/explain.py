@@ -210,7 +210,7 @@ def _ops_text(plan: Plan, config, graph, max_ops: int, profile=None, registry=No
 
 def _beyond_kernels_text(plan: Plan, kernels_s: float) -> list[str]:
     """A line saying how much of the plan's compute per microbatch is not its kernels' own time: the host's
-    dispatch of small kernels (`cost_model.compute`, "Host dispatch") and what recompute re-runs."""
+    dispatch of small kernels (`cost_model.host`) and what recompute re-runs."""
     per_microbatch = plan.predicted.time.compute_s / max(plan.num_microbatches, 1)
     if per_microbatch <= kernels_s * 1.001:
         return []
