@@ -433,13 +433,13 @@ class StepModel:
     def _stage_sums(self, block: BlockCosts, cfg: Config, t: LayerTimes, st: LayerStates, problem: StageProblem, stage: int,
                     ranges: list[tuple[int, int]]) -> dict[str, float]:
         """Seconds, parameters and bytes of one stage, from prefix sums over its layer ranges and its ends."""
-        ends = [(p, e, held) for p, e, held, here in ((block.pre, st.pre, t.ends_bytes[0], stage == 0),
-                                                     (block.post, st.post, t.ends_bytes[1], stage == cfg.pp - 1)) if here]
+        ends = [(p, e, held, step) for p, e, held, step, here in (
+            (block.pre, st.pre, t.ends_bytes[0], st.ends_step[0], stage == 0),
+            (block.post, st.post, t.ends_bytes[1], st.ends_step[1], stage == cfg.pp - 1)) if here]
         sums = {k: float(sum(v[b] - v[a] for a, b in ranges)) for k, v in (*t.lists().items(), *st.lists().items())}
-        for (p, e, held), end in zip(ends, [st.ends_step[k] for k, here in enumerate((stage == 0, stage == cfg.pp - 1))
-                                            if here]):
-            sums["cast"] += end[0]
-            sums["step_temp"] += end[1]
+        for p, e, held, step in ends:
+            sums["cast"] += step[0]
+            sums["step_temp"] += step[1]
             sums["dense"] += e[0]
             sums["expert"] += e[1]
             sums["weights"] += e[2]
