@@ -21,7 +21,8 @@ and MoE weights), all in bytes per parameter:
                                                                          bf16-master), fp32 reduce-scatter
 
 The ZeRO paper's 2 + 2 + 12 (Rajbhandari et al., SC'20, sec. 3.1) is what `StateBytes.weight`, `grad`
-and `optimizer` still say: the dtypes the time model prices collectives in and the bounds' floor.
+and `optimizer` still say: what the intra-op problem and the search's memory messages count. The data-parallel sync moves what the runtime holds
+(`dp_sync_bytes`): fp32 gradients under every precision, weights in the dtype the ranks compute with.
 
 Activations of one microbatch, per recompute policy: `cost_model.activations` (the storages the
 runtime keeps for backward, and what a recomputed layer keeps of them); `memory_breakdown` adds them
@@ -65,8 +66,8 @@ CAST_KINDS = ("linear", "moe")  # the ops whose weights autocast copies to the c
 @dataclass(frozen=True)
 class StateBytes:
     """Bytes per parameter. `weight`, `grad`, `optimizer`: the ZeRO paper's (module docstring; the
-    collectives' dtypes, the bounds). What a rank holds under the plan's precision: `held_weight` (the
-    parameters), `held_grad` (the gradients reduced), `moments` (AdamW's m and v), `master` (an fp32
+    intra-op problem's memory). What a rank holds under the plan's precision: `held_weight` (the
+    parameters), `held_grad` (the gradients reduced; `dp_sync_bytes`: what the sync moves), `moments` (AdamW's m and v), `master` (an fp32
     copy the optimizer steps on, under ZeRO 0; ZeRO 1/2 always slice one), `cast` (autocast's copy of
     each GEMM weight), `gathered` (a ZeRO 3 unit's weights gathered for compute)."""
 
@@ -92,6 +93,19 @@ def state_bytes_for(dtype: str, precision: str = "autocast") -> StateBytes:
     if dtype == "float32":
         return StateBytes(4, 4, 8, "fp32 weights and grads, Adam m and v")
     raise ConfigError(f"dtype {dtype!r} has no model-state sizes; use bfloat16, float16 or float32")
+
+
+def dp_sync_bytes(dtype: str, precision: str, zero_stage: int) -> tuple[float, float]:
+    """(gradient, weight) bytes per parameter that the data-parallel sync moves, as the runtime moves them
+    (`runtime.grad_sync`, `runtime.zero`). Gradients are reduced (ZeRO 0's all-reduce, ZeRO 1-3's
+    reduce-scatter) in `held_grad`'s fp32 under every precision: autocast's are the fp32 parameters' own,
+    bf16-master's the fp32 main gradients (Megatron-LM's accumulate_allreduce_grads_in_fp32), ZeRO 3's in
+    FSDP2's reduce_dtype fp32. Weights are all-gathered as the ranks compute with them: ZeRO 1/2's updated
+    slices in the parameters' dtype (`held_weight`: bf16 under bf16-master, fp32 otherwise), ZeRO 3's units
+    in the policy's param_dtype (`gathered`); ZeRO 0 gathers none."""
+    state = state_bytes_for(dtype, precision)
+    gathered = {0: 0.0, 3: state.gathered}.get(zero_stage, state.held_weight)
+    return state.held_grad, gathered
 
 
 def zero_as_run(zero_stage: int) -> int:

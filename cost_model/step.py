@@ -29,7 +29,10 @@ sends (`cost_model.pipeline`). Per optimizer step:
 Data-parallel sync per stage, over dp x ep x cp ranks for dense parameters and dp x cp for expert
 ones (whatever etp: the ranks holding the same experts differ only in dp and cp), as the runtime runs
 it (`runtime.grad_sync`): each group's gradients in n = ceil(bytes / 25 MiB) buckets
-(`autoplan.grad_buckets`), each bucket one collective of bytes / n, so latencies count;
+(`autoplan.grad_buckets`), each bucket one collective of bytes / n, so latencies count; the bytes per
+parameter are the runtime's (`memory.dp_sync_bytes`): fp32 gradients under every precision (autocast's
+fp32 parameters', bf16-master's fp32 main gradients, FSDP2's reduce_dtype), weights all-gathered in the
+dtype the ranks compute with (bf16 under bf16-master, fp32 otherwise);
 window_b = the stage's backward of one microbatch (with recompute), window_f = its forward. A bucket
 is reduced as soon as the last microbatch's backward has made it (PyTorch DDP, Megatron-Core's
 overlapped gradient reduce), so the traffic hides behind that backward, except the last bucket (layer 0
@@ -87,7 +90,7 @@ from autoplan.grad_buckets import bucket_count
 from autoplan.validity import ulysses_kv_heads
 from autoplan.cost_model.comm import AxisGroup
 from autoplan.cost_model.compute import Efficiency, adamw_time_s, memory_time_s
-from autoplan.cost_model.memory import FP32_BYTES, model_state_bytes, state_bytes_for, temporary_bytes
+from autoplan.cost_model.memory import FP32_BYTES, dp_sync_bytes, model_state_bytes, state_bytes_for, temporary_bytes
 from autoplan.cost_model.parallel_dims import (axes_group, expert_all_to_all_s, expert_tp_exchange_s,
                                                ulysses_all_to_all_s)
 from autoplan.validity import stage_min_layers
@@ -490,17 +493,23 @@ class StepModel:
         window_b, window_f, m = sums["backward"], sums["forward"], cfg.num_microbatches
         if not self.env.efficiency.overlap_grad_reduce:
             window_b = window_f = 0.0
+        grad, weight = self.sync_bytes(cfg)
         if cfg.zero_stage == 0:
-            return {"gradient all-reduce after backward": hidden_behind(collective("all_reduce", self.state.grad), window_b)}
-        rs, ag = collective("reduce_scatter", self.state.grad), collective("all_gather", self.state.weight)
+            return {"gradient all-reduce after backward": hidden_behind(collective("all_reduce", grad), window_b)}
+        rs, ag = collective("reduce_scatter", grad), collective("all_gather", weight)
         if cfg.zero_stage in (1, 2):
             return {"gradient reduce-scatter after backward": hidden_behind(rs, window_b),
                     "parameter all-gather after the step": ag[0]}
         return {"parameter all-gathers (FSDP2)": m * hidden_behind(ag, window_f),
                 "backward all-gathers and reduce-scatters (FSDP2)": m * hidden_behind(
                     (ag[0] + rs[0], ag[1] + rs[1], ag[2]), window_b),
-                "all-gather and reduce-scatter copies (FSDP2)": m * self._fsdp_copies_s(groups),
+                "all-gather and reduce-scatter copies (FSDP2)": m * self._fsdp_copies_s(cfg, groups),
                 "fixed cost per unit (FSDP2)": m * ag[2] * self.env.efficiency.fsdp_unit_s}
+
+    def sync_bytes(self, cfg: Config) -> tuple[float, float]:
+        """(gradient, weight) bytes per parameter the data-parallel sync of `cfg` moves (`memory.dp_sync_bytes`:
+        fp32 gradients under every precision, weights as the ranks compute with them)."""
+        return dp_sync_bytes(self.env.dtype, cfg.precision, cfg.zero_stage)
 
     def dp_groups(self, cfg: Config, sums: dict[str, float]) -> tuple[tuple[float, AxisGroup], ...]:
         """(parameters, group) of the dense and the expert parameters' data-parallel sync."""
@@ -514,14 +523,14 @@ class StepModel:
         total = last = most = 0.0
         for count, g in groups:
             if count and g.size > 1:
-                n = sums["buckets"] if cfg.zero_stage == 3 else bucket_count(count * self.state.grad)
+                n = sums["buckets"] if cfg.zero_stage == 3 else bucket_count(count * self.sync_bytes(cfg)[0])
                 each = self.env.efficiency.collective_s(kind, bytes_per_param * count / n, self.env.cluster, g)
                 total, last, most = total + n * each, max(last, each), max(most, n)
         return total, last, most
 
-    def _fsdp_copies_s(self, groups) -> float:
+    def _fsdp_copies_s(self, cfg: Config, groups) -> float:
         """Seconds of FSDP2's copies around one microbatch's collectives (module docstring, ZeRO 3)."""
-        w, gr = self.state.weight, self.state.grad
+        gr, w = self.sync_bytes(cfg)
         nbytes = sum(count * (2 * (2 * w / g.size + 2 * w) + 2 * gr + 2 * gr / g.size)
                      for count, g in groups if count and g.size > 1)
         return memory_time_s(nbytes, self.env.cluster.device, self.env.efficiency)

@@ -189,7 +189,7 @@ def dp_sync_floor_s(steps: "StepModel", cfg: Config, whole: dict[str, float]) ->
     if not all(collective_is_affine(g, efficiency.collectives) for count, g in groups if count and g.size > 1):
         return 0.0
     window = whole["backward"] if efficiency.overlap_grad_reduce else 0.0
-    grad, weight = steps.state.grad, steps.state.weight
+    grad, weight = steps.sync_bytes(cfg)
     if cfg.zero_stage == 0:
         return max(0.0, steps.dp_traffic(cfg, whole, groups, "all_reduce", grad)[0] - window) / cfg.pp
     scatter = steps.dp_traffic(cfg, whole, groups, "reduce_scatter", grad)[0]

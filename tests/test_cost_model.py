@@ -398,10 +398,10 @@ def test_dp_sync_is_priced_per_bucket_as_the_runtime_runs_it():
     from autoplan.cost_model.step_config import Config
     from autoplan.grad_buckets import GRAD_BUCKET_BYTES, bucket_count
 
-    cluster, eff, params = parse_cluster("2x8xh100"), Efficiency(), 100e6  # bf16: 200 MB of gradients
+    cluster, eff, params = parse_cluster("2x8xh100"), Efficiency(), 100e6  # autocast: 400 MB of fp32 gradients
     steps = StepModel(StepEnv(get_model_config("gpt2-small"), cluster, 1024, "bfloat16", eff), partition=None)
-    n = bucket_count(2 * params)
-    assert n == 8 == -(-2 * params // GRAD_BUCKET_BYTES)
+    n = bucket_count(4 * params)
+    assert n == 16 == -(-4 * params // GRAD_BUCKET_BYTES)
 
     def parts(zero: int, backward_s: float) -> dict[str, float]:
         cfg = Config.of(tp=1, cp=1, pp=1, ep=1, dp=16, microbatch_size=1, num_microbatches=4, zero_stage=zero,
@@ -410,15 +410,15 @@ def test_dp_sync_is_priced_per_bucket_as_the_runtime_runs_it():
         return steps.dp_sync_parts(cfg, sums), steps.group(cfg, ("dp", "ep", "cp"))
 
     (after, group), (hidden, _) = parts(0, 0.0), parts(0, 10.0)
-    one = eff.collective_s("all_reduce", 2 * params / n, cluster, group)
+    one = eff.collective_s("all_reduce", 4 * params / n, cluster, group)
     assert after == {"gradient all-reduce after backward": pytest.approx(n * one)}
     assert hidden == {"gradient all-reduce after backward": pytest.approx(one)}  # the last bucket
     zero1, zero2 = parts(1, 10.0)[0], parts(2, 10.0)[0]
     assert zero1 == zero2
     assert zero1["gradient reduce-scatter after backward"] == pytest.approx(
-        eff.collective_s("reduce_scatter", 2 * params / n, cluster, group))
-    assert zero1["parameter all-gather after the step"] == pytest.approx(
-        n * eff.collective_s("all_gather", 2 * params / n, cluster, group))
+        eff.collective_s("reduce_scatter", 4 * params / n, cluster, group))
+    assert zero1["parameter all-gather after the step"] == pytest.approx(  # autocast's fp32 parameters
+        n * eff.collective_s("all_gather", 4 * params / n, cluster, group))
 
 
 @settings(max_examples=200, deadline=None)

@@ -43,8 +43,8 @@ def test_zero3_prices_fsdp2_copies_per_microbatch():
     cfg = Config.of(tp=1, cp=1, pp=1, ep=1, dp=16, microbatch_size=1, num_microbatches=4, zero_stage=3,
                     recompute="none")
     parts = steps.dp_sync_parts(cfg, dict(dense=params, expert=0.0, buckets=13, forward=1.0, backward=2.0))
-    g = 16  # bf16: w = gr = 2 bytes; two all-gathers' copies in and out, the reduce-scatter's in and out
-    per_param = 2 * (2 * 2 / g + 2 * 2) + 2 * 2 + 2 * 2 / g
+    g = 16  # autocast: fp32 w = gr = 4 bytes; two all-gathers' copies in and out, the reduce-scatter's in and out
+    per_param = 2 * (2 * 4 / g + 2 * 4) + 2 * 4 + 2 * 4 / g
     assert parts["all-gather and reduce-scatter copies (FSDP2)"] == pytest.approx(
         4 * memory_time_s(per_param * params, cluster.device, eff))
 
