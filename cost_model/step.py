@@ -166,7 +166,6 @@ class StepModel:
         """`partition`: the stage DP (`autoplan.solver.stages.partition_bounds`), which the solver passes in:
         the step model prices a partition, the solver finds it."""
         self.env, self.partition = env, partition
-        self.state = state_bytes_for(env.dtype)
         self._groups: dict[tuple, AxisGroup] = {}
         self._partitions: dict[tuple, tuple[int, ...]] = {}
         self._times: dict[tuple, LayerTimes] = {}
@@ -293,10 +292,14 @@ class StepModel:
         return any(floor > limit_s for floor in rising_floors(self, block, cfg, fewer_recomputed))
 
     def optimizer_s(self, cfg: Config, params: float) -> float:
-        """AdamW's step over a stage's `params` (ZeRO 1-3: this rank's 1 / data-ranks share of them)."""
+        """AdamW's step over a stage's `params` (ZeRO 1-3: this rank's 1 / data-ranks share of them), on the
+        gradients the sync reduced (fp32 under every precision) and, where the parameters are narrower than the
+        fp32 masters it steps on (bf16-master, ZeRO 0-2; FSDP2's shards are the fp32 masters), their cast."""
         shard = cfg.data_ranks if cfg.zero_stage >= 1 else 1
         tensor = self.env.model.hidden ** 2 / (cfg.mesh.tp * shard)  # the representative tensor (module docstring)
-        return adamw_time_s(params / shard, self.state.grad, self.state.weight, tensor, self.env.cluster.device, self.env.efficiency)
+        state = state_bytes_for(self.env.dtype, cfg.precision)
+        weight = FP32_BYTES if cfg.zero_stage == 3 else state.held_weight
+        return adamw_time_s(params / shard, state.held_grad, weight, tensor, self.env.cluster.device, self.env.efficiency)
 
     def memory_floor_bytes(self, block: BlockCosts, cfg: Config) -> float:
         """A floor under the busiest pipeline rank's memory, whatever the partition (given or searched, ranks

@@ -78,7 +78,7 @@ def optimizer_and_sync_floor_s(steps: "StepModel", block: BlockCosts, cfg: Confi
                                st: LayerStates) -> float:
     """AdamW's step over the mean stage's parameters and `dp_sync_floor_s` (the sync behind `t`'s backward),
     cached by what they read."""
-    key = ("sync", id(t), id(st), cfg.pp, cfg.num_microbatches, cfg.zero_stage, cfg.mesh)
+    key = ("sync", id(t), id(st), cfg.pp, cfg.num_microbatches, cfg.zero_stage, cfg.mesh, cfg.precision)
     if key not in steps.floor_memo:
         whole = whole_model_sums(block, t, st)
         steps.floor_memo[key] = (steps.optimizer_s(cfg, (whole["dense"] + whole["expert"]) / cfg.pp)
