@@ -44,7 +44,7 @@ from autoplan.errors import AutoplanError, ConfigError, PlanError
 from autoplan.mesh import MeshShape
 from autoplan.models import build_model, get_model_config
 from autoplan.models.config import ModelConfig
-from autoplan.plan import DTYPES, KERNELS, PRECISIONS, Plan
+from autoplan.plan import DTYPES, KERNELS, PRECISIONS, Plan, searched_precision
 from autoplan.recompute_policy import recompute_policy
 from autoplan.solver.baselines import BASELINE_NAMES, baselines_of
 from autoplan.solver.context import SearchContext
@@ -128,7 +128,7 @@ ARGUMENT_RULES: dict[str, Callable[[str, object], None]] = {
     "zero_stage": lambda what, v: check_choice(what, v, (0, 1, 2, 3)),
     "dtype": lambda what, v: check_choice(what, v, DTYPES),
     "kernels": lambda what, v: check_choice(what, v, KERNELS),
-    "precision": lambda what, v: check_choice(what, v, PRECISIONS),
+    "precision": lambda what, v: v is None or check_choice(what, v, PRECISIONS),  # None: `searched_precision`
     "recompute": lambda what, v: _check_recompute_name(what, v),
     "schedule": lambda what, v: check_choice(what, v, (SCHEDULE_1F1B, SCHEDULE_INTERLEAVED)),
     "time_limit_s": check_number,
@@ -183,26 +183,31 @@ def search_plans(model: ModelConfig | str, cluster: ClusterSpec | str, global_ba
                  options: "SearchOptions | None" = None, efficiency: Efficiency | None = None,
                  registry: StrategyRegistry | None = None, profile: "HardwareProfile | None" = None,
                  graph: CapturedGraph | None = None, info: Mapping | None = None,
-                 kernels: str = "auto") -> "SearchResult":
+                 kernels: str = "auto", precision: str | None = None) -> "SearchResult":
     """The `top` best plans (distinct configurations, best first), the baselines beside them, and search
     statistics (`autoplan.solver.search`). `options` narrows the space (`autoplan.solver.space.SearchOptions`);
     `max_microbatch_size` is a shorthand for its field of that name. `graph` / `info`: a graph captured
-    elsewhere (e.g. `autoplan.capture.hf.capture_hf_for_planner`) and its strategy-rule info."""
+    elsewhere (e.g. `autoplan.capture.hf.capture_hf_for_planner`) and its strategy-rule info. `precision`:
+    how a bfloat16 plan holds its weights (`autoplan.plan.PRECISIONS`); None: bf16-master for bfloat16,
+    autocast otherwise (`autoplan.plan.searched_precision`)."""
     check_arguments("search_plans", locals())
     config, cluster = resolve_inputs(model, cluster, global_batch, seq_len, dtype)
     cluster, efficiency = calibrate(cluster, efficiency, profile, kernels, dtype)
     options = options or SearchOptions(max_microbatch_size=max_microbatch_size)
     return run_search(config, cluster, global_batch, seq_len, top=top, options=options, baselines=baselines,
                       dtype=dtype, fold=fold, time_limit_s=time_limit_s, efficiency=efficiency, registry=registry,
-                      progress=progress, graph=graph_source(config, seq_len, dtype, graph), info=info)
+                      progress=progress, graph=graph_source(config, seq_len, dtype, graph), info=info,
+                      precision=precision)
 
 
 def search(model: "ModelConfig | str | torch.nn.Module", cluster: ClusterSpec | str, global_batch: int, seq_len: int, *,
            dtype: str = "bfloat16", fold: bool = True, time_limit_s: float = 60.0, progress: Progress | None = None,
            max_microbatch_size: int = 16, options: "SearchOptions | None" = None,
            efficiency: Efficiency | None = None, registry: StrategyRegistry | None = None,
-           profile: "HardwareProfile | None" = None, kernels: str = "auto", config: ModelConfig | None = None) -> Plan:
+           profile: "HardwareProfile | None" = None, kernels: str = "auto", config: ModelConfig | None = None,
+           precision: str | None = None) -> Plan:
     """The fastest plan that fits; InfeasibleError, with the numbers and what would help, when none does.
+    `precision`: as `search_plans`'s (None: the one it picks for the dtype).
     `model` may also be an nn.Module (a transformers causal LM, or a hand-written module with `config=`
     its ModelConfig): the fastest plan the runtime for your own module runs (`search_module_plans`, in the
     module's own dtype); a zoo module is planned from its config."""
@@ -211,11 +216,13 @@ def search(model: "ModelConfig | str | torch.nn.Module", cluster: ClusterSpec | 
     elif _is_module(model):
         return search_module_plans(model, cluster, global_batch, seq_len, config=config, progress=progress,
                                    fold=fold, time_limit_s=time_limit_s, profile=profile, kernels=kernels,
-                                   options=options or module_search_options(max_microbatch_size)).plans[0]
+                                   options=options or module_search_options(max_microbatch_size),
+                                   precision=precision).plans[0]
     check_arguments("search", locals())
     return search_plans(model, cluster, global_batch, seq_len, dtype=dtype, fold=fold, time_limit_s=time_limit_s,
                         progress=progress, max_microbatch_size=max_microbatch_size, options=options,
-                        efficiency=efficiency, registry=registry, profile=profile, kernels=kernels).plans[0]
+                        efficiency=efficiency, registry=registry, profile=profile, kernels=kernels,
+                        precision=precision).plans[0]
 
 
 def estimate(model: ModelConfig | str, cluster: ClusterSpec | str, global_batch: int, seq_len: int, *,
@@ -224,15 +231,17 @@ def estimate(model: ModelConfig | str, cluster: ClusterSpec | str, global_batch:
              registry: StrategyRegistry | None = None, graph: CapturedGraph | None = None,
              schedule: str = "1f1b", virtual_stages: int = 1, profile: "HardwareProfile | None" = None,
              kernels: str = "auto", stage_layers: Sequence[int] | None = None,
-             info: Mapping | None = None, precision: str = "autocast") -> Plan:
+             info: Mapping | None = None, precision: str | None = "autocast") -> Plan:
     """The Plan of one given configuration (any pp, dp, ep, cp, tp), the intra-op solver choosing the
     strategies; it may not fit (its notes say). Bad values raise ConfigError naming values that work.
     `stage_layers`: the layers of each of the pp x v pipeline chunks in the order the layers flow through
     them (chunk c of pipeline rank s at position c pp + s; `autoplan.validity.stages_problem`), e.g.
     Llama 3 405B's (0, 1, ..., 1, 0) on pp=16, v=8; None: the stage search's partition.
     `graph` / `info`: a graph captured elsewhere and its strategy-rule info (as in `search_plans`);
-    `precision`: how a bfloat16 plan holds its weights (`autoplan.plan.PRECISIONS`)."""
+    `precision`: how a bfloat16 plan holds its weights (`autoplan.plan.PRECISIONS`; None: the one the search
+    picks for the dtype, `autoplan.plan.searched_precision`)."""
     check_arguments("estimate", locals())
+    precision = precision or searched_precision(dtype)
     config, cluster = resolve_inputs(model, cluster, global_batch, seq_len, dtype)
     cluster, efficiency = calibrate(cluster, efficiency, profile, kernels, dtype)
     cfg = check_config(config, cluster, global_batch, seq_len, mesh, microbatch_size, zero_stage, recompute, schedule,

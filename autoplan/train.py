@@ -8,7 +8,7 @@
 (`autoplan.train_hf`: what it runs and its loss; --save / --resume below work for it too).
 
 Without --plan, the plan is searched for the launched world (a `1xNxcpu` cluster on CPU, or
-`--cluster`). `--save DIR` writes a checkpoint (model and optimizer state under full names and
+`--cluster`), in bfloat16 under `--precision` (bf16-master unless autocast is given). `--save DIR` writes a checkpoint (model and optimizer state under full names and
 shapes, through torch.distributed.checkpoint) at the end into DIR, which must be new, empty or an
 earlier checkpoint of this model. With `--save-every N` it saves every N steps and at the end into
 numbered folders DIR/step-NNNNNN instead, and `--keep K` keeps only the K newest of them (only
@@ -67,7 +67,8 @@ import torch
 from autoplan.cli.args import OneLineParser, existing_file, non_negative_int, positive_float, positive_int
 from autoplan.step_meter import StepMeter
 from autoplan.train_hf import add_hf_options, build_hf_program, check_hf_args, finish_hf
-from autoplan.errors import AutoplanError, CollectiveError, TrainingDivergedError
+from autoplan.errors import AutoplanError, CollectiveError, ConfigError, TrainingDivergedError
+from autoplan.plan import PRECISIONS
 
 SYNTHETIC_PERIOD = 97  # tokens; prime, so windows at different offsets differ
 
@@ -81,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", help="cluster for the search (default: 1 x WORLD_SIZE x cpu, or the plan's)")
     p.add_argument("--global-batch", type=positive_int, default=8, help="sequences per step (when searching)")
     p.add_argument("--seq", type=positive_int, default=32, help="tokens per sequence (when searching)")
+    p.add_argument("--precision", choices=PRECISIONS,
+                   help="how the searched bfloat16 plan holds its weights (when searching for --model): bf16-master "
+                   "(default: bf16 parameters, fp32 masters and gradient reduction) or autocast (fp32 parameters)")
     p.add_argument("--steps", type=non_negative_int, default=20)
     p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--seed", type=non_negative_int, default=0)
@@ -134,7 +138,17 @@ def resolve_plan(args, config):
         return Plan.load(args.plan)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cluster = parse_cluster(args.cluster or f"1x{world}xcpu")
-    return search(config, cluster, args.global_batch, args.seq)
+    return search(config, cluster, args.global_batch, args.seq, precision=args.precision)
+
+
+def check_precision_args(args) -> None:
+    """--precision chooses the precision of the plan train searches for --model; a plan file and the
+    module runtime's search (--hf-model: the checkpoint in float32) fix their own."""
+    if args.precision and (args.plan or args.hf_model):
+        given = f"--plan {args.plan}" if args.plan else f"--hf-model {args.hf_model}"
+        raise ConfigError(f"--precision {args.precision} with {given}: --precision applies only to the plan searched "
+                          f"for --model without --plan; make the plan with `autoplan search ... --precision "
+                          f"{args.precision} -o plan.json` and pass --plan plan.json, or leave --precision out")
 
 
 def check_checkpoint_args(args) -> None:
@@ -183,6 +197,7 @@ def build_program(args):
 def train(args, run: Run | None = None) -> list[float]:
     check_hf_args(args)  # first: --hf-model DIR and --save-hf OUT checked before anything is built
     check_checkpoint_args(args)
+    check_precision_args(args)
     run = run if run is not None else Run()
     program, plan, vocab = build_program(args)
     optimizer = program.make_optimizer(torch.optim.AdamW, lr=args.lr)

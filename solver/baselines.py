@@ -45,16 +45,18 @@ def megatron_tp(config: ModelConfig, cluster: ClusterSpec) -> int:
                if cluster.world_size % t == 0 and config.heads % t == 0 and config.kv_heads % t == 0)
 
 
-def _fits(ctx: SearchContext, cfg: Config, variant: str) -> Priced | None:
-    cfg = cfg.replace(precision=searched_precision(ctx.dtype))  # as the search's (Megatron-LM: bf16 masters too)
+def _fits(ctx: SearchContext, cfg: Config, variant: str, precision: str | None = None) -> Priced | None:
+    """`cfg` priced under the search's `precision` (None: the one it picks for the dtype, `searched_precision`;
+    Megatron-LM keeps bf16 masters too), or None when it does not fit."""
+    cfg = cfg.replace(precision=precision or searched_precision(ctx.dtype))
     if memory_lower_bound(ctx.config, cfg, ctx.seq_len, ctx.dtype) > ctx.cluster.device.memory_bytes:
         return None
     priced = ctx.price(cfg, variant)
     return priced if priced.fits else None
 
 
-def megatron_baseline(ctx: SearchContext) -> Baseline:
-    """The Megatron-style configuration of the module docstring, or why there is none."""
+def megatron_baseline(ctx: SearchContext, precision: str | None = None) -> Baseline:
+    """The Megatron-style configuration of the module docstring under `precision` (`_fits`), or why there is none."""
     config, cluster, batch = ctx.config, ctx.cluster, ctx.global_batch
     tp = megatron_tp(config, cluster)
     variant = VARIANT_MEGATRON if tp > 1 else VARIANT_ILP
@@ -64,7 +66,7 @@ def megatron_baseline(ctx: SearchContext) -> Baseline:
         if batch % dp:
             continue
         tried.append(pp)
-        priced = _fits(ctx, Config.of(tp, 1, pp, 1, dp, 1, batch // dp, 1, "selective"), variant)
+        priced = _fits(ctx, Config.of(tp, 1, pp, 1, dp, 1, batch // dp, 1, "selective"), variant, precision)
         if priced is not None:
             return Baseline("megatron", priced)
     if not tried:
@@ -72,8 +74,8 @@ def megatron_baseline(ctx: SearchContext) -> Baseline:
     return Baseline("megatron", None, f"tp={tp}, microbatch 1, selective recompute, ZeRO-1 does not fit with any pp in {tried}")
 
 
-def fsdp_baseline(ctx: SearchContext, options: SearchOptions | None = None) -> Baseline:
-    """The FSDP / ZeRO-3 configuration of the module docstring, or why there is none."""
+def fsdp_baseline(ctx: SearchContext, options: SearchOptions | None = None, precision: str | None = None) -> Baseline:
+    """The FSDP / ZeRO-3 configuration of the module docstring under `precision` (`_fits`), or why there is none."""
     options = options or SearchOptions()
     world, batch = ctx.cluster.world_size, ctx.global_batch
     if batch % world:
@@ -81,7 +83,8 @@ def fsdp_baseline(ctx: SearchContext, options: SearchOptions | None = None) -> B
     sizes = sorted(divisors_up_to(batch // world, options.max_microbatch_size), reverse=True)
     for recompute in options.recompute:
         for mbs in sizes:
-            priced = _fits(ctx, Config.of(1, 1, 1, 1, world, mbs, batch // (world * mbs), 3, recompute), VARIANT_ILP)
+            priced = _fits(ctx, Config.of(1, 1, 1, 1, world, mbs, batch // (world * mbs), 3, recompute), VARIANT_ILP,
+                           precision)
             if priced is not None:
                 return Baseline("fsdp", priced)
     return Baseline("fsdp", None, f"ZeRO-3 over all {world} GPUs does not fit even at microbatch {min(sizes, default=1)} "
@@ -89,7 +92,9 @@ def fsdp_baseline(ctx: SearchContext, options: SearchOptions | None = None) -> B
 
 
 def all_baselines(ctx: SearchContext, options: SearchOptions | None = None) -> tuple[Baseline, ...]:
-    return megatron_baseline(ctx), fsdp_baseline(ctx, options)
+    """Both baselines beside a search of `options`, under its precision."""
+    precision = options.precision if options else None
+    return megatron_baseline(ctx, precision), fsdp_baseline(ctx, options, precision)
 
 
 def baselines_of(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int, graph: GraphSource, *,

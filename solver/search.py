@@ -234,13 +234,19 @@ def run_search(config: ModelConfig, cluster: ClusterSpec, global_batch: int, seq
                options: SearchOptions | None = None, baselines: bool = True, dtype: str = "bfloat16",
                fold: bool = True, time_limit_s: float = 60.0, efficiency: Efficiency | None = None,
                registry: StrategyRegistry | None = None, progress: Progress | None = None,
-               graph: GraphSource, info: Mapping | None = None) -> SearchResult:
+               graph: GraphSource, info: Mapping | None = None, precision: str | None = None) -> SearchResult:
     """The K best plans (module docstring); InfeasibleError, with the numbers, when none fits. `graph` and
-    `info`: a graph captured elsewhere (at batch 1 and this seq_len) and its strategy-rule info."""
+    `info`: a graph captured elsewhere (at batch 1 and this seq_len) and its strategy-rule info. `precision`:
+    every configuration's (`autoplan.plan.PRECISIONS`; None: `searched_precision(dtype)`); ConfigError when
+    it cannot run `dtype` (`precision_problem`)."""
     start, report = time.perf_counter(), progress or (lambda message: None)
     if top < 1:
         raise ConfigError(f"top={top} must be >= 1")
-    options = dataclasses.replace(options or SearchOptions(), precision=searched_precision(dtype))
+    precision = precision or searched_precision(dtype)
+    problem = precision_problem(precision, dtype)
+    if problem:
+        raise ConfigError(problem)
+    options = dataclasses.replace(options or SearchOptions(), precision=precision)
     if not callable(graph) and not any(n.op_kind == "moe" for n in graph.nodes):
         options = dataclasses.replace(options, expert_tensor_parallel=False)  # no MoE layer for etp to change
     fitting, num_configs = fitting_configs(config, cluster, global_batch, seq_len, options, dtype)

@@ -3,6 +3,7 @@
     autoplan search --model gpt3-175b --cluster 128x8xh100 --global-batch 1536 --seq 2048 -o plan.json
     autoplan search --model-config my_model.yaml --cluster cluster.yaml --global-batch 64 --seq 4096 --json
     autoplan search --hf-model my-llama --cluster 1x4xcpu --global-batch 8 --seq 256 --dtype float32 -o plan.json
+    autoplan search ... --precision autocast            # bfloat16 under torch.autocast over fp32 weights
     autoplan search ... --top 5 --baseline megatron      # the best plans side by side, and the baselines
     autoplan estimate --model gpt3-175b --cluster 128x8xa100 --tp 8 --pp 16 --mbs 1 --global-batch 1536 --seq 2048
     autoplan show plan.json
@@ -39,7 +40,7 @@ def _workload_options(p) -> None:
 def _search_parser(sub) -> None:
     p = sub.add_parser("search", help="find the fastest plan for a model on a cluster and write it")
     _workload_options(p)
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    _dtype_options(p)
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON to stdout instead of the tables")
     p.add_argument("--no-fold", action="store_true", help="solve the unfolded graph (slower; for comparison)")
@@ -48,6 +49,28 @@ def _search_parser(sub) -> None:
     from autoplan.cli.explain import add_search_options
 
     add_search_options(p)
+
+
+def _dtype_options(p) -> None:
+    """--dtype and --precision: what `search` and `estimate` plan the weights in (`autoplan.plan.PRECISIONS`)."""
+    from autoplan.plan import DTYPES, PRECISIONS
+
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--precision", choices=PRECISIONS,
+                   help="how a bfloat16 plan holds its weights: bf16-master (bf16 parameters, fp32 master weights, "
+                   "gradients accumulated and reduced in fp32, as Megatron-LM and torchtitan train; the default for "
+                   "bfloat16) or autocast (fp32 parameters and gradients, torch.autocast casting each GEMM's "
+                   "weights; the only one for float16 and float32)")
+
+
+def check_precision(args) -> None:
+    """Refuse a --precision that cannot run --dtype before any work (`autoplan.plan.precision_problem`, the
+    check `estimate`, the search and the runtime make)."""
+    from autoplan.plan import precision_problem
+
+    problem = args.precision and precision_problem(args.precision, args.dtype)
+    if problem:
+        raise AutoplanError(f"--precision {args.precision} with --dtype {args.dtype}: {problem}")
 
 
 def _model_options(p, hf: bool = False) -> None:
@@ -110,7 +133,7 @@ def _estimate_parser(sub) -> None:
                    "chunk 1 of each, and so on. N*K repeats N K times: Llama 3 405B on pp 16, v 8 is 0,1*126,0 (the "
                    "first chunk holds only the embedding, the last only the head). Only the first and last chunk "
                    "may hold 0 layers. Default: the stage search's partition")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    _dtype_options(p)
     p.add_argument("-o", "--output", metavar="FILE", help="write the priced plan JSON here")
     p.add_argument("--json", action="store_true", help="print only the `predicted` block as JSON")
     _profile_option(p)
@@ -164,6 +187,7 @@ def cmd_search(args) -> int:
     from autoplan.api import search_plans
 
     check_outputs(args)
+    check_precision(args)
     cluster = parse_cluster(args.cluster)
     if args.hf_model:  # planned as autoplan.train --hf-model runs it: autoplan.cli.hf_model
         with search_progress() as progress:
@@ -174,7 +198,8 @@ def cmd_search(args) -> int:
         with search_progress() as progress:
             result = search_plans(config, cluster, args.global_batch, args.seq, top=args.top, dtype=args.dtype,
                                   fold=not args.no_fold, time_limit_s=args.time_limit, progress=progress,
-                                  profile=_load_profile(args), kernels=args.kernels, **captured)
+                                  profile=_load_profile(args), kernels=args.kernels, precision=args.precision,
+                                  **captured)
     plan = result.plans[0]
     if args.output:
         plan.save(args.output)
@@ -210,6 +235,7 @@ def cmd_estimate(args) -> int:
     from autoplan.api import estimate
 
     check_outputs(args)
+    check_precision(args)
     captured = hf_model.estimate_inputs(args) if args.hf_model or args.hf_config else {}
     config = captured.pop("config") if captured else _load_model_config(args)
     cluster = parse_cluster(args.cluster)
@@ -222,7 +248,7 @@ def cmd_estimate(args) -> int:
     plan = estimate(config, cluster, args.global_batch, args.seq, mesh=mesh, microbatch_size=args.mbs, zero_stage=args.zero,
                     recompute=args.recompute, dtype=args.dtype, schedule=args.schedule, virtual_stages=args.virtual_stages,
                     profile=_load_profile(args), kernels=args.kernels, stage_layers=args.stage_layers,
-                    **captured)
+                    precision=args.precision, **captured)
     if args.hf_model:
         hf_model.warn_if_not_runnable(plan, args.hf_model)
     if args.output:

@@ -60,7 +60,7 @@ def search_hf_model(args, cluster, profile, progress):
     model = hf_model_on_meta(checkpoint_dir(args.hf_model))
     return search_module_plans(model, cluster, args.global_batch, args.seq, top=args.top, dtype=args.dtype,
                                fold=not args.no_fold, time_limit_s=args.time_limit, progress=progress,
-                               profile=profile, kernels=args.kernels)
+                               profile=profile, kernels=args.kernels, precision=args.precision)
 
 
 def estimate_inputs(args) -> dict:

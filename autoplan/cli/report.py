@@ -42,7 +42,9 @@ def summary_table(plan: Plan) -> Table:
     degrees = f"pp={mesh.pp} dp={mesh.dp} tp={mesh.tp} cp={mesh.cp} ep={mesh.ep}{etp}{ep_as}"
     table.add_row("mesh", f"{degrees}  (order {' > '.join(mesh.order)})")
     table.add_row("batch", f"global {plan.global_batch} x seq {plan.seq_len} = microbatch {plan.microbatch_size} x {plan.num_microbatches} microbatches x {_shards_text(mesh)}")
-    table.add_row("memory knobs", f"ZeRO stage {plan.zero_stage}, recompute {plan.recompute}, schedule {plan.schedule}, {plan.dtype}")
+    precision = f" ({plan.precision})" if plan.dtype != "float32" else ""  # float32 casts nothing
+    table.add_row("memory knobs", f"ZeRO stage {plan.zero_stage}, recompute {plan.recompute}, schedule {plan.schedule}, "
+                                  f"{plan.dtype}{precision}")
     table.add_row("step time", _fmt_s(p.step_time_s))
     table.add_row("throughput", f"{p.tokens_per_s:,.0f} tokens/s")
     table.add_row("MFU", f"{p.mfu * 100:.1f}%")
