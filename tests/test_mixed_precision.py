@@ -15,6 +15,9 @@ are compared element by element with a bulk tolerance and a bound:
 Measured (MP_STATS=1 prints them): 2 ranks vs 1, under each ZeRO stage, 99.86% within 2e-4, largest
 2.5e-3 (7 of tok_emb's 8192), losses within 4.5e-5 relative; vs float32 the 99th percentile is
 1.1e-4, largest 4.3e-3. A gradient reduced wrong or a step on bf16 values moves most elements.
+Under 1F1B, pp 2 (2 ranks) and pp 2 x dp 2 with ZeRO 1 (4 ranks) match the same one process by the same
+measures, stage by stage. The gradient buckets' collectives move fp32 gradients and (ZeRO 1) bf16
+parameters, the bytes the time model prices (`cost_model.memory.dp_sync_bytes`).
 Masters are float32 and hold values bf16 cannot (checked: they differ from their bf16 round trip), and
 a checkpoint saves them: loaded under a float32 plan the parameters equal the masters bit for bit. Each
 rank's weights, gradient buffers and optimizer states and masters, summed by storage, are what the plan
@@ -23,6 +26,7 @@ prices (within 5%).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -38,9 +42,10 @@ VS_FP32 = dict(loss_rtol=1e-3, atol=5e-4)
 
 
 def _plan(dp: int, zero_stage: int, precision: str = "bf16-master", dtype: str = "bfloat16",
-          num_microbatches: int = 2):
+          num_microbatches: int = 2, pp: int = 1):
+    """tiny-llama, global batch 4 over `dp` ranks in `num_microbatches` (1F1B over `pp` stages)."""
     return make_plan("tiny-llama", dp, 1, seq_len=SEQ, num_microbatches=num_microbatches,
-                     zero_stage=zero_stage, dtype=dtype, precision=precision,
+                     zero_stage=zero_stage, dtype=dtype, precision=precision, pp=pp,
                      microbatch_size=4 // dp // num_microbatches)
 
 
@@ -61,13 +66,33 @@ def _train(rank: int, plan, checkpoint: str | None = None) -> dict:
     optimizer = program.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
     tokens, targets = _batches(plan)
     grads = _watch_gradients(program)
-    losses = [program.train_step(tokens[s], targets[s], optimizer) for s in range(STEPS)]
+    with _sync_dtypes() as issued:
+        losses = [program.train_step(tokens[s], targets[s], optimizer) for s in range(STEPS)]
     states = _state_bytes(program, optimizer, grads)
     params = program.full_parameters()
     if checkpoint is not None:
         program.save_checkpoint(checkpoint, optimizer, step=STEPS)
     return {"losses": losses, "params": params, "held": held, "states": states,
-            "optimizer": type(optimizer).__name__}
+            "optimizer": type(optimizer).__name__, "sync": sorted(set(issued))}
+
+
+@contextlib.contextmanager
+def _sync_dtypes():
+    """(kind, bytes per element) of every gradient-bucket collective issued inside (`collectives.start`:
+    `runtime.grad_sync`'s reductions and ZeRO 1/2's all-gathers of the updated parameters)."""
+    from autoplan.runtime import collectives
+
+    issued, start = [], collectives.start
+
+    def recorded(kind, out, inp, group):
+        issued.append((kind, inp.element_size()))
+        return start(kind, out, inp, group)
+
+    collectives.start = recorded
+    try:
+        yield issued
+    finally:
+        collectives.start = start
 
 
 def _bytes(tensors) -> int:
@@ -128,11 +153,11 @@ def _loaded(rank: int, world: int, plan, checkpoint: str) -> dict:
 
 
 def _close(got: dict, ref: dict, loss_rtol: float, atol: float, what: str) -> None:
-    """Losses within `loss_rtol`; of all the masters' elements at least 99% within `atol` and none
-    beyond 6 lr (module docstring)."""
+    """Losses within `loss_rtol`; of all the masters' elements `got` holds (a pipeline rank: its stage's) at
+    least 99% within `atol` and none beyond 6 lr (module docstring)."""
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
                                rtol=loss_rtol, atol=0, msg=f"{what}: losses")
-    diffs = torch.cat([(got["params"][n] - v).abs().flatten() for n, v in ref["params"].items()])
+    diffs = torch.cat([(v - ref["params"][n]).abs().flatten() for n, v in got["params"].items()])
     if os.environ.get("MP_STATS"):
         print(what, [f"{float(torch.quantile(diffs, q)):.2e}" for q in (0.5, 0.9, 0.99, 0.999)], f"{float(diffs.max()):.2e}",
               f"{float((diffs <= atol).float().mean()):.5f}", [f"{a:.6f}/{b:.6f}" for a, b in zip(got["losses"], ref["losses"])])
@@ -194,3 +219,39 @@ def test_checkpoint_saves_the_float32_masters(runs):
     masters = runs["two"][0][0]["params"]
     for name, value in runs["loaded"]["params"].items():
         assert torch.equal(value, masters[name]), name
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_the_sync_moves_what_the_time_model_prices(runs, zero):
+    """ZeRO 0 all-reduces and ZeRO 1 reduce-scatters fp32 main gradients, and ZeRO 1 all-gathers the updated
+    masters into the bf16 parameters: `cost_model.memory.dp_sync_bytes`, which the step model prices."""
+    from autoplan.cost_model.memory import dp_sync_bytes
+
+    grad, weight = dp_sync_bytes("bfloat16", "bf16-master", zero)
+    want = [("all_reduce", grad)] if zero == 0 else [("all_gather", weight), ("reduce_scatter", grad)]
+    for rank in (0, 1):
+        assert runs["two"][rank][(0, 1, 3).index(zero)]["sync"] == want, (zero, rank)
+
+
+@pytest.fixture(scope="module")
+def pipelined():
+    """bf16-master under 1F1B: pp 2 (2 microbatches of 2) on 2 ranks, pp 2 x dp 2 under ZeRO 1 (2 microbatches
+    of 1 per data rank) on 4, and one process of the scheme (2 microbatches of 2)."""
+    one = spawn(_run_plans, 1, [_plan(1, 0)])[0][0]
+    pp2 = spawn(_run_plans, 2, [_plan(1, 0, pp=2)])
+    pp2_dp2 = spawn(_run_plans, 4, [_plan(2, 1, pp=2)])
+    return {"one": one, "pp2": [r[0] for r in pp2], "pp2_dp2": [r[0] for r in pp2_dp2]}
+
+
+@pytest.mark.parametrize("scheme", ["pp2", "pp2_dp2"])
+def test_pipelined_ranks_match_one_process(pipelined, scheme):
+    """Every rank's losses, and the masters gathered over the stages, as one process's after 3 steps; the
+    parameters held are bf16 and the optimizer steps on fp32 masters on every stage."""
+    for rank, result in enumerate(pipelined[scheme]):
+        assert result["held"] == ["torch.bfloat16"], (scheme, rank)
+        assert result["optimizer"] == "ShardedOptimizer", (scheme, rank)
+        _close(result, pipelined["one"], what=f"{scheme} rank {rank}", **PARITY)
+    held = [set(result["params"]) for result in pipelined[scheme]]
+    assert set().union(*held) == set(pipelined["one"]["params"])  # the stages hold every parameter
+    if scheme == "pp2":
+        assert held[0].isdisjoint(held[1])  # each parameter on one stage
