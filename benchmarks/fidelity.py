@@ -21,7 +21,10 @@ Rows (sources; what the source leaves unsaid is assumed the same way for every r
                  or 16 per data-parallel rank: microbatches, as 1F1B needs them), ZeRO-1 (the paper shards
                  optimizer states and gradients; the runtime refuses ZeRO-2 with pp, and estimate applies the
                  same rule), and the least recompute (none, selective, full) that the memory model fits in
-                 80 GB, full where none does (the paper does not say). Priced with Megatron-LM's tensor-
+                 80 GB, full where none does (the paper does not say), and Megatron-Core's default gradient
+                 bucket size (max(40M, 1M x dp) elements, `autoplan.grad_buckets`; the paper, under "numerical
+                 stability", says gradients are accumulated and reduce-scattered in fp32, which the plan
+                 precision bf16-master prices; the bucket size it does not say). Priced with Megatron-LM's tensor-
                  parallel layout with sequence parallelism (`plan_from_assignment`; section 3.3.2: column and row
                  projections, the norms on sequence shards), as the run had it; `--layout solver` prices them with
                  the intra-op solver's own strategies (`estimate`), solved for the tokens a rank holds (under cp
@@ -95,8 +98,10 @@ def megatron_rows() -> list[Published]:
 
 
 # Llama 3's training stack ran on Meta's hosts: their dispatch of kernels is not the one measured here (autoplan's
-# eager runtime on the lent H200, `cost_model.compute`), so it is not priced, as for Megatron-LM's runs
-META_HOSTS = Efficiency(host_kernel_s=0.0, host_recompute_s=())
+# eager runtime on the lent H200, `cost_model.compute`), so it is not priced, as for Megatron-LM's runs; its gradient
+# buckets are assumed Megatron-Core's default size (max(40M, 1M x dp) elements; the paper does not say), not this
+# runtime's 25 MiB, which over 128 data ranks would be 466 latency-bound calls per step (`autoplan.grad_buckets`)
+META_HOSTS = Efficiency(host_kernel_s=0.0, host_recompute_s=(), grad_buckets="megatron-core")
 
 
 def llama3_price(gpus: int, cp: int, seq: int, layout: str = "megatron") -> tuple[Plan, float]:

@@ -111,6 +111,7 @@ from autoplan.cost_model.host import CPU_RECOMPUTE_S, GPU_RECOMPUTE_S, HOST_KERN
 from autoplan.cost_model.calibration import CollectiveCalibration, GemmEfficiency, device_spec_from_profile
 from autoplan.cost_model.kernels import FusedKernels, fused_kernels, node_kernel
 from autoplan.errors import ConfigError
+from autoplan.grad_buckets import BUCKET_RULES
 from autoplan.profiler.profile import ProfileError, same_device
 
 if TYPE_CHECKING:
@@ -162,7 +163,9 @@ class Efficiency:
     whole backward (Megatron-LM of 2021). kernels: the plan's fused kernels and their measured HBM
     efficiencies (`cost_model.kernels`), which replace `memory` for the nodes they run (`for_node`).
     fsdp_unit_s: FSDP2's fixed cost per unit and microbatch beyond its calls' latencies (ZeRO 3), as a
-    profile measured it (`profiler.fsdp`); 0 without one (not priced)."""
+    profile measured it (`profiler.fsdp`); 0 without one (not priced). grad_buckets: the size rule of the
+    data-parallel gradient buckets (`autoplan.grad_buckets.BUCKET_RULES`): "ddp", this runtime's; another
+    stack's for pricing runs made on it (benchmarks)."""
 
     matmul: float | None = None
     memory: float = 0.80
@@ -175,6 +178,7 @@ class Efficiency:
     kernel_floor_s: float = KERNEL_FLOOR_S
     collective_call_s: float = COLLECTIVE_CALL_S
     fsdp_unit_s: float = 0.0
+    grad_buckets: str = "ddp"
     floor_source: str = ("kernel floor: meta-pytorch/autoparallel's 7 us; collective call: NCCL's ring LL base "
                          "latency, 6.6 us (cost_model.compute)")
     host_kernel_s: float | None = None  # None: the device's default (`resolved`: HOST_KERNEL_S on a GPU, 0 on a CPU)
@@ -192,6 +196,8 @@ class Efficiency:
             value = getattr(self, name)
             if value is not None and not 0 < value <= 1:
                 raise ConfigError(f"efficiency {name}={value!r} must be in (0, 1]")
+        if self.grad_buckets not in BUCKET_RULES:
+            raise ConfigError(f"efficiency grad_buckets={self.grad_buckets!r} must be one of {BUCKET_RULES}")
         if not 0 <= self.fsdp_unit_s < 1:
             raise ConfigError(f"efficiency fsdp_unit_s={self.fsdp_unit_s!r} must be in [0, 1) seconds (FSDP2's fixed "
                               f"cost per unit and microbatch; 0 turns it off)")

@@ -86,7 +86,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from autoplan.cluster import ClusterSpec
-from autoplan.grad_buckets import bucket_count
+from autoplan.grad_buckets import bucket_bytes_for, bucket_count
 from autoplan.validity import ulysses_kv_heads
 from autoplan.cost_model.comm import AxisGroup
 from autoplan.cost_model.compute import Efficiency, adamw_time_s, memory_time_s
@@ -522,11 +522,12 @@ class StepModel:
                    bytes_per_param: float) -> tuple[float, float, float]:
         """(all buckets' seconds, the largest bucket's, the most buckets of a group) of `kind` over `groups`
         (`dp_groups`): each group's parameters in n buckets of 1 / n each (FSDP2's units under ZeRO 3: one per
-        layer and one for the ends)."""
+        layer and one for the ends; else `autoplan.grad_buckets` under the efficiency's rule)."""
         total = last = most = 0.0
+        grad, rule = self.sync_bytes(cfg)[0], self.env.efficiency.grad_buckets
         for count, g in groups:
             if count and g.size > 1:
-                n = sums["buckets"] if cfg.zero_stage == 3 else bucket_count(count * self.sync_bytes(cfg)[0])
+                n = sums["buckets"] if cfg.zero_stage == 3 else bucket_count(count * grad, bucket_bytes_for(rule, g.size, grad))
                 each = self.env.efficiency.collective_s(kind, bytes_per_param * count / n, self.env.cluster, g)
                 total, last, most = total + n * each, max(last, each), max(most, n)
         return total, last, most

@@ -421,6 +421,26 @@ def test_dp_sync_is_priced_per_bucket_as_the_runtime_runs_it():
         n * eff.collective_s("all_gather", 4 * params / n, cluster, group))
 
 
+def test_megatron_core_buckets_are_priced_when_asked():
+    """`Efficiency(grad_buckets="megatron-core")` prices Megatron-Core DDP's default buckets, max(40M, 1M x dp)
+    gradient elements (`autoplan.grad_buckets`): 400 MB of fp32 gradients over 16 ranks in 3 buckets of
+    160 MB, not the runtime's 16 of 25 MiB; any other rule is refused."""
+    from autoplan.cost_model.step import StepEnv, StepModel
+    from autoplan.cost_model.step_config import Config
+
+    cluster, params = parse_cluster("2x8xh100"), 100e6
+    eff = Efficiency(grad_buckets="megatron-core")
+    steps = StepModel(StepEnv(get_model_config("gpt2-small"), cluster, 1024, "bfloat16", eff), partition=None)
+    cfg = Config.of(tp=1, cp=1, pp=1, ep=1, dp=16, microbatch_size=1, num_microbatches=4, zero_stage=0,
+                    recompute="none")
+    parts = steps.dp_sync_parts(cfg, dict(dense=params, expert=0.0, buckets=13, forward=0.0, backward=0.0))
+    group = steps.group(cfg, ("dp", "ep", "cp"))
+    assert parts["gradient all-reduce after backward"] == pytest.approx(
+        3 * eff.collective_s("all_reduce", 4 * params / 3, cluster, group))
+    with pytest.raises(ConfigError, match=r"grad_buckets='fsdp' must be one of \('ddp', 'megatron-core'\)"):
+        Efficiency(grad_buckets="fsdp")
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.floats(0.0, 1e-2), st.integers(0, 6)), max_size=30), st.floats(0.0, 2e-4))
 def test_host_paced_time_lies_between_the_busier_resource_and_both_in_turn(ops, host_s):
