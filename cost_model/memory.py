@@ -21,8 +21,9 @@ and MoE weights), all in bytes per parameter:
                                                                          bf16-master), fp32 reduce-scatter
 
 The ZeRO paper's 2 + 2 + 12 (Rajbhandari et al., SC'20, sec. 3.1) is what `StateBytes.weight`, `grad`
-and `optimizer` still say: what the intra-op problem and the search's memory messages count. The data-parallel sync moves what the runtime holds
-(`dp_sync_bytes`): fp32 gradients under every precision, weights in the dtype the ranks compute with.
+and `optimizer` still say: what the intra-op problem and the search's memory messages count. The
+data-parallel sync moves what the runtime holds (`dp_sync_bytes`): fp32 gradients under every precision,
+weights in the dtype the ranks compute with.
 
 Activations of one microbatch, per recompute policy: `cost_model.activations` (the storages the
 runtime keeps for backward, and what a recomputed layer keeps of them); `memory_breakdown` adds them
@@ -67,9 +68,10 @@ CAST_KINDS = ("linear", "moe")  # the ops whose weights autocast copies to the c
 class StateBytes:
     """Bytes per parameter. `weight`, `grad`, `optimizer`: the ZeRO paper's (module docstring; the
     intra-op problem's memory). What a rank holds under the plan's precision: `held_weight` (the
-    parameters), `held_grad` (the gradients reduced; `dp_sync_bytes`: what the sync moves), `moments` (AdamW's m and v), `master` (an fp32
-    copy the optimizer steps on, under ZeRO 0; ZeRO 1/2 always slice one), `cast` (autocast's copy of
-    each GEMM weight), `gathered` (a ZeRO 3 unit's weights gathered for compute)."""
+    parameters), `held_grad` (the gradients reduced; `dp_sync_bytes`: what the sync moves), `moments`
+    (AdamW's m and v), `master` (an fp32 copy the optimizer steps on, under ZeRO 0; ZeRO 1/2 always slice
+    one), `cast` (autocast's copy of each GEMM weight), `gathered` (a ZeRO 3 unit's weights gathered for
+    compute)."""
 
     weight: float
     grad: float

@@ -29,7 +29,7 @@ sends (`cost_model.pipeline`). Per optimizer step:
 Data-parallel sync per stage, over dp x ep x cp ranks for dense parameters and dp x cp for expert
 ones (whatever etp: the ranks holding the same experts differ only in dp and cp), as the runtime runs
 it (`runtime.grad_sync`): each group's gradients in n = ceil(bytes / 25 MiB) buckets
-(`autoplan.grad_buckets`), each bucket one collective of bytes / n, so latencies count; the bytes per
+(`autoplan.grad_buckets`; `Efficiency.grad_buckets` prices another stack's size), each bucket one collective of bytes / n, so latencies count; the bytes per
 parameter are the runtime's (`memory.dp_sync_bytes`): fp32 gradients under every precision (autocast's
 fp32 parameters', bf16-master's fp32 main gradients, FSDP2's reduce_dtype), weights all-gathered in the
 dtype the ranks compute with (bf16 under bf16-master, fp32 otherwise);

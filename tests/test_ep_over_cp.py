@@ -117,15 +117,16 @@ def long_moe():
     from autoplan.api import search_plans
     from autoplan.solver.space import SearchOptions
 
-    return search_plans("mixtral-8x7b", "2x8xh100", 8, 32768, top=3, options=SearchOptions(zero_stages=(0, 1)))
+    return search_plans("mixtral-8x7b", "2x8xh100", 8, 32768, top=4, options=SearchOptions(zero_stages=(0, 1)))
 
 
 def test_search_folds_ep_over_cp_on_a_long_sequence_moe(long_moe):
     from autoplan.cli.explain import explain_plan
 
     # with model states priced as the runtime holds them (bf16-master, fp32 main gradients: cost_model.memory)
-    # every such plan recomputes in full and ep as dp (pp2 x ep2 x tp4, 4.71 s) edges ep as cp (pp2 x ep4 x tp2,
-    # 4.76 s): the fold is among the best three, within 2%
+    # every such plan recomputes in full and ep as dp (pp2 x ep2 x tp4, 4.72 s) edges ep as cp (pp2 x ep4 x tp2,
+    # 4.77 s; since AdamW is priced on the fp32 main gradients, tied with a third ep-as-dp plan): the fold is
+    # among the best four, within 2%
     best = next(p for p in long_moe.plans if p.mesh.ep_as == "cp")
     assert best.mesh.ep > 1 and best.predicted.step_time_s < 1.02 * long_moe.plans[0].predicted.step_time_s
     assert best.global_batch == best.microbatch_size * best.num_microbatches * best.mesh.dp
