@@ -120,18 +120,19 @@ class SolutionParts:
     walked: "TpSolution | None" = None  # the solution over the representative graph (None: `solution`)
     _activations: dict = field(default_factory=dict, repr=False)
 
-    def activation_tally(self, context: int = 1, spread: bool = False, imbalance: bool = True
-                         ) -> ActivationTally:
+    def activation_tally(self, context: int = 1, spread: bool = False, imbalance: bool = True,
+                         master: bool = False) -> ActivationTally:
         """What each part holds for backward when the run has a context group of `context` ranks and
         (`spread`) MoE experts dispatched over an expert group, their routed rows for the busiest rank
-        or (`imbalance` False) the mean (`cost_model.activations.RunShape`)."""
-        key = (context, spread, imbalance)
+        or (`imbalance` False) the mean, parameters in the compute dtype or not (`master`)
+        (`cost_model.activations.RunShape`)."""
+        key = (context, spread, imbalance, master)
         if key not in self._activations:
             walked = self.walked if self.walked is not None else self.solution
-            if not imbalance and not walked.activations(context, spread).margined:  # nothing routed: the same
-                self._activations[key] = self.activation_tally(context, spread)
+            if not imbalance and not walked.activations(context, spread, True, master).margined:  # nothing routed
+                self._activations[key] = self.activation_tally(context, spread, True, master)
             else:
-                self._activations[key] = _activation_tally(walked.activations(context, spread, imbalance),
+                self._activations[key] = _activation_tally(walked.activations(context, spread, imbalance, master),
                                                            [nodes[0].layer for nodes, _ in self.groups])
         return self._activations[key]
 
@@ -333,24 +334,24 @@ class BlockCosts:
             self._arrays[recompute] = {k: self._per_layer(recompute, v) for k, v in per.items()}
         return self._arrays[recompute]
 
-    def boundary_bytes(self, context: int = 1, spread: bool = False) -> float:
+    def boundary_bytes(self, context: int = 1, spread: bool = False, master: bool = False) -> float:
         """Bytes per rank crossing a stage boundary at this microbatch as the runtime holds them
         (`Activations.boundary_bytes`; without the walk, the captured full bytes)."""
         if self.parts is None:
             return self.boundary_full_bytes
         walked = self.parts.walked if self.parts.walked is not None else self.parts.solution
-        return walked.activations(context, spread).boundary_bytes * self.scale
+        return walked.activations(context, spread, True, master).boundary_bytes * self.scale
 
     def activations(self, recompute: str, context: int = 1, spread: bool = False,
-                    imbalance: bool = True) -> dict:
+                    imbalance: bool = True, master: bool = False) -> dict:
         """Bytes held for backward at this microbatch: per layer ("activation"), per layer while it is
         re-run ("transient"), and the two ends ("pre", "post"), for a run with a context group of
         `context` ranks and MoE experts `spread` over an expert group (routed rows for the busiest
-        rank, or the mean)."""
-        key = (recompute, context, spread, imbalance)
-        tally = self.parts.activation_tally(context, spread, imbalance)
-        if not imbalance and tally is self.parts.activation_tally(context, spread):  # nothing routed
-            return self.activations(recompute, context, spread)
+        rank, or the mean), parameters in the compute dtype or not (`master`: precision bf16-master)."""
+        key = (recompute, context, spread, imbalance, master)
+        tally = self.parts.activation_tally(context, spread, imbalance, master)
+        if not imbalance and tally is self.parts.activation_tally(context, spread, True, master):  # nothing routed
+            return self.activations(recompute, context, spread, True, master)
         if key not in self._arrays:
             self._arrays[key] = {
                 "activation": self._per_layer(recompute, lambda g, kind: Tally.at(tally.layers[kind][g][0], self.scale)),

@@ -214,12 +214,12 @@ class StepModel:
         return links
 
     def times(self, block: BlockCosts, cfg: Config) -> LayerTimes:
-        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg))
+        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg), cfg.precision)
         if key not in self._times:
             a = block.arrays(cfg.recompute)
-            spread = cfg.mesh.expert_parallel > 1
-            held = block.activations(cfg.recompute, cfg.context_parallel, spread)  # the busiest rank's
-            mean = block.activations(cfg.recompute, cfg.context_parallel, spread, False)  # the ep margin's share
+            spread, master = cfg.mesh.expert_parallel > 1, cfg.precision == "bf16-master"
+            held = block.activations(cfg.recompute, cfg.context_parallel, spread, True, master)  # the busiest rank's
+            mean = block.activations(cfg.recompute, cfg.context_parallel, spread, False, master)  # the ep margin's share
             comm = a["comm"]
             if cfg.context_parallel > 1 or cfg.mesh.expert_parallel > 1:
                 extra = np.array([self._extra_comm_s(block, cfg, p) for p in block.distinct])[block.index]
@@ -304,9 +304,9 @@ class StepModel:
         it builds a stage problem, most of a deep model's misfits. The activations are the block's, which the
         order's links do not change: read without the per-layer times (`times`), one set per order."""
         st, spread = self.states(block, cfg), cfg.mesh.expert_parallel > 1
-        key = ("held", id(block), cfg.recompute, cfg.context_parallel, spread)
+        key = ("held", id(block), cfg.recompute, cfg.context_parallel, spread, cfg.precision)
         if key not in self.floor_memo:  # as `times` holds them: the busiest rank's, both ends included
-            held = block.activations(cfg.recompute, cfg.context_parallel, spread)
+            held = block.activations(cfg.recompute, cfg.context_parallel, spread, True, cfg.precision == "bf16-master")
             self.floor_memo[key] = float(held["activation"].sum()) + held["pre"] + held["post"]
         # a deep model's search asks this of hundreds of configurations that share their states and their
         # schedule and boundary: each sum is found once per what it reads (the same sums, the same bits)
@@ -357,7 +357,7 @@ class StepModel:
                 np.array([sends_kept(s, pp, m, v) + in_flight[s] * (send - receive) / v
                           for s, (receive, send) in enumerate(ends)]))
         buffers, held = self._pipeline[(pp, m, v)]
-        boundary = block.boundary_bytes(cfg.context_parallel, cfg.mesh.expert_parallel > 1)
+        boundary = block.boundary_bytes(cfg.context_parallel, cfg.mesh.expert_parallel > 1, cfg.precision == "bf16-master")
         return boundary * m * buffers + boundary * held  # `pipeline_buffer_bytes`' b m (r + s), then the rest
 
     def p2p_s(self, block: BlockCosts, cfg: Config) -> float:
@@ -423,7 +423,7 @@ class StepModel:
         dp = max(self._dp_exposed_s(cfg, x, dp_memo) for x in sums)
         h = sums[heaviest]
         breakdown = MemoryBreakdown(h["weights"], h["grads"], h["optimizer_states"], h["activations"], h["temporary"],
-                                    h["imbalance"])
+                                    h["imbalance"], h["step_phase"])
         stages = tuple((s, chunk, a, b) for chunk in range(cfg.virtual_stages)
                        for s, rs in enumerate(ranges) for k, (a, b) in enumerate(rs) if k == chunk)
         return Priced(cfg, block.variant, TimeBreakdown(compute, steady - compute + dp, bubble,
@@ -459,7 +459,7 @@ class StepModel:
         return {
             "time": time + float(problem.overhead_s[stage]), "compute": sums["compute"], "forward": sums["forward"],
             "backward": sums["backward"], "dense": sums["dense"], "expert": sums["expert"],
-            "buckets": sum(b - a for a, b in ranges) + 1, **peak, "memory": sum(peak.values()),
+            "buckets": sum(b - a for a, b in ranges) + 1, **peak,
             "optimizer": self.optimizer_s(cfg, sums["dense"] + sums["expert"]),
         }
 
