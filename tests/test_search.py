@@ -440,7 +440,7 @@ def test_search_picks_a_non_default_order_when_it_is_strictly_better():
     assert again.plans[0].predicted.step_time_s == best.predicted.step_time_s
     # the plan's order is the one priced: estimating the same configuration gives the same time
     redo = estimate(MID_MOE, cluster, 2, 4096, mesh=best.mesh, microbatch_size=best.microbatch_size,
-                    zero_stage=best.zero_stage, recompute=best.recompute)
+                    zero_stage=best.zero_stage, recompute=best.recompute, precision=best.precision)
     assert redo.predicted.step_time_s == pytest.approx(best.predicted.step_time_s, rel=1e-9)
 
 
