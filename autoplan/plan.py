@@ -108,12 +108,23 @@ class MemoryBreakdown:
     activations_bytes: float
     temporary_bytes: float = 0.0
     ep_imbalance_bytes: float = 0.0  # the ep routing imbalance margin on MoE routed rows (cost_model.step)
+    # the optimizer step's total (weights less autocast's copies + gradients + optimizer states + AdamW's
+    # temporary): the peak where it exceeds the parts above, which are the forward + backward phase's
+    optimizer_step_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         _check_amounts("predicted memory_breakdown", self)
 
+    def forward_backward_bytes(self) -> float:
+        """The parts' sum: what the rank holds at the end of a forward (activations at their most)."""
+        return sum(getattr(self, f.name) for f in fields(self) if f.name != "optimizer_step_bytes")
+
+    def peaks_at_optimizer_step(self) -> bool:
+        return self.optimizer_step_bytes > self.forward_backward_bytes()
+
     def total_bytes(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self))
+        """The peak: the larger of the two phases."""
+        return max(self.forward_backward_bytes(), self.optimizer_step_bytes)
 
 
 @dataclass(frozen=True)

@@ -43,21 +43,23 @@ class TpSolution:
     comm_lines: tuple[tuple[float, float], ...] = ()  # `memory.comm_buffer_lines`: the buffer at any microbatch
     graph: CapturedGraph | None = field(default=None, compare=False, repr=False)
     ctx: CostContext | None = field(default=None, compare=False, repr=False)
-    activation_cache: dict = field(default_factory=dict, compare=False, repr=False)  # (context, spread, imbalance) ->
-    # Activations; one dict may serve every solution of the same assignment (they differ in microbatch only)
+    activation_cache: dict = field(default_factory=dict, compare=False, repr=False)  # (context, spread,
+    # imbalance, master) -> Activations; one dict may serve every solution of the same assignment (they differ in microbatch only)
 
-    def activations(self, context: int = 1, spread: bool = False, imbalance: bool = True) -> Activations:
+    def activations(self, context: int = 1, spread: bool = False, imbalance: bool = True,
+                    master: bool = False) -> Activations:
         """The storages one forward keeps (`cost_model.activations`) under mixed precision when the dtype
         is not float32, with a context group of `context` ranks and MoE experts `spread` over a group
-        (their routed rows for the busiest rank, or the mean: `RunShape.imbalance`)."""
-        key = (context, spread, imbalance)
-        walked = self.activation_cache.get((context, spread, True))
+        (their routed rows for the busiest rank, or the mean: `RunShape.imbalance`); `master`: parameters
+        held in the compute dtype (precision "bf16-master": no autocast copies, a bf16 residual stream)."""
+        key = (context, spread, imbalance, master)
+        walked = self.activation_cache.get((context, spread, True, master))
         if key not in self.activation_cache and walked is not None and not walked.margined:
             self.activation_cache[key] = walked  # no routed rows: the same storages either way
         if key not in self.activation_cache:
             efficiency = self.ctx.efficiency if self.ctx is not None else None
             triton = efficiency is not None and efficiency.kernels.triton
-            shape = RunShape(self.dtype != "float32", context, spread, triton, imbalance)
+            shape = RunShape(self.dtype != "float32", context, spread, triton, imbalance, master)
             attention = efficiency.attention if efficiency is not None else None
             self.activation_cache[key] = activations(self.graph, self.strategies, self.tp, self.info, shape, attention)
         return self.activation_cache[key]

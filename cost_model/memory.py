@@ -265,7 +265,8 @@ def memory_breakdown(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
     state = state_bytes_for(dtype, precision)
     weights, grads, optimizer = model_state_bytes(local_parameter_count(graph, strategies, tp), dp, zero_stage, state,
                                                   cast_parameter_count(graph, strategies, tp))
-    acts = activations(graph, strategies, tp, info, RunShape(mixed=dtype != "float32"), attention)
+    acts = activations(graph, strategies, tp, info, RunShape(mixed=dtype != "float32", master=precision == "bf16-master"),
+                       attention)
     kept, transient = activation_bytes(acts, recompute_policy(recompute), microbatch_size / graph.batch_size)
     activations_held = kept + transient
     temporary = temporary_bytes(largest_comm_buffer_bytes(graph, strategies, tp, microbatch_size),

@@ -64,6 +64,7 @@ class PartCost:
     kv_width: float = 0.0
     moe_layers: int = 0
     moe_token_share: float = 1.0  # of the rank's tokens its MoE dispatches (1 / tp when tokens are split)
+    param_tensors: int = 0  # parameter tensors (`Tally.tensors`)
 
     def compute_s(self, kind: str = "none") -> float:
         """Forward and backward compute, with the forward a recompute kind re-runs ("none": this part is
@@ -85,9 +86,10 @@ class Tally:
     params: float = 0.0
     expert: float = 0.0
     cast: float = 0.0
+    tensors: int = 0  # parameter tensors (tied ones once)
 
     def key(self) -> tuple:
-        return (self.params, self.expert, self.cast)
+        return (self.params, self.expert, self.cast, self.tensors)
 
     @staticmethod
     def at(pair, scale: float) -> float:
@@ -120,18 +122,19 @@ class SolutionParts:
     walked: "TpSolution | None" = None  # the solution over the representative graph (None: `solution`)
     _activations: dict = field(default_factory=dict, repr=False)
 
-    def activation_tally(self, context: int = 1, spread: bool = False, imbalance: bool = True
-                         ) -> ActivationTally:
+    def activation_tally(self, context: int = 1, spread: bool = False, imbalance: bool = True,
+                         master: bool = False) -> ActivationTally:
         """What each part holds for backward when the run has a context group of `context` ranks and
         (`spread`) MoE experts dispatched over an expert group, their routed rows for the busiest rank
-        or (`imbalance` False) the mean (`cost_model.activations.RunShape`)."""
-        key = (context, spread, imbalance)
+        or (`imbalance` False) the mean, parameters in the compute dtype or not (`master`)
+        (`cost_model.activations.RunShape`)."""
+        key = (context, spread, imbalance, master)
         if key not in self._activations:
             walked = self.walked if self.walked is not None else self.solution
-            if not imbalance and not walked.activations(context, spread).margined:  # nothing routed: the same
-                self._activations[key] = self.activation_tally(context, spread)
+            if not imbalance and not walked.activations(context, spread, True, master).margined:  # nothing routed
+                self._activations[key] = self.activation_tally(context, spread, True, master)
             else:
-                self._activations[key] = _activation_tally(walked.activations(context, spread, imbalance),
+                self._activations[key] = _activation_tally(walked.activations(context, spread, imbalance, master),
                                                            [nodes[0].layer for nodes, _ in self.groups])
         return self._activations[key]
 
@@ -171,6 +174,7 @@ def _tallies(graph: "CapturedGraph", sol: "TpSolution", part_of: Mapping[str, ob
                     dense, expert = dense + (not is_expert) * count, expert + is_expert * count
             if fresh:
                 counted[key] = (dense, expert)
+        part.tensors += len({name for name, _ in node.params} - seen)
         seen.update(name for name, _ in node.params)
         part.params += dense
         part.expert += expert
@@ -264,7 +268,7 @@ def _part(graph: "CapturedGraph", nodes, sol: "TpSolution", ctx: CostContext, ta
                       cost.layer_fwd_compute_s - sum(saved.get(f, 0.0) for f in KINDS[kind]) for kind in KINDS)
     return PartCost(cost.fwd_compute_s, cost.bwd_compute_s, cost.fwd_comm_s, cost.bwd_comm_s, recompute,
                     cost.layer_fwd_comm_s if is_layer else 0.0, tally.params, tally.expert,
-                    is_layer, tally.cast, q_width, kv_width, len(moe), share)
+                    is_layer, tally.cast, q_width, kv_width, len(moe), share, tally.tensors)
 
 
 @dataclass(eq=False)
@@ -329,28 +333,29 @@ class BlockCosts:
                 "params": lambda g, kind: d[g].params,
                 "expert": lambda g, kind: d[g].expert_params,
                 "cast": lambda g, kind: d[g].cast_params,
+                "tensors": lambda g, kind: d[g].param_tensors,
             }
             self._arrays[recompute] = {k: self._per_layer(recompute, v) for k, v in per.items()}
         return self._arrays[recompute]
 
-    def boundary_bytes(self, context: int = 1, spread: bool = False) -> float:
+    def boundary_bytes(self, context: int = 1, spread: bool = False, master: bool = False) -> float:
         """Bytes per rank crossing a stage boundary at this microbatch as the runtime holds them
         (`Activations.boundary_bytes`; without the walk, the captured full bytes)."""
         if self.parts is None:
             return self.boundary_full_bytes
         walked = self.parts.walked if self.parts.walked is not None else self.parts.solution
-        return walked.activations(context, spread).boundary_bytes * self.scale
+        return walked.activations(context, spread, True, master).boundary_bytes * self.scale
 
     def activations(self, recompute: str, context: int = 1, spread: bool = False,
-                    imbalance: bool = True) -> dict:
+                    imbalance: bool = True, master: bool = False) -> dict:
         """Bytes held for backward at this microbatch: per layer ("activation"), per layer while it is
         re-run ("transient"), and the two ends ("pre", "post"), for a run with a context group of
         `context` ranks and MoE experts `spread` over an expert group (routed rows for the busiest
-        rank, or the mean)."""
-        key = (recompute, context, spread, imbalance)
-        tally = self.parts.activation_tally(context, spread, imbalance)
-        if not imbalance and tally is self.parts.activation_tally(context, spread):  # nothing routed
-            return self.activations(recompute, context, spread)
+        rank, or the mean), parameters in the compute dtype or not (`master`: precision bf16-master)."""
+        key = (recompute, context, spread, imbalance, master)
+        tally = self.parts.activation_tally(context, spread, imbalance, master)
+        if not imbalance and tally is self.parts.activation_tally(context, spread, True, master):  # nothing routed
+            return self.activations(recompute, context, spread, True, master)
         if key not in self._arrays:
             self._arrays[key] = {
                 "activation": self._per_layer(recompute, lambda g, kind: Tally.at(tally.layers[kind][g][0], self.scale)),

@@ -103,6 +103,7 @@ from autoplan.cost_model.parts import BlockCosts, PartCost
 from autoplan.plan import MemoryBreakdown, TimeBreakdown
 from autoplan.cost_model.step_config import ITEMSIZE, Config
 from autoplan.cost_model.step_bounds import rising_floors, step_time_floor_s
+from autoplan.cost_model.host import master_host_s
 from autoplan.cost_model.step_sums import LayerStates, LayerTimes, flat_value, peak_phase, prefix_sums, range_peak
 
 
@@ -216,12 +217,12 @@ class StepModel:
         return links
 
     def times(self, block: BlockCosts, cfg: Config) -> LayerTimes:
-        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg))
+        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg), cfg.precision)
         if key not in self._times:
             a = block.arrays(cfg.recompute)
-            spread = cfg.mesh.expert_parallel > 1
-            held = block.activations(cfg.recompute, cfg.context_parallel, spread)  # the busiest rank's
-            mean = block.activations(cfg.recompute, cfg.context_parallel, spread, False)  # the ep margin's share
+            spread, master = cfg.mesh.expert_parallel > 1, cfg.precision == "bf16-master"
+            held = block.activations(cfg.recompute, cfg.context_parallel, spread, True, master)  # the busiest rank's
+            mean = block.activations(cfg.recompute, cfg.context_parallel, spread, False, master)  # the ep margin's share
             comm = a["comm"]
             if cfg.context_parallel > 1 or cfg.mesh.expert_parallel > 1:
                 extra = np.array([self._extra_comm_s(block, cfg, p) for p in block.distinct])[block.index]
@@ -263,7 +264,8 @@ class StepModel:
                 ends_step.append(tuple(float(x) for x in self._step_phase(part.params, e, part.cast_params, cfg)))
             largest = float(np.max(dense + expert)) if dense.size else 0.0
             prefix = {"dense": prefix_sums(dense), "expert": prefix_sums(expert), "weights": prefix_sums(w), "grads": prefix_sums(g),
-                      "optimizer": prefix_sums(o), "cast": prefix_sums(cast), "step_temp": prefix_sums(temp)}
+                      "optimizer": prefix_sums(o), "cast": prefix_sums(cast), "step_temp": prefix_sums(temp),
+                      "tensors": prefix_sums(a["tensors"])}
             self._states[key] = LayerStates(w + o + (g if held else 0.0), prefix, ends[0], ends[1],
                                             temporary_bytes(block.comm_buffer_bytes, largest, cfg.zero_stage,
                                                             state_bytes_for(self.env.dtype, cfg.precision)),
@@ -310,9 +312,9 @@ class StepModel:
         it builds a stage problem, most of a deep model's misfits. The activations are the block's, which the
         order's links do not change: read without the per-layer times (`times`), one set per order."""
         st, spread = self.states(block, cfg), cfg.mesh.expert_parallel > 1
-        key = ("held", id(block), cfg.recompute, cfg.context_parallel, spread)
+        key = ("held", id(block), cfg.recompute, cfg.context_parallel, spread, cfg.precision)
         if key not in self.floor_memo:  # as `times` holds them: the busiest rank's, both ends included
-            held = block.activations(cfg.recompute, cfg.context_parallel, spread)
+            held = block.activations(cfg.recompute, cfg.context_parallel, spread, True, cfg.precision == "bf16-master")
             self.floor_memo[key] = float(held["activation"].sum()) + held["pre"] + held["post"]
         # a deep model's search asks this of hundreds of configurations that share their states and their
         # schedule and boundary: each sum is found once per what it reads (the same sums, the same bits)
@@ -363,7 +365,7 @@ class StepModel:
                 np.array([sends_kept(s, pp, m, v) + in_flight[s] * (send - receive) / v
                           for s, (receive, send) in enumerate(ends)]))
         buffers, held = self._pipeline[(pp, m, v)]
-        boundary = block.boundary_bytes(cfg.context_parallel, cfg.mesh.expert_parallel > 1)
+        boundary = block.boundary_bytes(cfg.context_parallel, cfg.mesh.expert_parallel > 1, cfg.precision == "bf16-master")
         return boundary * m * buffers + boundary * held  # `pipeline_buffer_bytes`' b m (r + s), then the rest
 
     def p2p_s(self, block: BlockCosts, cfg: Config) -> float:
@@ -429,7 +431,7 @@ class StepModel:
         dp = max(self._dp_exposed_s(cfg, x, dp_memo) for x in sums)
         h = sums[heaviest]
         breakdown = MemoryBreakdown(h["weights"], h["grads"], h["optimizer_states"], h["activations"], h["temporary"],
-                                    h["imbalance"])
+                                    h["imbalance"], h["step_phase"])
         stages = tuple((s, chunk, a, b) for chunk in range(cfg.virtual_stages)
                        for s, rs in enumerate(ranges) for k, (a, b) in enumerate(rs) if k == chunk)
         return Priced(cfg, block.variant, TimeBreakdown(compute, steady - compute + dp, bubble,
@@ -452,6 +454,7 @@ class StepModel:
             sums["grads"] += e[3]
             sums["optimizer"] += e[4]
             sums["activation"] += held
+            sums["tensors"] += p.param_tensors
             sums["compute"] += p.compute_s()
             sums["forward"] += p.fwd_compute_s
             sums["backward"] += p.backward_s()
@@ -465,8 +468,9 @@ class StepModel:
         return {
             "time": time + float(problem.overhead_s[stage]), "compute": sums["compute"], "forward": sums["forward"],
             "backward": sums["backward"], "dense": sums["dense"], "expert": sums["expert"],
-            "buckets": sum(b - a for a, b in ranges) + 1, **peak, "memory": sum(peak.values()),
-            "optimizer": self.optimizer_s(cfg, sums["dense"] + sums["expert"]),
+            "buckets": sum(b - a for a, b in ranges) + 1, **peak,
+            "optimizer": self.optimizer_s(cfg, sums["dense"] + sums["expert"])
+            + master_host_s(cfg.precision, cfg.zero_stage, sums["tensors"], self.env.efficiency.host_kernel_s or 0.0),
         }
 
     def _dp_exposed_s(self, cfg: Config, sums: dict[str, float], memo: dict[tuple, float]) -> float:

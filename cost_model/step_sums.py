@@ -73,17 +73,19 @@ class LayerStates:
 
 def peak_phase(sums: dict[str, float], grads_held: bool, activations: float, imbalance: float, temporary: float
                ) -> dict[str, float]:
-    """A stage's memory at the larger of its two peaks, by part (MemoryBreakdown's):
+    """A stage's memory in its two phases: the forward + backward phase by part (MemoryBreakdown's), the
+    optimizer step's total ("step_phase"), and the larger of the two ("memory"):
 
         forward + backward   weights + optimizer states (+ gradients where a later microbatch's forward finds
                              them) + activations + the ep margin + temporary buffers
         optimizer step       weights less autocast's copies + gradients + optimizer states + AdamW's temporary
 
-    (`LayerStates`; the lent H200's one-GPU steps peaked at the first in every case but one, a Llama 3B of two
-    microbatches under bf16-master with small activations, whose optimizer step peaked 1.9 GB higher)."""
+    The parts stay the forward + backward phase's even where the step is the peak, so that the plan's
+    activations are what a forward holds (`LayerStates`; the lent H200's one-GPU steps peaked at the first in
+    every case but one, a Llama 3B of two microbatches under bf16-master with small activations, whose
+    optimizer step peaked 1.9 GB higher)."""
     forward = {"weights": sums["weights"], "grads": sums["grads"] if grads_held else 0.0,
                "optimizer_states": sums["optimizer"], "activations": activations, "temporary": temporary,
                "imbalance": imbalance}
-    step = {"weights": sums["weights"] - sums["cast"], "grads": sums["grads"], "optimizer_states": sums["optimizer"],
-            "activations": 0.0, "temporary": sums["step_temp"], "imbalance": 0.0}
-    return step if sum(step.values()) > sum(forward.values()) else forward
+    step = sums["weights"] - sums["cast"] + sums["grads"] + sums["optimizer"] + sums["step_temp"]
+    return {**forward, "step_phase": step, "memory": max(sum(forward.values()), step)}

@@ -15,7 +15,8 @@
        `cost_model.step_bounds`: the pipeline with its sends and its slowest rank's least time, the optimizer step,
        the data-parallel sync at its least; for "full", a floor under the "full:k" it leads to as well); for tp > 1, price
        the configurations that did not fit again with Megatron-LM's assignment with sequence
-       parallelism, whose lower activation memory can fit where the time-optimal assignment does not;
+       parallelism, whose lower activation memory can fit where the time-optimal assignment does not (and
+       the "full" ones whose "none" did not fit: there it may need fewer recomputed layers);
        where recomputing every layer fits and recomputing none does not, the fewest layers "full:k" that fit
        (bisection over k: memory falls and time grows with k; a k that fits no partition is a miss without
        pricing, and the bisection stops once the floor under every k left exceeds the K-th best)
@@ -195,6 +196,8 @@ def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Best, report: Pr
                     ranking.add(priced)
                     if partial and cfg.recompute == "full":
                         priced_count += _fewest_recomputed_layers(ctx, block, cfg, ranking, fitted)
+                        if not fitted.get((id(block), cfg.replace(recompute="none")), False):
+                            misfits.append((bound, cfg))  # Megatron's leaner layers may re-run fewer
                     continue
                 misfits.append((bound, cfg))
                 if smallest is None or priced.peak_memory_bytes < smallest.peak_memory_bytes:

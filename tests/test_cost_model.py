@@ -482,3 +482,27 @@ def test_a_recomputed_layer_pays_the_hosts_rerun_as_the_device_runs_it():
     assert calibrated.host_recompute_s == (("full", 1e-5, 1e-4), ("selective", 2e-5, 3e-4))
     with pytest.raises(ConfigError, match=r"host_recompute_s\['full'\]=\(0.0, 0.5\) must be"):
         Efficiency(host_recompute_s=(("full", 0.0, 0.5),))
+
+
+@pytest.mark.parametrize("dp, zero_stage", [(1, 0), (2, 1), (2, 3)])
+def test_bf16_master_pays_the_hosts_bookkeeping_per_parameter_tensor(dp, zero_stage):
+    """`host.master_host_s`: under bf16-master (ZeRO 0-2) the step pays MASTER_HOST_OPS eager ops per parameter
+    tensor of the rank at the host's rate, over autocast's same step (the optimizer part); none under ZeRO 3
+    (FSDP2's policy) and none on a CPU without a profile (host_kernel_s 0)."""
+    from autoplan.cost_model.host import MASTER_HOST_OPS
+
+    config = get_model_config("tiny-llama")
+    tensors = len(list(build_model(config, device="meta").parameters()))
+
+    def optimizer_s(cluster: str, precision: str) -> float:
+        plan = estimate(config, cluster, 8, 64, mesh=MeshShape(dp=dp), microbatch_size=4 // dp, zero_stage=zero_stage,
+                        recompute="none", precision=precision)
+        return plan.predicted.time.optimizer_s
+
+    extra = optimizer_s(f"1x{dp}xh100", "bf16-master") - optimizer_s(f"1x{dp}xh100", "autocast")
+    host = MASTER_HOST_OPS * tensors * HOST_KERNEL_S
+    if zero_stage == 3:
+        assert extra < 0.1 * host
+    else:  # the masters' AdamW reads no autocast copy: a few microseconds either way on this model
+        assert extra == pytest.approx(host, rel=0.05)
+    assert optimizer_s(f"1x{dp}xcpu", "bf16-master") == pytest.approx(optimizer_s(f"1x{dp}xcpu", "autocast"), rel=0.05)

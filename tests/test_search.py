@@ -47,7 +47,8 @@ def mid() -> SearchContext:
 
 def _price_everything(ctx: SearchContext, options: SearchOptions) -> list:
     """Every configuration with every strategy variant, the fitting ones ranked (the brute-force reference);
-    with every "full:k" where "full" fits and "none" does not (the search bisects over k there)."""
+    with the fewest layers "full:k" that fit where "full" fits and "none" does not (the search bisects over
+    k there, and ranks that one: fewer recomputed layers are faster)."""
     best: dict[Config, object] = {}
     options = dataclasses.replace(options, precision=searched_precision(ctx.dtype))  # as the search sets it
     for cfg in enumerate_configs(ctx.config, ctx.cluster, ctx.global_batch, ctx.seq_len, options):
@@ -61,7 +62,8 @@ def _price_everything(ctx: SearchContext, options: SearchOptions) -> list:
 def _with_partial_recompute(ctx: SearchContext, cfg: Config, variant: str) -> list:
     priced = [ctx.price(cfg, variant)]
     if cfg.recompute == "full" and priced[0].fits and not ctx.price(cfg.replace(recompute="none"), variant).fits:
-        priced += [ctx.price(cfg.replace(recompute=f"full:{k}"), variant) for k in range(1, ctx.config.num_layers)]
+        partial = (ctx.price(cfg.replace(recompute=f"full:{k}"), variant) for k in range(1, ctx.config.num_layers))
+        priced += [next((p for p in partial if p.fits), priced[0])]
     return priced
 
 

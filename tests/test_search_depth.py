@@ -50,8 +50,8 @@ def gpt3_graphs():
 @pytest.mark.parametrize("layers, zero_stages", [(24, (0, 1, 2, 3)), (96, (0, 1, 2, 3)), (96, (0, 1))])
 def test_the_memory_floor_changes_no_plan(gpt3_graphs, monkeypatch, layers, zero_stages):
     """With and without the floor (`StepModel.memory_floor_bytes`): the same top 3 plans, step times and ranked
-    configurations; with it, fewer stage problems are built on the deep model. ZeRO 0/1 only: the best plan
-    pipelines 96 layers, so the stage DP's partition is in it."""
+    configurations; with it, fewer stage problems are built on the deep model. ZeRO 0/1 only (the FSDP
+    baseline aside): a plan of the top 3 pipelines 96 layers, so the stage DP's partition is in it."""
     config, graph = gpt3_graphs[layers]
     built = []
     original = StepModel.stage_problem
@@ -78,7 +78,7 @@ def test_the_memory_floor_changes_no_plan(gpt3_graphs, monkeypatch, layers, zero
     if layers == 96:
         assert with_floor_built < len(built) / 2 and with_floor.stats.cannot_fit > 100
     if zero_stages == (0, 1):
-        assert with_floor.plans[0].mesh.pp > 1
+        assert any(p.mesh.pp > 1 for p in with_floor.plans)
 
 
 def test_the_memory_floor_never_exceeds_the_priced_peak():

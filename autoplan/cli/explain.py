@@ -81,6 +81,15 @@ def _memory_parts(plan: Plan) -> list[tuple[str, float]]:
             ("temporary buffers", m.temporary_bytes)]
 
 
+def _phases_line(m) -> str:
+    """Which of the two phases is the peak (`cost_model.step_sums.peak_phase`)."""
+    step = (f"the optimizer step {_gb(m.optimizer_step_bytes)} (weights less autocast's copies + gradients + "
+            f"optimizer states + AdamW's temporary)")
+    if m.peaks_at_optimizer_step():
+        return f"  peak at {step}; forward + backward {_gb(m.forward_backward_bytes())}"
+    return f"  peak at the end of a forward {_gb(m.forward_backward_bytes())}; {step}"
+
+
 def _stages_text(plan: Plan) -> list[str]:
     if plan.mesh.pp == 1:
         return [f"  one stage: layers 0-{plan.model.num_layers - 1}"]
@@ -176,9 +185,10 @@ def explain_plan(plan: Plan, config=None, graph=None, ops: bool = True, max_ops:
     capacity = plan.cluster.device.memory_bytes
     lines += ["", f"memory per GPU (the heaviest stage): {_gb(p.peak_memory_bytes)} of {_gb(capacity)}"
                   f" ({'fits' if p.peak_memory_bytes <= capacity else 'DOES NOT FIT'})"]
-    total_m = max(p.memory.total_bytes(), 1e-30)
-    lines += _table(["part", "memory", "share"], [[n, _gb(v), f"{v / total_m:.1%}"] for n, v in _memory_parts(plan)
-                                                      if v or n != EP_MARGIN_LINE])
+    total_m = max(p.memory.forward_backward_bytes(), 1e-30)
+    lines += _table(["part (forward + backward)", "memory", "share"],
+                    [[n, _gb(v), f"{v / total_m:.1%}"] for n, v in _memory_parts(plan) if v or n != EP_MARGIN_LINE])
+    lines += [_phases_line(p.memory)]
     lines += ["", f"pipeline stages ({plan.schedule})"] + _stages_text(plan)
     if ops and plan.ops:
         lines += ["", *_ops_text(plan, config, graph, max_ops, profile, registry, info)]

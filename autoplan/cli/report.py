@@ -54,6 +54,9 @@ def summary_table(plan: Plan) -> Table:
     return table
 
 
+STEP_PEAK = "peak: at the optimizer step"
+
+
 def breakdown_table(plan: Plan) -> Table:
     """Step time and peak memory of the largest rank, part by part."""
     t, m = plan.predicted.time, plan.predicted.memory
@@ -65,12 +68,14 @@ def breakdown_table(plan: Plan) -> Table:
             ("activations", m.activations_bytes), ("temporary buffers", m.temporary_bytes)]
     if m.ep_imbalance_bytes:  # the busiest ep rank's routed rows over the mean's (cost_model.step)
         mems.insert(4, ("ep routing imbalance margin", m.ep_imbalance_bytes))
-    total_t, total_m = max(t.total_s(), 1e-30), max(m.total_bytes(), 1e-30)
+    if m.peaks_at_optimizer_step():  # its parts are the forward + backward phase's (MemoryBreakdown)
+        mems.append((STEP_PEAK, m.optimizer_step_bytes))
+    total_t, total_m = max(t.total_s(), 1e-30), max(m.forward_backward_bytes(), 1e-30)
     for i in range(len(mems)):
         tname, tval = times[i] if i < len(times) else ("", None)
         mname, mval = mems[i]
         table.add_row(tname, _fmt_s(tval) if tval is not None else "", f"{tval / total_t:.0%}" if tval is not None else "",
-                      mname, _fmt_bytes(mval), f"{mval / total_m:.0%}")
+                      mname, _fmt_bytes(mval), f"{mval / total_m:.0%}" if mname != STEP_PEAK else "")
     return table
 
 
