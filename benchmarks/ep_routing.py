@@ -124,9 +124,12 @@ def case_statistics(row: dict) -> dict:
 
 
 def _features(row: dict) -> list[float]:
-    """log of h, 1/b - 1/E, k, L: the spread's regressors (`cost_model.activations.ep_imbalance_margins`)."""
+    """log of h (at most EP_SPREAD_WIDEST), 1/b - 1/E, k, L: the spread's regressors
+    (`cost_model.activations.ep_imbalance_margins`)."""
+    from autoplan.cost_model.activations import EP_SPREAD_WIDEST
+
     n, experts = row["ep"], row["experts"]
-    return [math.log(row["hidden"]), math.log(1 / (experts // n) - 1 / experts), math.log(row["top_k"]),
+    return [math.log(min(row["hidden"], EP_SPREAD_WIDEST)), math.log(1 / (experts // n) - 1 / experts), math.log(row["top_k"]),
             math.log(len(row["loads"]))]
 
 
@@ -151,9 +154,11 @@ def fit(rows: list[dict]) -> dict:
 
 
 def _modelled(row: dict, found: dict, c_held: float, c_rerun: float) -> tuple[float, float]:
-    n, layers = row["ep"], len(row["loads"])
+    n, layers, k = row["ep"], len(row["loads"]), row["top_k"]
     spread = found["scale"] * math.exp(sum(a * f for a, f in zip(found["exponents"], _features(row))))
-    return c_held * spread * math.sqrt(2 * math.log(n) / layers), c_rerun * spread * math.sqrt(2 * math.log(n * layers))
+    most = n * min(k, row["experts"] // n) / k - 1  # all a rank can receive (`ep_imbalance_margins`)
+    return (min(c_held * spread * math.sqrt(2 * math.log(n) / layers), most),
+            min(c_rerun * spread * math.sqrt(2 * math.log(n * layers)), most))
 
 
 def margins_now(row: dict) -> tuple[float, float]:

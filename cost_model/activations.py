@@ -71,6 +71,7 @@ MOE_ROUTER_INTS = 2  # top-k indices and softmax weights kept per routed slot (i
 EP_SPREAD_SCALE = 0.00396  # s0: the per-layer spread at h = 1, below (exp of the fit's intercept, -5.53)
 EP_SPREAD_EXPONENTS = (0.731, 0.306, -0.157, 0.172)  # of h, 1/b - 1/E, k, L (least squares on log spread)
 EP_HELD_QUANTILE, EP_RERUN_QUANTILE = 0.95, 0.90  # c_held, c_rerun: the fewest cases beyond 5% and 10%
+EP_SPREAD_WIDEST = 256  # the widest h fitted: wider models are priced at it (the fit's h^a does not extrapolate)
 ROUTED_ROWS = frozenset({"received", "expert_in", "gate", "up", "product"})  # `_moe`'s storages per received row
 
 
@@ -89,13 +90,17 @@ def ep_imbalance_margins(group: int, experts: int, top_k: int, hidden: int, laye
     is priced as c_held s sqrt(2 ln n) / sqrt(L); while one layer is re-run, the busiest of n L layer
     loads, c_rerun s sqrt(2 ln(n L)) (the expected max of m normals grows as sqrt(2 ln m)). c_held and
     c_rerun (EP_HELD_QUANTILE, EP_RERUN_QUANTILE) place them where the fewest fitted cases are beyond 5%
-    and 10% of their busiest rank, under-pricing counted double."""
+    and 10% of their busiest rank, under-pricing counted double. h is taken at most EP_SPREAD_WIDEST (the
+    fit saw h <= 256 and over-prices h = 384 already), and neither margin exceeds what one rank can
+    receive, n min(k, b) / k - 1 (each token's k slots go to k distinct experts)."""
     n = max(group, 2)
     b = max(experts // n, 1)
     a, c, d, e = EP_SPREAD_EXPONENTS
-    spread = EP_SPREAD_SCALE * hidden ** a * (1 / b - 1 / experts) ** c * top_k ** d * layers ** e
+    width = min(hidden, EP_SPREAD_WIDEST)
+    spread = EP_SPREAD_SCALE * width ** a * (1 / b - 1 / experts) ** c * top_k ** d * layers ** e
+    most = n * min(top_k, b) / top_k - 1
     held = EP_HELD_QUANTILE * spread * math.sqrt(2 * math.log(n) / layers)
-    return held, EP_RERUN_QUANTILE * spread * math.sqrt(2 * math.log(n * layers))
+    return min(held, most), min(EP_RERUN_QUANTILE * spread * math.sqrt(2 * math.log(n * layers)), most)
 
 
 # ------------------------------------------------------------------------------------ the walk
