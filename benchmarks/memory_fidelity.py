@@ -18,8 +18,8 @@ parameters) x recompute none, selective, matmul-only, full, full:2. Plans come f
                checkpoints' inputs and caches in), and the most a region's re-run holds
     error      predicted / measured - 1, per rank; a case's row gives its worst rank. Under ep the
                routing decides how many rows each rank's experts get: the plan prices the busiest rank
-               (the routed rows at the mean over the expert group times 1 + EP_IMBALANCE_MARGIN, an
-               upper bound; EP_RERUN_IMBALANCE_MARGIN for a re-run layer), so an ep case is checked
+               (the routed rows at the mean over the expert group times 1 + the held margin, or the
+               re-run margin for a re-run layer: `ep_imbalance_margins`), so an ep case is checked
                against its busiest rank (the most any rank holds); the summary also gives the
                prediction at the mean (no margin) against the mean of the ranks, and the margins the
                ep cases needed (the routed rows their busiest rank held over the mean's). With an
@@ -71,10 +71,12 @@ STRATEGIES = {  # name: (mesh degrees, assignment), ranks = their product
     "cp2": (dict(cp=2), "replicate"),
     "ep2": (dict(ep=2), "replicate"),
     "ep2-cap": (dict(ep=2), "replicate"),  # with an expert capacity (CAPACITY): padded dispatch, no margin
+    "ep4": (dict(ep=4), "replicate"),  # 4 ranks, 2 experts each
     "pp2": (dict(pp=2), "replicate"),  # 1F1B, PP_MICROBATCHES: a whole step, each rank's peak
     "pp2-v2": (dict(pp=2), "replicate"),  # interleaved 1F1B, 2 chunks per rank
 }
 PP_MICROBATCHES, PP_POLICIES = 4, ("none", "selective", "full")
+BUSIEST_RANK = ("ep2", "ep4")  # dropless ep: checked against the busiest rank, priced with the margins
 CAPACITY = 1.25  # the expert capacity factor of the "-cap" cases (models.config.expert_capacity)
 
 
@@ -92,7 +94,7 @@ def cases(words: list[str]) -> list[tuple[str, str, str, str, str]]:
     found = []
     for family in ("gpt", "llama", "moe"):
         for strategy in STRATEGIES:
-            if strategy.startswith("ep2") and family != "moe" or strategy.startswith("pp") and family == "moe":
+            if strategy.startswith("ep") and family != "moe" or strategy.startswith("pp") and family == "moe":
                 continue
             for dtype in DTYPES:
                 for policy in PP_POLICIES if strategy.startswith("pp") else POLICIES:
@@ -193,9 +195,10 @@ def run_case(models: dict, case: tuple) -> dict:
     plan, graph = make_plan(config, strategy, dtype, policy)
     predicted, at_mean = predict(config, plan, graph), predict(config, plan, graph, False)
     mean = [statistics.mean(p[i] for p in at_mean) for i in (0, 1)]  # over the ranks (pp: their stages)
+    margins = _margins(config, plan, graph)
     ranks = measure(config, plan)
     pairs = list(zip(predicted, ranks))
-    if strategy == "ep2":  # ep: the busiest rank against the plan's price of it
+    if strategy in BUSIEST_RANK:  # ep: the busiest rank against the plan's price of it
         pairs = [(predicted[0], max(ranks, key=lambda r: r[i])) for i in (0, 1)]
     (held, transient) = max(predicted)  # the busiest rank's, for the table
     return {"id": cid, "family": family, "strategy": strategy, "dtype": dtype, "policy": policy,
@@ -203,24 +206,26 @@ def run_case(models: dict, case: tuple) -> dict:
             "predicted_ranks": [list(p) for p in predicted],
             "predicted_mean_bytes": mean[0], "predicted_mean_recompute_bytes": mean[1],
             "measured_bytes": [r[0] for r in ranks], "measured_recompute_bytes": [r[1] for r in ranks],
-            "errors": [_error(p[0], r[0]) for p, r in pairs[:1 if strategy == "ep2" else None]],
-            "recompute_errors": [_error(p[1], r[1]) for p, r in pairs[1 if strategy == "ep2" else 0:]],
-            "checked_recompute_bytes": [r[1] for _, r in pairs[1 if strategy == "ep2" else 0:]],
+            "errors": [_error(p[0], r[0]) for p, r in pairs[:1 if strategy in BUSIEST_RANK else None]],
+            "recompute_errors": [_error(p[1], r[1]) for p, r in pairs[1 if strategy in BUSIEST_RANK else 0:]],
+            "checked_recompute_bytes": [r[1] for _, r in pairs[1 if strategy in BUSIEST_RANK else 0:]],
             "mean_error": _error(mean[0], statistics.mean(r[0] for r in ranks)),
+            "margins": list(margins),
             "needed_margin": [_needed(mean[i], (held, transient)[i], max(r[i] for r in ranks), margin)
-                              for i, margin in enumerate(_margins())]}
+                              for i, margin in enumerate(margins)]}
 
 
-def _margins() -> tuple[float, float]:
-    from autoplan.cost_model.activations import EP_IMBALANCE_MARGIN, EP_RERUN_IMBALANCE_MARGIN
+def _margins(config, plan, graph) -> tuple[float, float]:
+    """The plan's (held, re-run) ep imbalance margins (`cost_model.activations.ep_imbalance_margins`)."""
+    from autoplan.cost_model.memory import plan_activations
 
-    return EP_IMBALANCE_MARGIN, EP_RERUN_IMBALANCE_MARGIN
+    return plan_activations(plan, graph, config.rule_info())[0].margins
 
 
 def _needed(mean: float, priced: float, busiest: float, margin: float) -> float | None:
     """The imbalance margin at which the prediction equals the busiest rank's bytes (the prediction is
     linear in it: `priced` at `margin`), or None where nothing is routed."""
-    return margin * (busiest - mean) / (priced - mean) if priced > mean else None
+    return margin * (busiest - mean) / (priced - mean) if priced > mean and margin else None
 
 
 def _worst(errors: list[float]) -> float:
@@ -236,7 +241,7 @@ def table(rows: list[dict]) -> str:
         for i, key in ((0, "errors"), (1, "recompute_errors")):
             k = max(range(len(r[key])), key=lambda j: abs(r[key][j]))
             measured = r["measured_bytes" if i == 0 else "checked_recompute_bytes"]
-            if r["strategy"] == "ep2":
+            if r["strategy"] in BUSIEST_RANK:
                 shown.append((ranks[0][i], max(r["measured_bytes" if i == 0 else "measured_recompute_bytes"]),
                               r[key][k]))
             else:
@@ -253,7 +258,7 @@ def summary(rows: list[dict]) -> dict:
     held = [abs(e) for r in rows for e in r["errors"]]
     again = [abs(e) for r in rows for e, b in zip(r["recompute_errors"], r["checked_recompute_bytes"]) if b]
     mean = [abs(r["mean_error"]) for r in rows]
-    ep = [r for r in rows if r["strategy"] == "ep2"]
+    ep = [r for r in rows if r["strategy"] in BUSIEST_RANK]
     return {"cases": len(rows), "rank_measurements": len(held),
             "ep_cases": len(ep), "ep_needed_margin_max": [max((r["needed_margin"][i] for r in ep
                                                            if r["needed_margin"][i] is not None), default=0.0)

@@ -41,6 +41,7 @@ attributed to the first part (pre, layers in order, post) that holds them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Mapping
 
@@ -63,17 +64,43 @@ SAVE_ALL_POINTWISE = frozenset({"mul", "imul", "mul_", "truediv", "div"})
 CASTS = frozenset({"to", "float", "type_as"})
 SAVE_OUTPUT_POINTWISE = frozenset({"tanh", "sigmoid", "exp", "relu", "rsqrt", "sqrt"})
 MOE_ROUTER_INTS = 2  # top-k indices and softmax weights kept per routed slot (int64 + fp32 below)
-# The ep routing imbalance margins: with experts spread over a group, the rows a rank's experts receive
-# depend on the routing (no capacity limit: no token is dropped), so the busiest rank holds more than the
-# mean over the group. Its routed-row storages (`_moe`) are priced at mean x (1 + margin), an upper bound
-# for the busiest rank: held after the forward (summed over the held layers, whose excesses partly
-# average out) and while a recomputed layer is re-run (one layer, the busiest). From the ep cases of
-# benchmarks/memory_fidelity.py (untrained routers, ep = 2; README, memory fidelity), the margins that
-# would make the prediction equal the busiest rank: held 0.07 with 4 layers held, 0.24 with 2; re-run
-# 0.31 over 4 recomputed layers, 0.13 over 2. Each margin is the largest of these plus headroom.
-EP_IMBALANCE_MARGIN = 0.25
-EP_RERUN_IMBALANCE_MARGIN = 0.35
+# The ep routing imbalance margins (`ep_imbalance_margins`): with experts spread over a group, the rows a
+# rank's experts receive depend on the routing (no capacity limit: no token is dropped), so the busiest
+# rank holds more than the mean over the group. Constants fitted by benchmarks/ep_routing.py (README,
+# memory fidelity) on the rows every expert received in 148 untrained-router cases.
+EP_SPREAD_SCALE = 0.00396  # s0: the per-layer spread at h = 1, below (exp of the fit's intercept, -5.53)
+EP_SPREAD_EXPONENTS = (0.731, 0.306, -0.157, 0.172)  # of h, 1/b - 1/E, k, L (least squares on log spread)
+EP_HELD_QUANTILE, EP_RERUN_QUANTILE = 0.95, 0.90  # c_held, c_rerun: the fewest cases beyond 5% and 10%
+EP_SPREAD_WIDEST = 256  # the widest h fitted: wider models are priced at it (the fit's h^a does not extrapolate)
 ROUTED_ROWS = frozenset({"received", "expert_in", "gate", "up", "product"})  # `_moe`'s storages per received row
+
+
+def ep_imbalance_margins(group: int, experts: int, top_k: int, hidden: int, layers: int) -> tuple[float, float]:
+    """(held, re-run): the busiest rank's routed rows over the expert group's mean, less 1, for an expert
+    group of n = `group` ranks, each holding b = E / n of the E = `experts` experts (a contiguous block,
+    runtime.experts), top-k routing, MoE input width h = `hidden` and L = `layers` MoE layers. A layer's
+    rows on rank r are x_rl = rows_rl / mean_l - 1 of the group's mean; at random init they spread by
+
+        s = s0 h^a (1/b - 1/E)^c k^d L^e      (the root mean square of x_rl over ranks and layers)
+
+    (a wider h: the layers' outputs, shared within a sequence, outweigh the per-token embedding; more
+    experts per rank average more loads; EP_SPREAD_SCALE, EP_SPREAD_EXPONENTS fitted by
+    benchmarks/ep_routing.py: log s by least squares, residual sd 0.39, mostly between seeds). After the
+    forward a rank holds all L layers' rows, so its excess is a mean over L layers whose max over n ranks
+    is priced as c_held s sqrt(2 ln n) / sqrt(L); while one layer is re-run, the busiest of n L layer
+    loads, c_rerun s sqrt(2 ln(n L)) (the expected max of m normals grows as sqrt(2 ln m)). c_held and
+    c_rerun (EP_HELD_QUANTILE, EP_RERUN_QUANTILE) place them where the fewest fitted cases are beyond 5%
+    and 10% of their busiest rank, under-pricing counted double. h is taken at most EP_SPREAD_WIDEST (the
+    fit saw h <= 256 and over-prices h = 384 already), and neither margin exceeds what one rank can
+    receive, n min(k, b) / k - 1 (each token's k slots go to k distinct experts)."""
+    n = max(group, 2)
+    b = max(experts // n, 1)
+    a, c, d, e = EP_SPREAD_EXPONENTS
+    width = min(hidden, EP_SPREAD_WIDEST)
+    spread = EP_SPREAD_SCALE * width ** a * (1 / b - 1 / experts) ** c * top_k ** d * layers ** e
+    most = n * min(top_k, b) / top_k - 1
+    held = EP_HELD_QUANTILE * spread * math.sqrt(2 * math.log(n) / layers)
+    return min(held, most), min(EP_RERUN_QUANTILE * spread * math.sqrt(2 * math.log(n * layers)), most)
 
 
 # ------------------------------------------------------------------------------------ the walk
@@ -126,16 +153,17 @@ def _mixed_itemsize(node: "NodeInfo", found: Mapping[str, int], compute: int, st
 class RunShape:
     """What the runtime's storages depend on beyond the tp strategies: mixed precision, the context
     group (Ulysses all-to-alls around attention when > 1), whether each MoE layer's experts are
-    spread over an expert group (ep, or ep x tp / etp: tokens dispatched by all-to-all), and whether
+    spread over an expert group of `spread` > 1 ranks (ep x tp / etp: tokens dispatched by all-to-all;
+    1: not spread, unless a layer's "expert" strategy spreads them over its tp ranks), and whether
     the fused kernels run as Triton (GPUs) or as their torch paths (CPU): of what they keep, only the
     MoE combine differs (the kernel keeps the expert outputs as they are, the torch path an fp32 copy);
-    `imbalance`: the routed rows of spread experts priced for the busiest rank (`EP_IMBALANCE_MARGIN`,
-    `EP_RERUN_IMBALANCE_MARGIN`), or (False) at the mean over the expert group; `master`: parameters
+    `imbalance`: the routed rows of spread experts priced for the busiest rank (`ep_imbalance_margins`),
+    or (False) at the mean over the expert group; `master`: parameters
     held in the compute dtype (plan precision "bf16-master"), not fp32 under autocast."""
 
     mixed: bool = False
     context: int = 1
-    spread: bool = False
+    spread: int = 1
     triton: bool = False
     imbalance: bool = True
     master: bool = False
@@ -171,6 +199,7 @@ class _Walk:
                      for k, n in enumerate(graph.nodes)}
         self.readers = _linear_readers(self)
         self.grads = _requiring_grad(graph)
+        self.moe_shapes: list[tuple[int, int, int, int]] = []  # (expert group, E, k, h) of each MoE layer
 
     def result(self) -> Activations:
         layers = tuple(sorted({n.layer for n in self.graph.nodes if n.layer is not None}))
@@ -182,7 +211,10 @@ class _Walk:
         """(held, re-run) imbalance margins on the routed storages: none where no row is routed."""
         routed = (self.shape.imbalance and not self.info.get("capacity_factor")  # a capacity bounds the rows
                   and any(s.routed for s in self.storages.values()))
-        return (EP_IMBALANCE_MARGIN, EP_RERUN_IMBALANCE_MARGIN) if routed else (0.0, 0.0)
+        if not routed:
+            return 0.0, 0.0
+        group, experts, k, h = self.moe_shapes[0]  # the zoo's MoE layers are alike
+        return ep_imbalance_margins(group, experts, k, h, self.info.get("moe_layers") or len(self.moe_shapes))
 
     # ---------------------------------------------------------------- bookkeeping
     def make(self, key: str, nbytes: float, node: "NodeInfo", family: str, batched: bool = True,
@@ -437,6 +469,8 @@ class _Walk:
         shape = self._moe_shape(node)
         n, k, h, f, rows, c, width = (shape[key] for key in ("tokens", "k", "h", "f", "rows", "c", "width"))
         spread = shape["spread"]
+        if spread:  # `margins` reads them: the group, E, k, h
+            self.moe_shapes.append((self.shape.spread if self.shape.spread > 1 else self.tp, shape["experts"], k, h))
         flat = self.seen(node, 0)
         router_in = flat if width <= c or not self.shape.mixed else self.make(
             f"{node.name}:router_in", n * h * c, node, "other")
@@ -464,7 +498,7 @@ class _Walk:
         tokens = self.rows(x, strategy.inputs[0].placement)
         split = {"ffn": self.tp, "expert": strategy.expert_ffn_split}.get(strategy.name, 1)
         gathered = strategy.expert_ffn_split if strategy.name == "expert" else 1  # rows of the etp peers
-        spread = self.shape.spread or strategy.name == "expert"
+        spread = self.shape.spread > 1 or strategy.name == "expert"
         slots = self._capacity_slots(x, tokens, k, experts)
         return {"tokens": tokens, "k": k, "h": h, "f": ffn / split, "rows": (slots or tokens * k) * gathered,
                 "slots": slots, "experts": experts, "spread": spread, "c": node.output.nbytes // node.output.numel,

@@ -46,7 +46,7 @@ class TpSolution:
     activation_cache: dict = field(default_factory=dict, compare=False, repr=False)  # (context, spread,
     # imbalance, master) -> Activations; one dict may serve every solution of the same assignment (they differ in microbatch only)
 
-    def activations(self, context: int = 1, spread: bool = False, imbalance: bool = True,
+    def activations(self, context: int = 1, spread: int = 1, imbalance: bool = True,
                     master: bool = False) -> Activations:
         """The storages one forward keeps (`cost_model.activations`) under mixed precision when the dtype
         is not float32, with a context group of `context` ranks and MoE experts `spread` over a group

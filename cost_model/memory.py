@@ -29,7 +29,7 @@ Activations of one microbatch, per recompute policy: `cost_model.activations` (t
 runtime keeps for backward, and what a recomputed layer keeps of them); `memory_breakdown` adds them
 for pp = 1 (one microbatch in flight; gradient accumulation frees each microbatch's activations in
 its backward) with the transient of the layer being re-run. Under ep the busiest rank's: the rows a
-rank's experts receive priced with the routing imbalance margins (`activations.EP_IMBALANCE_MARGIN`).
+rank's experts receive priced with the routing imbalance margins (`activations.ep_imbalance_margins`).
 
 Temporary buffers: the largest tensor a tp collective produces (all-gathered or all-reduced), and
 under ZeRO-3 two layers of gathered weights (the current one and the prefetched next: fp32 under
@@ -289,7 +289,7 @@ def plan_activations(plan: Plan, graph: "CapturedGraph", info: Mapping, imbalanc
     for node in graph.nodes:
         strategies.setdefault(node.name, _replicated(node))
     triton = fused_kernels(plan.kernels, plan.cluster.device).triton  # what the runtime runs on that device
-    shape = RunShape(plan.dtype != "float32", mesh.context_parallel, mesh.expert_parallel > 1, triton, imbalance,
+    shape = RunShape(plan.dtype != "float32", mesh.context_parallel, mesh.expert_parallel, triton, imbalance,
                      plan.precision == "bf16-master")
     info = {**info, "etp": mesh.etp} if mesh.etp != mesh.tp else dict(info)
     acts = activations(graph, strategies, mesh.tp, info, shape)

@@ -122,7 +122,7 @@ class SolutionParts:
     walked: "TpSolution | None" = None  # the solution over the representative graph (None: `solution`)
     _activations: dict = field(default_factory=dict, repr=False)
 
-    def activation_tally(self, context: int = 1, spread: bool = False, imbalance: bool = True,
+    def activation_tally(self, context: int = 1, spread: int = 1, imbalance: bool = True,
                          master: bool = False) -> ActivationTally:
         """What each part holds for backward when the run has a context group of `context` ranks and
         (`spread`) MoE experts dispatched over an expert group, their routed rows for the busiest rank
@@ -338,7 +338,7 @@ class BlockCosts:
             self._arrays[recompute] = {k: self._per_layer(recompute, v) for k, v in per.items()}
         return self._arrays[recompute]
 
-    def boundary_bytes(self, context: int = 1, spread: bool = False, master: bool = False) -> float:
+    def boundary_bytes(self, context: int = 1, spread: int = 1, master: bool = False) -> float:
         """Bytes per rank crossing a stage boundary at this microbatch as the runtime holds them
         (`Activations.boundary_bytes`; without the walk, the captured full bytes)."""
         if self.parts is None:
@@ -346,7 +346,7 @@ class BlockCosts:
         walked = self.parts.walked if self.parts.walked is not None else self.parts.solution
         return walked.activations(context, spread, True, master).boundary_bytes * self.scale
 
-    def activations(self, recompute: str, context: int = 1, spread: bool = False,
+    def activations(self, recompute: str, context: int = 1, spread: int = 1,
                     imbalance: bool = True, master: bool = False) -> dict:
         """Bytes held for backward at this microbatch: per layer ("activation"), per layer while it is
         re-run ("transient"), and the two ends ("pre", "post"), for a run with a context group of

@@ -65,7 +65,7 @@ Memory per rank of a stage: model states of its parts (ZeRO over the data-parall
 kind), + in-flight microbatches x activations + the transient, + temporary buffers (the largest tp
 collective buffer; ZeRO-2/3 one layer of gradients, ZeRO-3 two layers of gathered weights). With MoE
 experts spread over an expert group, activations are the busiest rank's: routed rows at the mean times
-1 + `activations.EP_IMBALANCE_MARGIN` (held) or `EP_RERUN_IMBALANCE_MARGIN` (a layer re-run); the
+1 + `activations.ep_imbalance_margins` (held, or a layer re-run); the
 breakdown shows those bytes as their own line (`MemoryBreakdown.ep_imbalance_bytes`) and the
 activations at the mean. The reported memory breakdown is that of the stage with the largest total.
 
@@ -220,7 +220,7 @@ class StepModel:
         key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg), cfg.precision)
         if key not in self._times:
             a = block.arrays(cfg.recompute)
-            spread, master = cfg.mesh.expert_parallel > 1, cfg.precision == "bf16-master"
+            spread, master = cfg.mesh.expert_parallel, cfg.precision == "bf16-master"  # spread: the expert group
             held = block.activations(cfg.recompute, cfg.context_parallel, spread, True, master)  # the busiest rank's
             mean = block.activations(cfg.recompute, cfg.context_parallel, spread, False, master)  # the ep margin's share
             comm = a["comm"]
@@ -311,7 +311,7 @@ class StepModel:
         O(1) from the cached sums: the search drops a configuration whose floor exceeds the device before
         it builds a stage problem, most of a deep model's misfits. The activations are the block's, which the
         order's links do not change: read without the per-layer times (`times`), one set per order."""
-        st, spread = self.states(block, cfg), cfg.mesh.expert_parallel > 1
+        st, spread = self.states(block, cfg), cfg.mesh.expert_parallel
         key = ("held", id(block), cfg.recompute, cfg.context_parallel, spread, cfg.precision)
         if key not in self.floor_memo:  # as `times` holds them: the busiest rank's, both ends included
             held = block.activations(cfg.recompute, cfg.context_parallel, spread, True, cfg.precision == "bf16-master")
@@ -365,7 +365,7 @@ class StepModel:
                 np.array([sends_kept(s, pp, m, v) + in_flight[s] * (send - receive) / v
                           for s, (receive, send) in enumerate(ends)]))
         buffers, held = self._pipeline[(pp, m, v)]
-        boundary = block.boundary_bytes(cfg.context_parallel, cfg.mesh.expert_parallel > 1, cfg.precision == "bf16-master")
+        boundary = block.boundary_bytes(cfg.context_parallel, cfg.mesh.expert_parallel, cfg.precision == "bf16-master")
         return boundary * m * buffers + boundary * held  # `pipeline_buffer_bytes`' b m (r + s), then the rest
 
     def p2p_s(self, block: BlockCosts, cfg: Config) -> float:

@@ -1,7 +1,9 @@
-"""The ep routing imbalance margins (`cost_model.activations.EP_IMBALANCE_MARGIN` held after the forward,
-`EP_RERUN_IMBALANCE_MARGIN` while a recomputed layer is re-run): with MoE experts spread over an expert
-group, the plan prices the busiest rank's routed rows at the mean times (1 + margin), shows those bytes as their own line of the memory breakdown and of `autoplan explain`, and leaves
-every other storage, and every plan without ep (a MoE at ep = 1, a dense model), as it was."""
+"""The ep routing imbalance margins (`cost_model.activations.ep_imbalance_margins`: held after the forward,
+and while a recomputed layer is re-run): with MoE experts spread over an expert group, the plan prices the
+busiest rank's routed rows at the mean times (1 + margin), the margins following the expert group, the
+experts per rank and the layers as the stated model says; shows those bytes as their own line of the
+memory breakdown and of `autoplan explain`, and leaves every other storage, and every plan without ep (a
+MoE at ep = 1, a dense model), as it was. The measured side: tests/test_memory_fidelity.py's ep cases."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 from _dist import make_plan
 from autoplan.api import capture_model
 from autoplan.cli.explain import EP_MARGIN_LINE, activation_families, explain_plan
-from autoplan.cost_model.activations import EP_IMBALANCE_MARGIN, EP_RERUN_IMBALANCE_MARGIN
+from autoplan.cost_model.activations import ep_imbalance_margins
 from autoplan.cost_model.storages import activation_bytes
 from autoplan.recompute_policy import recompute_policy
 from autoplan.cost_model.memory import plan_activation_bytes, plan_activations
@@ -22,8 +24,8 @@ SEQ = 64
 ROUTED = ("received", "expert_in", "gate", "up", "product", "down")  # `_moe`'s storages per received row
 
 
-def _case(model: str, ep: int, recompute: str = "none"):
-    config = get_model_config(model)
+def _case(model, ep: int, recompute: str = "none"):
+    config = get_model_config(model) if isinstance(model, str) else model
     plan = make_plan(model, 1, 1, seq_len=SEQ, microbatch_size=4, ep=ep, recompute=recompute)
     return plan, capture_model(config, SEQ, plan.dtype), config.rule_info()
 
@@ -45,11 +47,12 @@ def test_margins_scale_the_routed_rows_only_under_ep(recompute):
     plan, graph, info = _case("tiny-moe", 2, recompute)
     acts, _ = plan_activations(plan, graph, info)
     assert {k.rsplit(":", 1)[-1] for k, s in acts.storages.items() if s.routed} == set(ROUTED)
-    assert acts.margins == (EP_IMBALANCE_MARGIN, EP_RERUN_IMBALANCE_MARGIN)
+    config = get_model_config("tiny-moe")  # h 64, E 4, k 2, 2 layers: at ep 2, 2 experts a rank
+    assert acts.margins == ep_imbalance_margins(2, config.experts, config.top_k, config.hidden, 2)
     mean, busiest = plan_activation_bytes(plan, graph, info, False), plan_activation_bytes(plan, graph, info)
     routed = _routed_bytes(plan, graph, info)
     assert routed[0 if recompute == "none" else 1] > 0.3 * mean[0 if recompute == "none" else 1]
-    for i, margin in enumerate((EP_IMBALANCE_MARGIN, EP_RERUN_IMBALANCE_MARGIN)):
+    for i, margin in enumerate(acts.margins):
         assert busiest[i] == pytest.approx(mean[i] + margin * routed[i], rel=1e-12)
 
 
@@ -72,7 +75,7 @@ def test_breakdown_shows_the_margin_as_its_own_line(recompute):
     at_mean, busiest = sum(plan_activation_bytes(plan, graph, info, False)), sum(plan_activation_bytes(plan, graph, info))
     assert memory.activations_bytes == pytest.approx(at_mean, rel=1e-9)
     assert memory.ep_imbalance_bytes == pytest.approx(busiest - at_mean, rel=1e-9)
-    assert memory.ep_imbalance_bytes > 0.05 * memory.activations_bytes  # routed rows are a real share
+    assert memory.ep_imbalance_bytes > 0.01 * memory.activations_bytes  # tiny-moe (h 64) routes evenly: a small share
     assert plan.predicted.peak_memory_bytes == pytest.approx(memory.total_bytes(), rel=1e-12)
     config = get_model_config("tiny-moe")
     rows, transient = activation_families(plan, graph, config)
@@ -80,3 +83,27 @@ def test_breakdown_shows_the_margin_as_its_own_line(recompute):
     assert sum(b for _, b in rows) + transient == pytest.approx(memory.activations_bytes + memory.ep_imbalance_bytes,
                                                                  rel=1e-9)
     assert EP_MARGIN_LINE in explain_plan(plan, ops=False)
+
+
+def test_margins_follow_the_group_and_the_layers():
+    """The stated model's shape: a larger expert group (fewer experts a rank, the max of more ranks) has the
+    larger margins; more layers held average the held excess down, and the busiest of more re-run layers
+    is busier; the re-run margin (one layer) exceeds the held one (a mean over the layers)."""
+    held2, rerun2 = ep_imbalance_margins(2, 8, 2, 256, 4)
+    held4, rerun4 = ep_imbalance_margins(4, 8, 2, 256, 4)
+    assert held4 > held2 > 0 and rerun4 > rerun2 > held2
+    deep = ep_imbalance_margins(2, 8, 2, 256, 16)
+    assert deep[0] < held2 and deep[1] > rerun2
+    assert ep_imbalance_margins(2, 8, 2, 64, 4)[0] < held2  # narrow: the per-token embedding dominates routing
+
+
+def test_deep_model_prices_its_whole_depth():
+    """The margins read the model's MoE layers (rule info "moe_layers"), not the layers of the graph a
+    walk sees: the step model walks a representative graph of a deep model (`cost_model.layer_runs`), and
+    its plan's ep line must equal the whole graph's `plan_activation_bytes` over the mean."""
+    config = dataclasses.replace(get_model_config("tiny-moe"), name="tiny-moe-deep", num_layers=8)
+    plan, graph, info = _case(config, 2)
+    acts, _ = plan_activations(plan, graph, info)
+    assert acts.margins == ep_imbalance_margins(2, config.experts, config.top_k, config.hidden, 8)
+    at_mean, busiest = sum(plan_activation_bytes(plan, graph, info, False)), sum(plan_activation_bytes(plan, graph, info))
+    assert plan.predicted.memory.ep_imbalance_bytes == pytest.approx(busiest - at_mean, rel=1e-9)

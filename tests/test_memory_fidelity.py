@@ -9,9 +9,9 @@ left out), and against the most a recomputed layer's re-run holds in backward.
                    dtypes and policies (a sample of the product, every pair of them present)
 
 Each within TOLERANCE per rank; under ep the plan prices the busiest rank (the routed rows with the
-imbalance margins, `cost_model.activations.EP_IMBALANCE_MARGIN`), so an ep case is checked against the
-most any rank holds (an upper bound of it, within TOLERANCE), and its price at the mean over the expert
-group against the mean of the ranks. Also: with nothing recomputed the probe's count equals the
+imbalance margins, `cost_model.activations.ep_imbalance_margins`), so an ep case is checked against the
+most any rank holds (within EP_OVER above it and TOLERANCE below), and its price at the mean over the
+expert group against the mean of the ranks. Also: with nothing recomputed the probe's count equals the
 saved-tensor hooks' count (two views of the same bytes); on a Llama block "selective" frees at least
 FREED_MIN of what "none" keeps, and the model says how much to within TOLERANCE.
 """
@@ -25,6 +25,7 @@ from _dist import batches, make_plan, spawn
 pytestmark = pytest.mark.gloo
 
 TOLERANCE = 0.05  # relative, per rank
+EP_OVER = 0.10  # ep: the busiest rank's price may exceed it by this much (issue 19: none beyond 10%)
 FREED_MIN = 0.15  # of none's bytes, that selective frees on a Llama block
 SEQ = 64
 POLICIES = ("none", "selective", "matmul-only", "full", "full:1")
@@ -114,12 +115,12 @@ def test_predicted_activations_within_tolerance(measured, cid):
 
 
 def _check_busiest_rank(case: dict, cid: str, predicted: tuple[float, float]) -> None:
-    """Under ep the plan's bytes (held; while a layer is re-run) bound the busiest rank's, which hold at
-    least the mean price (less TOLERANCE): the prediction is over by at most the margins' bytes."""
+    """Under ep the plan's bytes (held; while a layer is re-run) price the busiest rank's: at most
+    TOLERANCE under them and EP_OVER over, and above the price at the mean (the margins add bytes)."""
     at_mean = _predict(case["model"], case["plan"], imbalance=False)
     for i, what in ((0, "held"), (1, "while a layer is re-run")):
         busiest = max(r[2 * i] for r in case["ranks"])
-        assert at_mean[i] * (1 - TOLERANCE) <= busiest <= predicted[i], (
+        assert busiest * (1 - TOLERANCE) <= predicted[i] <= busiest * (1 + EP_OVER) and predicted[i] >= at_mean[i], (
             f"{cid}: busiest rank {busiest} B {what}, predicted {predicted[i]:.0f} B (at the mean {at_mean[i]:.0f})")
 
 

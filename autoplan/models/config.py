@@ -155,6 +155,7 @@ class ModelConfig:
         """What the strategy rules (`autoplan.strategies`) and the activation model
         (`cost_model.activations`: RoPE's tables and rotated q, k) read of the model besides its graph."""
         info = {"head_dim": self.head_dim, "ffn_hidden": self.ffn_hidden, "rope": self.family != "gpt"}
+        info |= {"moe_layers": self.moe_layers} if self.moe_layers else {}  # the ep margins' L (whole depth)
         return info | ({"capacity_factor": self.capacity_factor} if self.capacity_factor else {})
 
     def to_json(self) -> dict:
