@@ -126,7 +126,7 @@ def case_statistics(row: dict) -> dict:
 def _features(row: dict) -> list[float]:
     """log of h (at most EP_SPREAD_WIDEST), 1/b - 1/E, k, L: the spread's regressors
     (`cost_model.activations.ep_imbalance_margins`)."""
-    from autoplan.cost_model.activations import EP_SPREAD_WIDEST
+    from autoplan.cost_model.ep_margins import EP_SPREAD_WIDEST
 
     n, experts = row["ep"], row["experts"]
     return [math.log(min(row["hidden"], EP_SPREAD_WIDEST)), math.log(1 / (experts // n) - 1 / experts), math.log(row["top_k"]),
@@ -163,7 +163,7 @@ def _modelled(row: dict, found: dict, c_held: float, c_rerun: float) -> tuple[fl
 
 def margins_now(row: dict) -> tuple[float, float]:
     """The cost model's margins for a case (`ep_imbalance_margins`)."""
-    from autoplan.cost_model.activations import ep_imbalance_margins
+    from autoplan.cost_model.ep_margins import ep_imbalance_margins
 
     return ep_imbalance_margins(row["ep"], row["experts"], row["top_k"], row["hidden"], len(row["loads"]))
 

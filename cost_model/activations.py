@@ -41,7 +41,6 @@ attributed to the first part (pre, layers in order, post) that holds them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Mapping
 
@@ -49,6 +48,7 @@ from autoplan.capture.graph import COMPOSITE
 from autoplan.models.config import expert_capacity
 from autoplan.placement import Placement, Replicate, Shard
 from autoplan.strategies import Strategy, expert_dims
+from autoplan.cost_model.ep_margins import ep_imbalance_margins
 from autoplan.cost_model.storages import Activations, Storage
 
 if TYPE_CHECKING:
@@ -64,43 +64,7 @@ SAVE_ALL_POINTWISE = frozenset({"mul", "imul", "mul_", "truediv", "div"})
 CASTS = frozenset({"to", "float", "type_as"})
 SAVE_OUTPUT_POINTWISE = frozenset({"tanh", "sigmoid", "exp", "relu", "rsqrt", "sqrt"})
 MOE_ROUTER_INTS = 2  # top-k indices and softmax weights kept per routed slot (int64 + fp32 below)
-# The ep routing imbalance margins (`ep_imbalance_margins`): with experts spread over a group, the rows a
-# rank's experts receive depend on the routing (no capacity limit: no token is dropped), so the busiest
-# rank holds more than the mean over the group. Constants fitted by benchmarks/ep_routing.py (README,
-# memory fidelity) on the rows every expert received in 148 untrained-router cases.
-EP_SPREAD_SCALE = 0.00396  # s0: the per-layer spread at h = 1, below (exp of the fit's intercept, -5.53)
-EP_SPREAD_EXPONENTS = (0.731, 0.306, -0.157, 0.172)  # of h, 1/b - 1/E, k, L (least squares on log spread)
-EP_HELD_QUANTILE, EP_RERUN_QUANTILE = 0.95, 0.90  # c_held, c_rerun: the fewest cases beyond 5% and 10%
-EP_SPREAD_WIDEST = 256  # the widest h fitted: wider models are priced at it (the fit's h^a does not extrapolate)
 ROUTED_ROWS = frozenset({"received", "expert_in", "gate", "up", "product"})  # `_moe`'s storages per received row
-
-
-def ep_imbalance_margins(group: int, experts: int, top_k: int, hidden: int, layers: int) -> tuple[float, float]:
-    """(held, re-run): the busiest rank's routed rows over the expert group's mean, less 1, for an expert
-    group of n = `group` ranks, each holding b = E / n of the E = `experts` experts (a contiguous block,
-    runtime.experts), top-k routing, MoE input width h = `hidden` and L = `layers` MoE layers. A layer's
-    rows on rank r are x_rl = rows_rl / mean_l - 1 of the group's mean; at random init they spread by
-
-        s = s0 h^a (1/b - 1/E)^c k^d L^e      (the root mean square of x_rl over ranks and layers)
-
-    (a wider h: the layers' outputs, shared within a sequence, outweigh the per-token embedding; more
-    experts per rank average more loads; EP_SPREAD_SCALE, EP_SPREAD_EXPONENTS fitted by
-    benchmarks/ep_routing.py: log s by least squares, residual sd 0.39, mostly between seeds). After the
-    forward a rank holds all L layers' rows, so its excess is a mean over L layers whose max over n ranks
-    is priced as c_held s sqrt(2 ln n) / sqrt(L); while one layer is re-run, the busiest of n L layer
-    loads, c_rerun s sqrt(2 ln(n L)) (the expected max of m normals grows as sqrt(2 ln m)). c_held and
-    c_rerun (EP_HELD_QUANTILE, EP_RERUN_QUANTILE) place them where the fewest fitted cases are beyond 5%
-    and 10% of their busiest rank, under-pricing counted double. h is taken at most EP_SPREAD_WIDEST (the
-    fit saw h <= 256 and over-prices h = 384 already), and neither margin exceeds what one rank can
-    receive, n min(k, b) / k - 1 (each token's k slots go to k distinct experts)."""
-    n = max(group, 2)
-    b = max(experts // n, 1)
-    a, c, d, e = EP_SPREAD_EXPONENTS
-    width = min(hidden, EP_SPREAD_WIDEST)
-    spread = EP_SPREAD_SCALE * width ** a * (1 / b - 1 / experts) ** c * top_k ** d * layers ** e
-    most = n * min(top_k, b) / top_k - 1
-    held = EP_HELD_QUANTILE * spread * math.sqrt(2 * math.log(n) / layers)
-    return min(held, most), min(EP_RERUN_QUANTILE * spread * math.sqrt(2 * math.log(n * layers)), most)
 
 
 # ------------------------------------------------------------------------------------ the walk
@@ -205,16 +169,18 @@ class _Walk:
         layers = tuple(sorted({n.layer for n in self.graph.nodes if n.layer is not None}))
         return Activations(dict(self.storages), tuple(self.saved),
                            {i: tuple(keys) for i, keys in self.inputs.items()}, tuple(self.resident), layers,
-                           self.margins())
+                           *self.margins())
 
-    def margins(self) -> tuple[float, float]:
-        """(held, re-run) imbalance margins on the routed storages: none where no row is routed."""
+    def margins(self) -> tuple[tuple[float, float], tuple]:
+        """((held, re-run) imbalance margins on the routed storages with every layer held and re-run, the
+        `ep_imbalance_margins` arguments that give them): none where no row is routed."""
         routed = (self.shape.imbalance and not self.info.get("capacity_factor")  # a capacity bounds the rows
                   and any(s.routed for s in self.storages.values()))
         if not routed:
-            return 0.0, 0.0
+            return (0.0, 0.0), ()
         group, experts, k, h = self.moe_shapes[0]  # the zoo's MoE layers are alike
-        return ep_imbalance_margins(group, experts, k, h, self.info.get("moe_layers") or len(self.moe_shapes))
+        shape = (group, experts, k, h, self.info.get("moe_layers") or len(self.moe_shapes))
+        return ep_imbalance_margins(*shape), shape
 
     # ---------------------------------------------------------------- bookkeeping
     def make(self, key: str, nbytes: float, node: "NodeInfo", family: str, batched: bool = True,

@@ -326,8 +326,9 @@ def stage_activation_bytes(plan: Plan, graph: "CapturedGraph", info: Mapping, im
     acts, scale = plan_activations(plan, graph, info, imbalance)
     policy = recompute_policy(plan.recompute)
     recomputed = set(policy.recomputed_layers(len(acts.layers)))
-    none, _ = acts.held("none")
-    kept, transient = acts.held(policy.kind)
+    margins = acts.policy_margins(policy.kind, len(recomputed))
+    none, _ = acts.held("none", margins)
+    kept, transient = acts.held(policy.kind, margins)
     held_by = {p: _at(kept[p] if p in recomputed else none[p], scale) for p in none}
     resident = sum(acts.storages[k].nbytes for k in acts.resident)  # once per rank, not per microbatch
     held_by["pre"] -= resident

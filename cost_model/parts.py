@@ -123,19 +123,21 @@ class SolutionParts:
     _activations: dict = field(default_factory=dict, repr=False)
 
     def activation_tally(self, context: int = 1, spread: int = 1, imbalance: bool = True,
-                         master: bool = False) -> ActivationTally:
+                         master: bool = False, rerun: tuple[str, int] = ("none", 0)) -> ActivationTally:
         """What each part holds for backward when the run has a context group of `context` ranks and
         (`spread`) MoE experts dispatched over an expert group, their routed rows for the busiest rank
         or (`imbalance` False) the mean, parameters in the compute dtype or not (`master`)
-        (`cost_model.activations.RunShape`)."""
-        key = (context, spread, imbalance, master)
+        (`cost_model.activations.RunShape`), the busiest rank's under a policy recomputing `rerun` = (kind,
+        layers) (`Activations.policy_margins`)."""
+        walked = self.walked if self.walked is not None else self.solution
+        acts = walked.activations(context, spread, imbalance, master)
+        key = (context, spread, imbalance, master, acts.policy_margins(*rerun))
         if key not in self._activations:
-            walked = self.walked if self.walked is not None else self.solution
             if not imbalance and not walked.activations(context, spread, True, master).margined:  # nothing routed
                 self._activations[key] = self.activation_tally(context, spread, True, master)
             else:
-                self._activations[key] = _activation_tally(walked.activations(context, spread, imbalance, master),
-                                                           [nodes[0].layer for nodes, _ in self.groups])
+                self._activations[key] = _activation_tally(acts, [nodes[0].layer for nodes, _ in self.groups],
+                                                           key[-1])
         return self._activations[key]
 
 
@@ -199,12 +201,14 @@ def _boundary(graph: "CapturedGraph", layers: dict[int, list]) -> float:
     return boundary
 
 
-def _activation_tally(acts: Activations, representatives: list[int]) -> ActivationTally:
-    """`Activations.held` under every kind, for the representative layer of each group and the ends."""
-    none, _ = acts.held("none")
+def _activation_tally(acts: Activations, representatives: list[int], margins: tuple[float, float] | None = None
+                      ) -> ActivationTally:
+    """`Activations.held` under every kind (the routed rows under `margins`; None: every layer held and
+    re-run), for the representative layer of each group and the ends."""
+    none, _ = acts.held("none", margins)
     layers = {}
     for kind in KINDS:
-        kept, transient = acts.held(kind) if kind != "none" else (none, {})
+        kept, transient = acts.held(kind, margins) if kind != "none" else (none, {})
         layers[kind] = tuple((kept[i], transient.get(i, [0.0, 0.0])) for i in representatives)
     return ActivationTally(layers, none["pre"], none["post"])
 
@@ -353,8 +357,10 @@ class BlockCosts:
         `context` ranks and MoE experts `spread` over an expert group (routed rows for the busiest
         rank, or the mean), parameters in the compute dtype or not (`master`: precision bf16-master)."""
         key = (recompute, context, spread, imbalance, master)
-        tally = self.parts.activation_tally(context, spread, imbalance, master)
-        if not imbalance and tally is self.parts.activation_tally(context, spread, True, master):  # nothing routed
+        kind, recomputed = self.recomputed(recompute)
+        rerun = (kind, int(recomputed.sum()))
+        tally = self.parts.activation_tally(context, spread, imbalance, master, rerun)
+        if not imbalance and tally is self.parts.activation_tally(context, spread, True, master, rerun):  # nothing routed
             return self.activations(recompute, context, spread, True, master)
         if key not in self._arrays:
             self._arrays[key] = {

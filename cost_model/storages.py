@@ -9,6 +9,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from autoplan.cost_model.ep_margins import ep_imbalance_margins
 from autoplan.recompute_policy import KINDS, RecomputePolicy
 
 @dataclass(frozen=True)
@@ -35,11 +36,23 @@ class Activations:
     resident: tuple[str, ...] = ()  # made once per program (RoPE tables), held whatever the policy
     layers: tuple[int, ...] = field(default=())
     margins: tuple[float, float] = (0.0, 0.0)  # on routed storages, held and re-run: the busiest ep rank's
+    margin_shape: tuple = ()  # `activations.ep_imbalance_margins`' arguments for `margins` (every layer held)
 
     @property
     def margined(self) -> bool:
         """Whether the ep routing imbalance margins price some storage (else the same at the mean)."""
         return self.margins != (0.0, 0.0)
+
+    def policy_margins(self, kind: str, recomputed: int) -> tuple[float, float]:
+        """The margins under a policy recomputing `recomputed` layers under `kind`: a layer fully recomputed
+        holds no routed row after the forward, so the held margin is over the other layers, and the re-run
+        one over the recomputed layers (`ep_imbalance_margins`' held_layers, rerun_layers)."""
+        if not self.margined or kind == "none" or not recomputed:
+            return self.margins
+        layers = self.margin_shape[4]
+        rerun = min(recomputed, layers)
+        held = layers - rerun if not KINDS[kind] else layers  # "full" keeps no op's output of its layers
+        return ep_imbalance_margins(*self.margin_shape, held_layers=max(held, 1), rerun_layers=rerun)
 
     @property
     def boundary_bytes(self) -> float:
@@ -74,15 +87,17 @@ class Activations:
     def _held(self) -> dict[str, tuple[dict, dict]]:
         return {}
 
-    def held(self, kind: str) -> tuple[dict, dict]:
+    def held(self, kind: str, margins: tuple[float, float] | None = None) -> tuple[dict, dict]:
         """({part: [batched, fixed] bytes held after forward}, {layer: [batched, fixed] transient})
-        with every layer recomputed under `kind` (none: nothing recomputed); computed once per kind
-        (callers must not change the lists)."""
-        if kind not in self._held:
-            self._held[kind] = self._held_now(kind)
-        return self._held[kind]
+        with every layer recomputed under `kind` (none: nothing recomputed), the routed rows under
+        `margins` (None: `self.margins`, every layer held and re-run; `policy_margins`); computed once per
+        kind and margins (callers must not change the lists)."""
+        key = (kind, self.margins if margins is None else margins)
+        if key not in self._held:
+            self._held[key] = self._held_now(*key)
+        return self._held[key]
 
-    def _held_now(self, kind: str) -> tuple[dict, dict]:
+    def _held_now(self, kind: str, margins: tuple[float, float]) -> tuple[dict, dict]:
         recomputed = set(self.layers) if kind != "none" else set()
         first = self.holders(kind)
         kept: dict[object, list] = {part: [0.0] * 4 for part in ("pre", *self.layers, "post")}
@@ -92,8 +107,8 @@ class Activations:
         for key, part in set(self.saved):
             if part in recomputed and key not in first:
                 _add(transient[part], self.storages[key])
-        return ({part: _margined(q, self.margins[0]) for part, q in kept.items()},
-                {part: _margined(q, self.margins[1]) for part, q in transient.items()})
+        return ({part: _margined(q, margins[0]) for part, q in kept.items()},
+                {part: _margined(q, margins[1]) for part, q in transient.items()})
 
 
 def _add(quad: list, storage: Storage) -> None:
@@ -111,8 +126,9 @@ def activation_bytes(acts: Activations, policy: RecomputePolicy, scale: float = 
     """(bytes held after one forward, the largest transient while a layer is re-run) at `scale` times
     the capture batch: the layers `policy` recomputes as `held(kind)` says, the others as "none"."""
     recomputed = set(policy.recomputed_layers(len(acts.layers)))
-    none, _ = acts.held("none")
-    kept, transient = acts.held(policy.kind)
+    margins = acts.policy_margins(policy.kind, len(recomputed))
+    none, _ = acts.held("none", margins)
+    kept, transient = acts.held(policy.kind, margins)
     total = sum(_at(kept[p] if p in recomputed else none[p], scale) for p in none)
     peak = max((_at(transient[i], scale) for i in recomputed), default=0.0)
     return total, peak

@@ -14,7 +14,7 @@ import pytest
 from _dist import make_plan
 from autoplan.api import capture_model
 from autoplan.cli.explain import EP_MARGIN_LINE, activation_families, explain_plan
-from autoplan.cost_model.activations import ep_imbalance_margins
+from autoplan.cost_model.ep_margins import ep_imbalance_margins
 from autoplan.cost_model.storages import activation_bytes
 from autoplan.recompute_policy import recompute_policy
 from autoplan.cost_model.memory import plan_activation_bytes, plan_activations
@@ -107,3 +107,25 @@ def test_deep_model_prices_its_whole_depth():
     assert acts.margins == ep_imbalance_margins(2, config.experts, config.top_k, config.hidden, 8)
     at_mean, busiest = sum(plan_activation_bytes(plan, graph, info, False)), sum(plan_activation_bytes(plan, graph, info))
     assert plan.predicted.memory.ep_imbalance_bytes == pytest.approx(busiest - at_mean, rel=1e-9)
+
+
+@pytest.mark.parametrize("recompute", ["full:1", "selective"])
+def test_a_policy_prices_the_margins_over_the_layers_it_holds_and_reruns(recompute):
+    """`Activations.policy_margins`: under full:k the routed rows after the forward are the L - k layers left
+    whole (their mean's excess is larger over fewer layers) and the re-run's busiest is one of the k re-run
+    layers (smaller over fewer); a policy keeping routed rows of every layer (selective) holds all L. The
+    plan's breakdown (step model) and `plan_activation_bytes` price the same margins."""
+    plan, graph, info = _case("tiny-moe", 2, recompute)
+    acts, _ = plan_activations(plan, graph, info)
+    config = get_model_config("tiny-moe")
+    shape = (2, config.experts, config.top_k, config.hidden, 2)
+    if recompute == "full:1":
+        assert acts.policy_margins("full", 1) == ep_imbalance_margins(*shape, held_layers=1, rerun_layers=1)
+        held, rerun = acts.policy_margins("full", 1)
+        assert held > acts.margins[0] and rerun < acts.margins[1]
+    else:
+        assert acts.policy_margins("selective", 2) == acts.margins
+    memory = plan.predicted.memory
+    assert memory.activations_bytes + memory.ep_imbalance_bytes == pytest.approx(
+        sum(plan_activation_bytes(plan, graph, info)), rel=1e-9)
+    assert memory.activations_bytes == pytest.approx(sum(plan_activation_bytes(plan, graph, info, False)), rel=1e-9)
