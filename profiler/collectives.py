@@ -238,7 +238,7 @@ def collective_sync_s(fits: Sequence[CollectiveFit], device: torch.device, quick
     core it shares with its peer's gloo threads and the OS), and the waiting rank's threads must be woken and
     scheduled again. On the 2-core development machine (2026-11-26, 2 gloo ranks, one thread each) the extra
     was 0.7-1.6 ms per call at 0.6-2.5 ms of compute whatever the message (4 KiB or 1 MiB, fits of 0.16-0.20
-    ms + bytes / 3-3.8 GB/s), 0.7-1.1 ms at 0.08 ms and 0.8-3.9 ms at 8.7-21 ms: a fixed cost per call that
+    ms + bytes / 2.6-3.8 GB/s), 0.7-1.1 ms at 0.08 ms and 0.8-3.9 ms at 8.7-21 ms: a fixed cost per call that
     grows slowly with the compute before it, not in proportion to it. The cost model adds it to every
     blocking call (`cost_model.comm`, "Inside a step"). Not measured on CUDA, where NCCL's kernels wait on
     the device and the host runs ahead."""
