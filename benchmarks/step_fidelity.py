@@ -9,7 +9,8 @@ What a careful user would do, on 2 gloo ranks (issue 20):
 
     profile     a fresh `torchrun --nproc-per-node 2 -m autoplan profile` (GEMMs, copy bandwidth, launch
                 floor, fresh-allocation copies by size, causal SDPA, eager dispatch per kernel, on both
-                ranks at once, the slower rank's time kept; every collective over both ranks; not FSDP2's
+                ranks at once, the slower rank's time kept; every collective over both ranks, and what
+                a blocking one costs between compute beyond that (`collective_sync_s`); not FSDP2's
                 unit cost, `--fsdp-units`, which still aborts at exit now and then),
                 `--quick` with --quick
     predicted   each plan priced with that profile by the code `autoplan estimate --profile` runs
@@ -25,7 +26,7 @@ What a careful user would do, on 2 gloo ranks (issue 20):
                 the median
     breakdown   measured (medians, the slowest rank's steps): the CPU seconds of the step (the steadier
                 figure on a loaded machine: wall time there is CPU time stretched by the other jobs),
-                the wait for the gradient sync after backward (`GradSync.exposed_s`), the optimizer
+                the main thread's share of them (the rest: gloo's threads), the wait for the gradient sync after backward (`GradSync.exposed_s`), the optimizer
                 step; predicted: the plan's compute / communication / bubble / optimizer
 
 Families: a small Llama (4 layers, hidden 384, 6 heads, 2 kv heads, SwiGLU 1024, vocabulary 4096) and a
@@ -201,11 +202,12 @@ class TimedOptimizer:
 
 def _one_step(program, optimizer: TimedOptimizer, tokens, targets) -> dict[str, float]:
     dist.barrier()
-    start, start_cpu = time.perf_counter(), time.process_time()
+    start, start_cpu, start_thread = time.perf_counter(), time.process_time(), time.thread_time()
     program.train_step(tokens, targets, optimizer.optimizer)
     wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    thread = time.thread_time() - start_thread  # the main thread's: cpu less gloo's threads
     sync = program.grad_sync.exposed_s() if program.grad_sync is not None else 0.0
-    return {"step_s": wall, "cpu_s": cpu, "sync_wait_s": sync, "optimizer_s": optimizer.last_s}
+    return {"step_s": wall, "cpu_s": cpu, "thread_s": thread, "sync_wait_s": sync, "optimizer_s": optimizer.last_s}
 
 
 def _rank(rank: int, port: int, config, plans: dict, rounds: int, steps: int, partial: str) -> None:
@@ -284,8 +286,8 @@ def summarize(plans: dict, samples: dict[str, list[dict]], search_name: str) -> 
                      "measured_s": measured, "error": plan.predicted.step_time_s / measured - 1,
                      "predicted_breakdown_s": {"compute": t.compute_s, "communication": t.communication_s,
                                                "bubble": t.bubble_s, "optimizer": t.optimizer_s},
-                     "measured_breakdown_s": {k: statistics.median(s[k] for s in steps)
-                                              for k in ("cpu_s", "sync_wait_s", "optimizer_s")},
+                     "measured_breakdown_s": {k: statistics.median(s.get(k, float("nan")) for s in steps)
+                                              for k in ("cpu_s", "thread_s", "sync_wait_s", "optimizer_s")},
                      "steps": len(steps), "search": name == search_name})
     fastest = min(r["measured_s"] for r in rows)
     searched_s = next(r["measured_s"] for r in rows if r["search"])
@@ -303,13 +305,14 @@ def plan_text(plan) -> str:
 def print_family(family: str, result: dict) -> None:
     print(f"\n{family}: {result['model']['name']}  (load average {result['load_avg_before']} -> {result['load_avg_after']})")
     print(f"{'plan':26s} {'pred s':>7s} {'meas s':>7s} {'error':>7s}  {'compute':>7s} {'comm':>6s} {'bubble':>6s} "
-          f"{'optim':>6s}  {'cpu s':>6s} {'sync w':>6s} {'optim':>6s}")
+          f"{'optim':>6s}  {'cpu s':>6s} {'main':>6s} {'sync w':>6s} {'optim':>6s}")
     for r in sorted(result["rows"], key=lambda r: r["measured_s"]):
         p, m = r["predicted_breakdown_s"], r["measured_breakdown_s"]
         mark = " <- search" if r["search"] else ""
         print(f"{r['plan']:26s} {r['predicted_s']:7.3f} {r['measured_s']:7.3f} {r['error']:+7.1%}  "
               f"{p['compute']:7.3f} {p['communication']:6.3f} {p['bubble']:6.3f} {p['optimizer']:6.3f}  "
-              f"{m['cpu_s']:6.3f} {m['sync_wait_s']:6.3f} {m['optimizer_s']:6.3f}{mark}")
+              f"{m['cpu_s']:6.3f} {m.get('thread_s', float('nan')):6.3f} {m['sync_wait_s']:6.3f} "
+              f"{m['optimizer_s']:6.3f}{mark}")
     print(f"Spearman rho {result['spearman']:.3f}, median |error| {result['median_abs_error']:.1%}, search's plan "
           f"({result['search_plan']}) measured {result['search_rank']} of {len(result['rows'])}, regret "
           f"{result['search_regret']:+.1%}")

@@ -35,6 +35,13 @@ ring_factor / bus bandwidth, with the message as nccl-tests counts it (B, or B /
 all-to-all); groups across nodes keep the ClusterSpec's links (a profile of one machine says nothing
 about its network).
 
+Inside a step (`Efficiency.collective_sync_s`): every blocking call (tp / sp / cp / ep collectives, FSDP2's
+all-gathers and reduce-scatters, each data-parallel bucket, each pipeline send) costs that much more than its
+time back to back. The ranks reach it out of step and the waiting rank's threads sleep and must be woken; on
+a CPU (gloo, ranks sharing the cores) `profiler.collectives.collective_sync_s` measures it: about 1 ms per
+call on the 2-core development machine, a fixed cost whatever the message. 0 without such a profile (GPUs:
+not measured; NCCL waits on the device).
+
 Ignored (a profile measures them): protocol efficiency (NCCL reaches ~80-90% of link bandwidth
 on large messages), tree / NVLS / SHARP algorithms for small messages, contention between
 collectives of different axes running at once, and oversubscribed network cores.

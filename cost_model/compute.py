@@ -165,7 +165,8 @@ class Efficiency:
     fsdp_unit_s: FSDP2's fixed cost per unit and microbatch beyond its calls' latencies (ZeRO 3), as a
     profile measured it (`profiler.fsdp`); 0 without one (not priced). grad_buckets: the size rule of the
     data-parallel gradient buckets (`autoplan.grad_buckets.BUCKET_RULES`): "ddp", this runtime's; another
-    stack's for pricing runs made on it (benchmarks)."""
+    stack's for pricing runs made on it (benchmarks). collective_sync_s: what a blocking collective costs
+    inside a step beyond its own time (`comm`'s "Inside a step"), a CPU profile's; 0 else."""
 
     matmul: float | None = None
     memory: float = 0.80
@@ -179,6 +180,7 @@ class Efficiency:
     collective_call_s: float = COLLECTIVE_CALL_S
     fsdp_unit_s: float = 0.0
     grad_buckets: str = "ddp"
+    collective_sync_s: float = 0.0
     floor_source: str = ("kernel floor: meta-pytorch/autoparallel's 7 us; collective call: NCCL's ring LL base "
                          "latency, 6.6 us (cost_model.compute)")
     host_kernel_s: float | None = None  # None: the device's default (`resolved`: HOST_KERNEL_S on a GPU, 0 on a CPU)
@@ -201,7 +203,7 @@ class Efficiency:
         if not 0 <= self.fsdp_unit_s < 1:
             raise ConfigError(f"efficiency fsdp_unit_s={self.fsdp_unit_s!r} must be in [0, 1) seconds (FSDP2's fixed "
                               f"cost per unit and microbatch; 0 turns it off)")
-        for name in ("kernel_floor_s", "collective_call_s", "host_kernel_s"):
+        for name in ("kernel_floor_s", "collective_call_s", "host_kernel_s", "collective_sync_s"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) < 1e-2:
                 raise ConfigError(f"efficiency {name}={getattr(self, name)!r} must be in [0, 0.01) seconds "
                                   f"(a fixed cost per kernel or call, microseconds; 0 turns it off)")
@@ -213,8 +215,9 @@ class Efficiency:
 
     def collective_s(self, kind: str, nbytes: float, cluster: ClusterSpec, group: AxisGroup) -> float:
         """One collective over `group` (`comm.group_collective_time_s`): a profile's fit inside a node where
-        there is one, else the ring formula plus the fixed cost of a call."""
-        return group_collective_time_s(kind, nbytes, cluster, group, self.collectives, self.collective_call_s)
+        there is one, else the ring formula plus the fixed cost of a call; + `collective_sync_s` (`comm`)"""
+        sync_s = self.collective_sync_s if group.size > 1 else 0.0
+        return sync_s + group_collective_time_s(kind, nbytes, cluster, group, self.collectives, self.collective_call_s)
 
     def floor_note(self) -> str:
         """The fixed costs this efficiency prices, and where they come from (for a plan's notes)."""
@@ -315,6 +318,8 @@ def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "Har
                          attention_rates=AttentionRates.from_profile(profile))
     if profile.fsdp_unit_s is not None:
         calibrated = replace(calibrated, fsdp_unit_s=profile.fsdp_unit_s)
+    if profile.collective_sync_s is not None:
+        calibrated = replace(calibrated, collective_sync_s=profile.collective_sync_s)
     if profile.host_recompute_s:
         calibrated = replace(calibrated, host_recompute_s=tuple(sorted((kind, *pair) for kind, pair in
                                                                        profile.host_recompute_s.items())))

@@ -53,7 +53,9 @@ and the embedding), which is ready only when the backward ends:
               reduce-scatter's copy of the gradients into its input and of the reduced shard out
               (2 gr + 2 gr / g); w, gr: weight and gradient bytes, g: the group's size; + m * units *
               FSDP2's fixed cost per unit beyond its calls' latencies (hooks; `Efficiency.fsdp_unit_s`,
-              measured by the profile, `profiler.fsdp`)
+              measured by the profile, `profiler.fsdp`), and the two all-gathers each unit waits for (before
+              its forward and its backward) at `Efficiency.collective_sync_s` each, however well their bytes
+              hide: the ranks meet there out of step (`cost_model.comm`, "Inside a step")
 
 `dp_sync_parts` names these parts (the all-reduce / reduce-scatter left after backward, the
 all-gather of the parameters).
@@ -376,8 +378,9 @@ class StepModel:
         v, boundary = cfg.virtual_stages, block.boundary_full_bytes / cfg.tp  # Megatron's scatter / gather: 1 / tp
         key = (v, boundary, self.group(cfg, ("pp",)).nodes > 1)
         if key not in self._p2p:
+            e = self.env.efficiency  # a send blocks its receiver as a collective does (`comm`, inside a step)
             self._p2p[key] = p2p_per_microbatch_s(boundary, self.env.cluster, cfg.mesh, v,
-                                                  self.env.efficiency.collective_call_s)
+                                                  e.collective_call_s + e.collective_sync_s)
         return self._p2p[key]
 
     def _ranges(self, block: BlockCosts, cfg: Config, problem: StageProblem) -> list[list[tuple[int, int]]]:
@@ -511,7 +514,8 @@ class StepModel:
                 "backward all-gathers and reduce-scatters (FSDP2)": m * hidden_behind(
                     (ag[0] + rs[0], ag[1] + rs[1], ag[2]), window_b),
                 "all-gather and reduce-scatter copies (FSDP2)": m * self._fsdp_copies_s(cfg, groups),
-                "fixed cost per unit (FSDP2)": m * ag[2] * self.env.efficiency.fsdp_unit_s}
+                "fixed cost per unit (FSDP2)": m * ag[2] * (self.env.efficiency.fsdp_unit_s
+                                                            + 2 * self.env.efficiency.collective_sync_s)}
 
     def sync_bytes(self, cfg: Config) -> tuple[float, float]:
         """(gradient, weight) bytes per parameter the data-parallel sync of `cfg` moves (`memory.dp_sync_bytes`:

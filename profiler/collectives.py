@@ -32,6 +32,7 @@ version); the element count is rounded down to a multiple of g.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -184,3 +185,75 @@ def measure_collectives(device: torch.device, kinds: Sequence[str] = COLLECTIVE_
                 message_bytes, time_s = time_collective_s(kind, size, g, group, world, budget_s)
                 samples.append(CollectiveSample(kind, g, message_bytes, time_s))
     return tuple(samples), fit_all(samples)
+
+
+# ------------------------------------------------------------------------- a collective inside a step
+# GEMM sizes (n x n x n, float32) of the compute between two collectives, about 0.6 and 2.5 ms on one thread of
+# the development machine: the span of a small model's layer segment between tensor-parallel collectives
+SYNC_GEMMS = (320, 512)
+SYNC_MESSAGES = (4 * KiB, 1 * MiB)  # an FSDP2 unit's or a tp activation's scale; the byte term is the fit's
+SYNC_WINDOW_S = 0.01  # a window runs at least this long: several calls in a row, as a step's layers run them
+
+
+def gemm_compute(n: int, device: torch.device) -> Callable[[], object]:
+    """One (n, n) x (n, n) float32 GEMM into a preallocated output: compute whose duration each rank's
+    share of the cores decides."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    out = torch.empty(n, n, device=device)
+    return lambda: torch.mm(a, b, out=out)
+
+
+def in_step_windows_s(compute: Callable[[], object], message_bytes: int, world: _World, repeats: int, inner: int
+                      ) -> tuple[float, float]:
+    """(compute alone, compute then a blocking all-reduce of `message_bytes`) per call: each the median over
+    `repeats` windows of `inner` calls (the two kinds of window alternate, each after a world barrier), then
+    the slowest rank's."""
+    buffer = torch.ones(max(1, message_bytes // ELEMENT_BYTES), device=world.device)
+
+    def both() -> None:
+        compute()
+        dist.all_reduce(buffer)
+
+    for _ in range(WARMUP_CALLS):
+        both()
+    alone, paired = [], []
+    for _ in range(repeats):
+        alone += timed_windows_s(compute, world.device, 1, inner, before=world.barrier)
+        paired += timed_windows_s(both, world.device, 1, inner, before=world.barrier)
+    return world.max(float(np.median(alone))), world.max(float(np.median(paired)))
+
+
+def collective_sync_s(fits: Sequence[CollectiveFit], device: torch.device, quick: bool = False,
+                      computes: Sequence[Callable[[], object]] | None = None,
+                      budget_s: float | None = None) -> tuple[float, list[tuple[float, int, float]]]:
+    """(seconds a blocking collective costs inside a step beyond its fitted time, the samples (compute s,
+    message bytes, extra s)); every rank of the world calls it. Per compute (`computes`, default GEMMs of
+    `SYNC_GEMMS`) and message of `SYNC_MESSAGES`:
+
+        extra = median(compute; all-reduce) - median(compute alone) - fit(all-reduce, message)
+
+    and the answer is the median of the extras, floored at 0. Medians, not the fastest window: a step pays the
+    typical call. Both ranks run the same loop at once, so what the extra holds is what a step's collective
+    meets and the lockstep sweep above does not: the ranks arrive out of step (each rank's compute ran on a
+    core it shares with its peer's gloo threads and the OS), and the waiting rank's threads must be woken and
+    scheduled again. On the 2-core development machine (2026-11-26, 2 gloo ranks, one thread each) the extra
+    was 0.7-1.6 ms per call at 0.6-2.5 ms of compute whatever the message (4 KiB or 1 MiB, fits of 0.16-0.20
+    ms + bytes / 2.6-3.8 GB/s), 0.7-1.1 ms at 0.08 ms and 0.8-3.9 ms at 8.7-21 ms: a fixed cost per call that
+    grows slowly with the compute before it, not in proportion to it. The cost model adds it to every
+    blocking call (`cost_model.comm`, "Inside a step"). Not measured on CUDA, where NCCL's kernels wait on
+    the device and the host runs ahead."""
+    fit = next((f for f in fits if f.kind == "all_reduce" and f.group_size == dist.get_world_size()), None)
+    if fit is None:
+        raise ProfileError("collective_sync_s needs the all-reduce fit over the world (measure_collectives first)")
+    computes = computes if computes is not None else [gemm_compute(n, device) for n in SYNC_GEMMS]
+    budget_s = budget_s if budget_s is not None else (0.3 if quick else 1.5)
+    world, samples = _World(device), []
+    for compute in computes:
+        for message in SYNC_MESSAGES:
+            one_call_s = world.max(timed_windows_s(compute, device, 1, 1)[0])
+            inner = max(3, math.ceil(SYNC_WINDOW_S / (one_call_s + fit.latency_s)))  # a run of calls, as a step
+            repeats = max(5, min(15, int(budget_s / len(computes) / len(SYNC_MESSAGES) / (2 * inner * one_call_s))))
+            alone_s, paired_s = in_step_windows_s(compute, message, world, repeats, inner)
+            fitted = fit.latency_s + message * ring_byte_factor("all_reduce", fit.group_size) / fit.bandwidth_bytes_per_s
+            samples.append((alone_s, message, paired_s - alone_s - fitted))
+    return max(0.0, float(np.median([extra for *_, extra in samples]))), samples

@@ -24,6 +24,9 @@ anything the cost model uses from them:
   Older files load with none.
 - FSDP2's fixed cost per unit and microbatch beyond its calls' fitted latencies (`profiler.fsdp`),
   measured over the world under torchrun. Older files, and profiles of one process, have none.
+- a blocking collective inside a step (`profiler.collectives.collective_sync_s`, CPU under torchrun): the
+  seconds one costs between compute beyond its fitted time. Older files, GPU profiles and profiles of one
+  process have none (the cost model then prices none).
 
 `HardwareProfile.load` refuses, naming the problem, a file that is not JSON, lacks or adds keys,
 has another version, holds a non-positive or non-finite number, or was measured on another device
@@ -266,6 +269,7 @@ class HardwareProfile:
     kernel_floor_s: float | None = None  # `profiler.launch`; None: not measured
     host_kernel_s: float | None = None  # `profiler.dispatch`; None: not measured
     fsdp_unit_s: float | None = None  # `profiler.fsdp`; None: not measured
+    collective_sync_s: float | None = None  # `profiler.collectives.collective_sync_s` (CPU); None: not measured
     # {kind: [forward, re-run]} (`profiler.dispatch.measure_recompute_host_s`); None: not measured
     host_recompute_s: dict[str, list[float]] | None = None
     fresh_copies: tuple[MemorySample, ...] = ()  # `profiler.memory.measure_fresh_copies` (CPU)
@@ -286,8 +290,9 @@ class HardwareProfile:
         for name in ("kernel_floor_s", "host_kernel_s"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
-        if self.fsdp_unit_s is not None:
-            _positive("fsdp_unit_s", self.fsdp_unit_s, allow_zero=True)
+        for name in ("fsdp_unit_s", "collective_sync_s"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name), allow_zero=True)
         if self.host_recompute_s is not None:
             if not isinstance(self.host_recompute_s, dict):
                 raise ProfileError(f"host_recompute_s must be a JSON object of recompute kind -> [forward, re-run] "
@@ -316,7 +321,7 @@ class HardwareProfile:
         if isinstance(data, dict) and version != PROFILE_VERSION:  # first: other versions have other keys
             raise ProfileError(f"profile version {version!r} is not supported; this autoplan reads version {PROFILE_VERSION}. Re-run `autoplan profile`.")
         older = {"kernels": [], "kernel_floor_s": None, "host_kernel_s": None, "fsdp_unit_s": None,
-                 "host_recompute_s": None, "fresh_copies": [], "attention": []}  # fields that older files lack
+                 "collective_sync_s": None, "host_recompute_s": None, "fresh_copies": [], "attention": []}  # fields that older files lack
         data = _fields_from_json(cls, "profile", {**older, **data} if isinstance(data, dict) else data)
         for key in ("gemm", "collectives", "fits", "kernels", "fresh_copies", "attention"):
             if not isinstance(data[key], list):
