@@ -325,6 +325,8 @@ def cmd_profile(args) -> int:
             render_profile(profile)
             profile.save(args.output)
             print(f"profile written to {args.output}")
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears the group down while a peer's last collective is in flight
     finally:
         if made_group:
             dist.destroy_process_group()

@@ -241,6 +241,7 @@ def _gloo_worker(rank: int, port: int, out_dir: str) -> None:
         assert [s.time_s for s in out["gemm"]] == [2e-3, 2e-3] and out["memory"].time_s == 2e-3
         assert out["floor"] == 2e-6 and out["host"] == 2e-6 and out["fresh_copies"][0].time_s == 2e-3
         assert out["attention"][0].fwd_s == 2e-3
+        dist.barrier()  # both ranks done before either tears the group down
     finally:
         dist.destroy_process_group()
 
