@@ -357,16 +357,17 @@ class BlockCosts:
         `context` ranks and MoE experts `spread` over an expert group (routed rows for the busiest
         rank, or the mean), parameters in the compute dtype or not (`master`: precision bf16-master)."""
         key = (recompute, context, spread, imbalance, master)
+        if key in self._arrays:  # asked per configuration priced: the tallies are found once
+            return self._arrays[key]
         kind, recomputed = self.recomputed(recompute)
         rerun = (kind, int(recomputed.sum()))
         tally = self.parts.activation_tally(context, spread, imbalance, master, rerun)
         if not imbalance and tally is self.parts.activation_tally(context, spread, True, master, rerun):  # nothing routed
             return self.activations(recompute, context, spread, True, master)
-        if key not in self._arrays:
-            self._arrays[key] = {
-                "activation": self._per_layer(recompute, lambda g, kind: Tally.at(tally.layers[kind][g][0], self.scale)),
-                "transient": self._per_layer(recompute, lambda g, kind: Tally.at(tally.layers[kind][g][1], self.scale)),
-                "pre": Tally.at(tally.pre, self.scale), "post": Tally.at(tally.post, self.scale)}
+        self._arrays[key] = {
+            "activation": self._per_layer(recompute, lambda g, kind: Tally.at(tally.layers[kind][g][0], self.scale)),
+            "transient": self._per_layer(recompute, lambda g, kind: Tally.at(tally.layers[kind][g][1], self.scale)),
+            "pre": Tally.at(tally.pre, self.scale), "post": Tally.at(tally.post, self.scale)}
         return self._arrays[key]
 
 
