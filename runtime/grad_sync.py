@@ -307,12 +307,11 @@ class GradSync:
 
     @staticmethod
     def _scatter_flat(bucket: _Bucket, flat: torch.Tensor, what: str) -> None:
-        """Copy consecutive pieces of `flat` into each parameter's local gradient or data."""
-        offset = 0
-        for p in bucket.params:
-            dest = _local(p.grad if what == "grad" else p.data)
-            dest.copy_(flat[offset:offset + dest.numel()].view_as(dest))
-            offset += dest.numel()
+        """Copy consecutive pieces of `flat` into each parameter's local gradient or data: one foreach
+        copy per bucket (a few multi-tensor kernels, where a copy per parameter paid the host's dispatch
+        per tensor after every step of bf16-master)."""
+        dests = [_local(p.grad if what == "grad" else p.data) for p in bucket.params]
+        torch._foreach_copy_(dests, GradSync.views_of(bucket.params, flat))
 
     # ------------------------------------------------------------ ZeRO 1/2
     @torch.no_grad()
@@ -414,22 +413,34 @@ class GradSync:
                     p.grad = torch.zeros_like(p)
             self._scatter_flat(b, full.to(b.params[0].dtype), "grad")
 
-    def shard_sumsq(self, copies) -> torch.Tensor:
-        """This rank's term of ||g||^2 when the optimizer steps on masters (fp64): the squares of its
-        reduced slices, each parameter's part divided by `copies(param)` / the ranks its bucket is
-        split over (the ranks that hold the same slice: the parameter's replicas, less the group
-        that now splits it)."""
-        total = torch.zeros((), dtype=torch.float64)
+    def shard_pieces(self, copies) -> dict[int, list[torch.Tensor]]:
+        """This rank's reduced gradient slices when the optimizer steps on masters, as views grouped by
+        how many ranks hold the same slice: `copies(param)` / the ranks its bucket is split over (the
+        parameter's replicas, less the group that now splits it). Adjacent parameters with the same
+        count are one view, so a bucket is a few views and ||g||^2 is a few foreach kernels, with no
+        copy to the host per parameter (`health.sumsq_by_copies`)."""
+        pieces: dict[int, list[torch.Tensor]] = {}
         for b in self.buckets:
             if b.master is None or b.master.grad is None:
                 continue
             lo, hi = b.owned
-            offset = 0
-            for p in b.params:
-                n = _local(p).numel()
-                a, z = max(lo, offset), min(hi, offset + n)
+            for a, z, count in self._runs(b, copies):
+                a, z = max(lo, a), min(hi, z)
                 if a < z:
-                    part = b.master.grad[a - lo:z - lo].double().square().sum()
-                    total += part.cpu() / (copies(p) // b.split)
-                offset += n
-        return total
+                    pieces.setdefault(count, []).append(b.master.grad[a - lo:z - lo])
+        return pieces
+
+    @staticmethod
+    def _runs(bucket: _Bucket, copies) -> list[tuple[int, int, int]]:
+        """(start, end, count) over the bucket's flat elements: runs of adjacent parameters whose slices
+        are held by the same number of ranks (`shard_pieces`)."""
+        runs: list[tuple[int, int, int]] = []
+        offset = 0
+        for p in bucket.params:
+            n, count = _local(p).numel(), copies(p) // bucket.split
+            if runs and runs[-1][2] == count and runs[-1][1] == offset:
+                runs[-1] = (runs[-1][0], offset + n, count)
+            else:
+                runs.append((offset, offset + n, count))
+            offset += n
+        return runs

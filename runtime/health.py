@@ -17,7 +17,7 @@ Divergence, after the gradients are synchronised and before the optimizer step:
 The world / pp ranks of p's pipeline stage hold it in pieces(p) distinct pieces (the product of
 the degrees it is sharded over: tp, the expert group, expert_tp; times dp x ep x cp under ZeRO 3),
 each held by copies(p) ranks with the same gradient once the gradient sync has run (under ZeRO 1/2
-the reduced gradients are slices over the data ranks: grad_sync.shard_sumsq); so ||g|| is the
+the reduced gradients are slices over the data ranks: grad_sync.shard_pieces); so ||g|| is the
 single-device model's gradient norm. Each rank's term is summed over tp (one all-reduce of a
 scalar, when tp > 1), then with the loss over pp and the data ranks (the loss's own all-reduces,
 now of two numbers): every rank ends with the same loss and norm, and since NaN and inf survive any
@@ -82,21 +82,30 @@ def copies(program: "RankProgram", name: str) -> int:
 
 def local_sumsq(program: "RankProgram") -> torch.Tensor:
     """This rank's term of ||g||^2, fp64 on the program's device: the squared norms of its
-    gradient pieces, each divided by the ranks sharing it. Norms are taken in the gradients'
-    dtype per group of equal `copies` (one foreach kernel each): a norm that overflows fp32 is
-    infinite, as torch's clip_grad_norm_ reports it."""
+    gradient pieces, each divided by the ranks sharing it (`sumsq_by_copies`); under master weights
+    the pieces are the reduced master slices (`GradSync.shard_pieces`)."""
     sync = program.grad_sync
-    if sync is not None and sync.masters:  # ZeRO 1/2, master weights: the reduced gradients are master slices
+    if sync is not None and sync.masters:  # ZeRO 0-2, master weights: the reduced gradients are master slices
         names = {id(p): n for n, p in program.named_local_parameters()}
-        return sync.shard_sumsq(lambda p: copies(program, names[id(p)])).to(program.device)
+        return sumsq_by_copies(sync.shard_pieces(lambda p: copies(program, names[id(p)])), program.device)
     by_copies: dict[int, list[torch.Tensor]] = {}
     for name, p in program.named_local_parameters():
         if p.grad is not None:
             by_copies.setdefault(copies(program, name), []).append(_local(p.grad))
-    total = torch.zeros((), dtype=torch.float64, device=program.device)
-    for count, grads in sorted(by_copies.items()):
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        total += norm.double().square() / count
+    return sumsq_by_copies(by_copies, program.device)
+
+
+def sumsq_by_copies(by_copies: dict[int, list[torch.Tensor]], device) -> torch.Tensor:
+    """sum over groups, over their tensors, of ||t||^2 / copies: fp64 on `device`, never read on the host
+    here. Each tensor's norm is one foreach kernel per group, accumulated in fp32 (fp64 for fp64 tensors)
+    whatever the gradients' dtype: a norm that overflows fp32 is infinite, as torch's clip_grad_norm_
+    reports it; the squares are summed in fp64."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for count, tensors in sorted(by_copies.items()):
+        if tensors:
+            wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+            norms = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=wide))
+            total += norms.to(device, torch.float64).square().sum() / count
     return total
 
 

@@ -59,7 +59,7 @@ from autoplan.errors import ConfigError, TrainingDivergedError
 from autoplan.plan import Plan
 from autoplan.runtime.grad_sync import GradSync, Replica
 from autoplan.runtime.sharded_optimizer import ShardedOptimizer, check_optimizer
-from autoplan.runtime.health import check_token_range
+from autoplan.runtime.health import check_token_range, sumsq_by_copies
 from autoplan.runtime.module_checkpoint import laid_out_like, module_state_dict, parameter_shapes
 from autoplan.runtime.module_context import ContextParallel
 from autoplan.runtime.module_experts import expert_weight_names
@@ -326,7 +326,10 @@ class ModuleProgram(nn.Module):
         optimizer.zero_grad(set_to_none=True)
         if self.grad_sync is not None:
             self.grad_sync.begin_step(self.plan.num_microbatches)
-        total = self._forward_backward(self._share(tokens), self._share(targets), count)
+        # this rank's rows onto the device at once: a blocking copy from host memory synchronises the
+        # stream, so one per microbatch (or the targets' after each forward) would drain the queue
+        rows, wanted = self._share(tokens).to(self.device), self._share(targets).to(self.device)
+        total = self._forward_backward(rows, wanted, count)
         if self.grad_sync is not None:
             self.grad_sync.finish()
         loss = self._global_loss(total, count)
@@ -370,15 +373,14 @@ class ModuleProgram(nn.Module):
 
     def _check_finite(self, loss: float) -> None:
         """self.grad_norm (module docstring); TrainingDivergedError when it or `loss` is not finite."""
-        squares = torch.zeros((), dtype=torch.float64, device=self.device)
         world = dist.get_world_size() // self.plan.mesh.pp  # a parameter lives on one pipeline stage
-        sharded = self.grad_sync is not None and self.grad_sync.masters
-        if sharded:  # the reduced gradients are this rank's slices
-            squares += self.grad_sync.shard_sumsq(lambda p: world // _pieces(p)).to(self.device)
-        for p in self.model.parameters():
-            if p.grad is not None and not sharded:
-                grad = _settled(p.grad)
-                squares += _local(grad).double().square().sum() / (world / _pieces(grad))
+        if self.grad_sync is not None and self.grad_sync.masters:  # the reduced gradients: this rank's slices
+            by_copies = self.grad_sync.shard_pieces(lambda p: world // _pieces(p))
+        else:
+            by_copies = {}
+            for grad in (_settled(p.grad) for p in self.model.parameters() if p.grad is not None):
+                by_copies.setdefault(world // _pieces(grad), []).append(_local(grad))
+        squares = sumsq_by_copies(by_copies, self.device)
         dist.all_reduce(squares)
         self.grad_norm = math.sqrt(squares.item())  # NaN and inf survive the sum and the root
         if not (math.isfinite(loss) and math.isfinite(self.grad_norm)):
