@@ -286,6 +286,9 @@ class RankProgram(nn.Module):
                 total = self.pipeline.step(local_tokens.to(self.device),
                                            local_targets.to(self.device))
         else:
+            # the whole local batch onto the device at once: a blocking copy from host memory synchronises
+            # the stream, so one per microbatch would drain the queue the host had run ahead to fill
+            local_tokens, local_targets = local_tokens.to(self.device), local_targets.to(self.device)
             total = torch.zeros((), device=self.device)
             for mb_tokens, mb_targets in zip(local_tokens.chunk(plan.num_microbatches),
                                              local_targets.chunk(plan.num_microbatches)):
