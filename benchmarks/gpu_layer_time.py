@@ -193,7 +193,7 @@ def cmd_host(args) -> int:
     for family, hidden, seq in ((("llama", 256, 128), ("llama", 1024, 128), ("llama", 4096, 16), ("llama", 4096, 64),
                                  ("gpt", 4096, 16), ("llama", 8192, 16))):
         config = model_config(Case(family, hidden, 1, max(seq, 2048)))
-        per_kernel, per_block, kernels = measure_host_kernel_s(torch.device("cuda"), False, config, seq)
+        per_kernel, per_block, kernels, _ = measure_host_kernel_s(torch.device("cuda"), False, config, seq)
         rows.append({"family": family, "hidden": hidden, "seq": seq, "host_kernel_s": per_kernel,
                      "block_s": per_block, "kernels": kernels})
         print(json.dumps(rows[-1]), flush=True)

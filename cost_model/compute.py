@@ -188,6 +188,9 @@ class Efficiency:
     # default (`resolved`)
     host_recompute_s: tuple[tuple[str, float, float], ...] | None = None
     host_serial: bool | None = None  # the host's dispatch adds to the kernels (None: `resolved`, True on a CPU)
+    # (forward, backward) host s per priced kernel of each pass (a CUDA profile's); None: host_kernel_s for both
+    host_phase_kernel_s: tuple[float, float] | None = None
+    adamw_bytes_per_s: float | None = None  # a CUDA profile's AdamW rate (`adamw_time_s`); None: from the copy
     fresh_copies: FreshCopyCurve | None = None  # a CPU profile's (`cost_model.eager`); None: the flat copy
     attention_rates: AttentionRates | None = None  # a CPU profile's causal SDPA (`cost_model.eager`)
     _by_kernel: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
@@ -207,6 +210,13 @@ class Efficiency:
             if getattr(self, name) is not None and not 0 <= getattr(self, name) < 1e-2:
                 raise ConfigError(f"efficiency {name}={getattr(self, name)!r} must be in [0, 0.01) seconds "
                                   f"(a fixed cost per kernel or call, microseconds; 0 turns it off)")
+        if self.host_phase_kernel_s is not None and (len(self.host_phase_kernel_s) != 2
+                                                     or not all(0 <= h < 1e-2 for h in self.host_phase_kernel_s)):
+            raise ConfigError(f"efficiency host_phase_kernel_s={self.host_phase_kernel_s!r} must be (forward, backward) "
+                              f"in [0, 0.01) seconds (the host's cost per priced kernel of each pass)")
+        if self.adamw_bytes_per_s is not None and not self.adamw_bytes_per_s > 0:
+            raise ConfigError(f"efficiency adamw_bytes_per_s={self.adamw_bytes_per_s!r} must be > 0 (bytes per second "
+                              f"of AdamW's passes; None prices them from the copy)")
         for kind, *seconds in self.host_recompute_s or ():
             if len(seconds) != 2 or not all(0 <= s < 1e-2 for s in seconds):
                 raise ConfigError(f"efficiency host_recompute_s[{kind!r}]={tuple(seconds)!r} must be (forward, re-run) "
@@ -314,6 +324,10 @@ def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "Har
                                                          f"{profile.device_name!r} ({profile.created})")
     if profile.host_kernel_s is not None:
         calibrated = replace(calibrated, host_kernel_s=profile.host_kernel_s)
+    if profile.host_phase_kernel_s:
+        calibrated = replace(calibrated, host_phase_kernel_s=tuple(profile.host_phase_kernel_s))
+    if profile.adamw_bytes_per_s is not None:
+        calibrated = replace(calibrated, adamw_bytes_per_s=profile.adamw_bytes_per_s)
     calibrated = replace(calibrated, fresh_copies=FreshCopyCurve.from_profile(profile),
                          attention_rates=AttentionRates.from_profile(profile))
     if profile.fsdp_unit_s is not None:
@@ -479,11 +493,16 @@ def memory_op_bytes(node: "NodeInfo", local_param_bytes: float = 0.0) -> tuple[f
 ADAM_STATE_BYTES = 4  # m, v, the master weights and the denominator's temporary: fp32 in torch's AdamW
 
 
+def adamw_pass_bytes(grad_bytes: float) -> float:
+    """Bytes torch's AdamW passes move per parameter (module docstring): 72 + 2 g."""
+    return 18 * ADAM_STATE_BYTES + 2 * grad_bytes
+
+
 def adamw_step_bytes(grad_bytes: float, weight_bytes: float) -> float:
     """Bytes the optimizer step moves per local parameter (module docstring): torch's AdamW passes
-    (72 + 2 g), the gradient norm before it (g), and the master's cast into weights narrower than fp32."""
+    (`adamw_pass_bytes`), the gradient norm before it (g), and the master's cast into weights narrower than fp32."""
     cast = ADAM_STATE_BYTES + weight_bytes if weight_bytes < ADAM_STATE_BYTES else 0.0
-    return 18 * ADAM_STATE_BYTES + 3 * grad_bytes + cast
+    return adamw_pass_bytes(grad_bytes) + grad_bytes + cast
 
 
 ADAMW_FRESH_BYTES = 6 * ADAM_STATE_BYTES  # d = sqrt(v) / c2 + eps: its three passes, into fresh temporaries
@@ -493,8 +512,11 @@ def adamw_time_s(params: float, grad_bytes: float, weight_bytes: float, tensor_p
                  efficiency: Efficiency) -> float:
     """Seconds of the optimizer step over `params` local parameters in tensors of `tensor_params` each (module
     docstring): the temporaries' bytes at the fresh-copy curve at the tensor's fp32 bytes, the rest at the faster
-    of that and the flat copy; all at the flat copy where no curve was measured. One kernel's floor at least."""
+    of that and the flat copy; all at the flat copy where no curve was measured; all at the AdamW rate a profile
+    measured where it has one (`profiler.memory.measure_adamw_rate`, CUDA). One kernel's floor at least."""
     total = adamw_step_bytes(grad_bytes, weight_bytes) * params
+    if efficiency.adamw_bytes_per_s:
+        return efficiency.kernels_s(total / efficiency.adamw_bytes_per_s)
     curve = efficiency.fresh_copies
     if curve is None:
         return efficiency.kernels_s(memory_time_s(total, device, efficiency))

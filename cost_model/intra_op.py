@@ -372,12 +372,21 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
             family = captured_op_family(node.op_kind)
             families[family] = families.get(family, 0.0) + fwd
     if host_s:  # the host issues forward in graph order, backward in reverse (`host.host_paced_s`)
-        serial = bool(ctx.efficiency.host_serial)
-        sums["fc"], sums["lfc"] = host_paced_s(paced["f"], host_s, serial), host_paced_s(paced["lf"], host_s, serial)
-        sums["bc"] = host_paced_s(paced["b"][::-1], host_s, serial)
+        serial, (forward_s, backward_s) = bool(ctx.efficiency.host_serial), host_phases(ctx)
+        sums["fc"], sums["lfc"] = host_paced_s(paced["f"], forward_s, serial), host_paced_s(paced["lf"], forward_s, serial)
+        sums["bc"] = host_paced_s(paced["b"][::-1], backward_s, serial)
     rerun = layer_rerun_s(layer_ops, ctx) if count else ()
     return AssignmentCost(sums["fc"], sums["bc"], sums["fm"], sums["bm"], sums["lfc"], sums["lfm"],
                           tuple(sorted(families.items())), layer_recompute_s=rerun, shared_comm_s=sums["shared"])
+
+
+def host_phases(ctx: CostContext) -> tuple[float, float]:
+    """(forward, backward) host seconds per kernel: a profile's by pass (`Efficiency.host_phase_kernel_s`) where
+    it measured them, else `host_kernel_s` for both."""
+    host_s = ctx.efficiency.host_kernel_s or 0.0
+    if not host_s or ctx.efficiency.host_phase_kernel_s is None:
+        return host_s, host_s
+    return ctx.efficiency.host_phase_kernel_s
 
 
 def layer_rerun_s(layer_ops: list[tuple[str, float, int]], ctx: CostContext) -> tuple[tuple[str, float], ...]:
@@ -390,8 +399,8 @@ def layer_rerun_s(layer_ops: list[tuple[str, float, int]], ctx: CostContext) -> 
                  saved ones at none, each op's kernels at r_b): replaying a saved output costs the host too
 
     paced: `host.host_paced_s`, a host/device pipeline on a GPU, one after the other on a CPU
-    (`Efficiency.host_serial`); h the host's dispatch per kernel."""
-    serial, host_s, out = bool(ctx.efficiency.host_serial), ctx.efficiency.host_kernel_s or 0.0, []
+    (`Efficiency.host_serial`); h the host's dispatch per forward kernel (`host_phases`)."""
+    serial, host_s, out = bool(ctx.efficiency.host_serial), host_phases(ctx)[0], []
     forward = [(fwd, k) for _, fwd, k in layer_ops]
     plain = host_paced_s(forward, host_s, serial)
     for kind, forward_s, rerun_s in ctx.efficiency.host_recompute_s or ():

@@ -125,20 +125,38 @@ def kernel_samples(device: "torch.device", quick: bool, dtype: str | None) -> tu
     return measure_kernels(device, dtype if dtype in DTYPES.values() else "bfloat16", quick), None
 
 
-def host_dispatch_s(device: "torch.device", quick: bool) -> float | None:
-    """The host's seconds per priced kernel (`profiler.dispatch`) on CUDA; None elsewhere, or, saying why,
-    where the timed block cannot run (the profile is still written: the cost model then keeps its default)."""
+def host_dispatch_s(device: "torch.device", quick: bool) -> tuple[float | None, list[float] | None]:
+    """(the host's seconds per priced kernel, [forward, backward] apart) (`profiler.dispatch`) on CUDA; Nones
+    elsewhere, or, saying why, where the timed block cannot run (the profile is still written: the cost
+    model then keeps its default)."""
     if device.type != "cuda":
-        return None  # a CPU's: `_measure_device`, on every rank
+        return None, None  # a CPU's: `_measure_device`, on every rank
     from autoplan.profiler.dispatch import measure_host_kernel_s
 
     try:
-        per_kernel, per_block, kernels = measure_host_kernel_s(device, quick)
+        per_kernel, per_block, kernels, (forward, backward) = measure_host_kernel_s(device, quick)
     except Exception as exc:  # an optional measurement: report it, keep the rest of the profile
         print(f"host dispatch skipped: {type(exc).__name__}: {exc}; the cost model keeps its default")
+        return None, None
+    print(f"host dispatch: {per_block * 1e3:.3f} ms per block forward + backward, {kernels} kernels; "
+          f"{forward * 1e6:.1f} us per forward kernel, {backward * 1e6:.1f} us per backward kernel")
+    return per_kernel, [forward, backward]
+
+
+def optimizer_rate(device: "torch.device", quick: bool) -> float | None:
+    """The bytes per second torch's AdamW step moves on CUDA (`profiler.memory.measure_adamw_rate`); None on a
+    CPU (priced there from its copies) or, saying why, where it cannot run."""
+    if device.type != "cuda":
         return None
-    print(f"host dispatch: {per_block * 1e3:.3f} ms per block forward + backward, {kernels} kernels")
-    return per_kernel
+    from autoplan.profiler.memory import measure_adamw_rate
+
+    try:
+        rate, params, seconds = measure_adamw_rate(device, quick)
+    except Exception as exc:  # an optional measurement: report it, keep the rest of the profile
+        print(f"AdamW rate skipped: {type(exc).__name__}: {exc}; the cost model prices it from the copy")
+        return None
+    print(f"AdamW: {seconds * 1e3:.3f} ms per step over {params / 1e6:.0f} M parameters, {rate / 1e9:,.1f} GB/s")
+    return rate
 
 
 def recompute_host_s(device: "torch.device", quick: bool) -> dict[str, list[float]] | None:
@@ -172,7 +190,9 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
     own = _measure_device(device, quick, dtype, kernels)
     if distributed:
         own = slowest_rank(own)
-    host = (host_dispatch_s(device, quick) if rank == 0 else None) if own["host"] is None else own["host"]
+    host, host_phases = (host_dispatch_s(device, quick) if rank == 0 else (None, None)) if own["host"] is None \
+        else (own["host"], None)
+    adamw = optimizer_rate(device, quick) if rank == 0 else None
     rerun = recompute_host_s(device, quick) if rank == 0 else None
     fused, why = kernel_samples(device, quick, dtype) if rank == 0 and kernels else ((), None)
     if own["eager_kernels"]:  # a CPU: the torch fallbacks, timed on every rank at once
@@ -202,6 +222,8 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
         kernels=fused,
         kernel_floor_s=own["floor"],
         host_kernel_s=host,
+        host_phase_kernel_s=host_phases,
+        adamw_bytes_per_s=adamw,
         host_recompute_s=rerun,
         fsdp_unit_s=fsdp_unit_s,
         collective_sync_s=sync_s,
@@ -265,6 +287,13 @@ def render_profile(profile: HardwareProfile, console=None) -> None:
     if profile.host_kernel_s is not None:
         table.add_row("host dispatch", f"{profile.host_kernel_s * 1e6:,.1f} us per priced kernel (a small layer's forward + "
                       f"backward, `profiler.dispatch`)")
+    if profile.host_phase_kernel_s:
+        forward, backward = profile.host_phase_kernel_s
+        table.add_row("host dispatch by pass", f"forward {forward * 1e6:,.1f} us, backward {backward * 1e6:,.1f} us per "
+                      f"priced kernel")
+    if profile.adamw_bytes_per_s is not None:
+        table.add_row("AdamW step", f"{profile.adamw_bytes_per_s / 1e9:,.1f} GB/s of the bytes it moves "
+                      f"(`profiler.memory.measure_adamw_rate`)")
     if profile.host_recompute_s:
         table.add_row("recompute host", ", ".join(f"{k} {f * 1e6:,.1f} + {r * 1e6:,.1f} us"
                                                   for k, (f, r) in profile.host_recompute_s.items())

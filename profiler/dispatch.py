@@ -97,9 +97,16 @@ def block_kernels(config, seq: int) -> int:
 
 
 def measure_host_kernel_s(device: torch.device, quick: bool = False, config=None, seq: int | None = None
-                          ) -> tuple[float, float, int]:
-    """(host_kernel_s, seconds per block forward + backward, the block's kernels) on a CUDA `device`
-    (module docstring); `config` / `seq`: another zoo config's layer 0 at `seq` tokens (default HOST_BLOCK)."""
+                          ) -> tuple[float, float, int, tuple[float, float]]:
+    """(host_kernel_s, seconds per block forward + backward, the block's kernels, (forward, backward) host
+    seconds per priced kernel of each pass) on a CUDA `device` (module docstring); `config` / `seq`: another
+    zoo config's layer 0 at `seq` tokens (default HOST_BLOCK). The passes apart:
+
+        forward  = median window of the forward alone / its kernels (`forward_kernels`)
+        backward = (per_block - the forward's window) / the rest of the block's kernels
+
+    Forward runs the captured graph node by node from Python (the fx module, autocast, the Triton launchers);
+    backward runs from autograd's engine, so its kernels can cost the host less each."""
     from autoplan.profiler.gemm import timed_windows_s
 
     config = config or host_block_config()
@@ -113,10 +120,12 @@ def measure_host_kernel_s(device: torch.device, quick: bool = False, config=None
 
     for _ in range(5):  # Triton compiles, the allocator settles
         once()
-    windows = timed_windows_s(once, device, repeats=10 if quick else 30, inner=10)
-    per_block = statistics.median(windows)
-    kernels = block_kernels(config, seq)
-    return per_block / kernels, per_block, kernels
+    repeats = 10 if quick else 30
+    per_block = statistics.median(timed_windows_s(once, device, repeats=repeats, inner=10))
+    forward_s = statistics.median(timed_windows_s(lambda: block(x), device, repeats=repeats, inner=10))
+    kernels, forward = block_kernels(config, seq), forward_kernels(config, seq)
+    phases = (forward_s / forward, max(0.0, per_block - forward_s) / max(1, kernels - forward))
+    return per_block / kernels, per_block, kernels, phases
 
 
 def forward_kernels(config, seq: int) -> int:

@@ -23,6 +23,12 @@ cross-entropy over 32 MiB of logits took 215-225 ms where the preallocated copy 
 (issue 20). The cost model prices a memory-bound op's bytes at this curve, read at the bytes one of its
 kernels moves, where it is slower than the preallocated copy (`cost_model.compute.memory_time_s`). On CUDA the caching allocator hands back blocks it holds, so the
 curve is not measured there.
+
+AdamW (CUDA, `measure_adamw_rate`): torch's foreach AdamW step over fp32 parameters, timed whole, as the bytes
+per second of the passes the cost model counts for it (`cost_model.compute.adamw_pass_bytes`): its
+multi-tensor kernels read and write the weights, gradients and both moments in a few passes each, and run
+at their own fraction of the copy above (on the lent H200: 3.6-3.8 TB/s in steps, against the copy's 4.2).
+`cost_model.compute.adamw_time_s` prices the optimizer step at this rate where a profile measured it.
 """
 
 from __future__ import annotations
@@ -57,6 +63,29 @@ def measure_memory_bandwidth(device: torch.device, buffer_bytes: int | None = No
     dst = torch.zeros(buffer_bytes, dtype=torch.uint8, device=device)
     time_s = fastest_call_s(lambda: dst.copy_(src), device, budget_s)
     return MemorySample(buffer_bytes=buffer_bytes, time_s=time_s)
+
+
+ADAMW_TENSORS = (32, 1 << 22)  # (tensors, parameters each): 128 M fp32 parameters, 2 GiB of state on CUDA
+
+
+def measure_adamw_rate(device: torch.device, quick: bool = False, shape: tuple[int, int] = ADAMW_TENSORS
+                       ) -> tuple[float, int, float]:
+    """(bytes per second, parameters, seconds per step) of `torch.optim.AdamW`'s step (foreach, its defaults
+    otherwise, as the runtime makes it) over `shape[0]` fp32 tensors of `shape[1]` parameters with gradients,
+    its median window after three steps made its states (module docstring)."""
+    from autoplan.cost_model.compute import adamw_pass_bytes
+    from autoplan.profiler.gemm import timed_windows_s
+
+    count, size = shape
+    params = [torch.zeros(size, device=device, requires_grad=True) for _ in range(count)]
+    for p in params:
+        p.grad = torch.randn(size, device=device)
+    optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=True)
+    for _ in range(3):
+        optimizer.step()
+    seconds = sorted(timed_windows_s(optimizer.step, device, repeats=3 if quick else 7, inner=3))[(3 if quick else 7) // 2]
+    total = count * size
+    return adamw_pass_bytes(4.0) * total / seconds, total, seconds
 
 
 def measure_fresh_copies(device: torch.device, quick: bool = False, budget_s: float | None = None

@@ -268,6 +268,8 @@ class HardwareProfile:
     kernels: tuple[KernelSample, ...] = ()
     kernel_floor_s: float | None = None  # `profiler.launch`; None: not measured
     host_kernel_s: float | None = None  # `profiler.dispatch`; None: not measured
+    host_phase_kernel_s: list[float] | None = None  # [forward, backward] (`profiler.dispatch`, CUDA); None: not measured
+    adamw_bytes_per_s: float | None = None  # `profiler.memory.measure_adamw_rate` (CUDA); None: not measured
     fsdp_unit_s: float | None = None  # `profiler.fsdp`; None: not measured
     collective_sync_s: float | None = None  # `profiler.collectives.collective_sync_s` (CPU); None: not measured
     # {kind: [forward, re-run]} (`profiler.dispatch.measure_recompute_host_s`); None: not measured
@@ -293,6 +295,14 @@ class HardwareProfile:
         for name in ("fsdp_unit_s", "collective_sync_s"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name), allow_zero=True)
+        if self.adamw_bytes_per_s is not None:
+            _positive("adamw_bytes_per_s", self.adamw_bytes_per_s)
+        if self.host_phase_kernel_s is not None:
+            if not isinstance(self.host_phase_kernel_s, (list, tuple)) or len(self.host_phase_kernel_s) != 2:
+                raise ProfileError(f"host_phase_kernel_s must be [forward, backward] seconds per priced kernel, got "
+                                   f"{self.host_phase_kernel_s!r}; re-run `autoplan profile`")
+            for seconds in self.host_phase_kernel_s:
+                _positive("host_phase_kernel_s", seconds, allow_zero=True)
         if self.host_recompute_s is not None:
             if not isinstance(self.host_recompute_s, dict):
                 raise ProfileError(f"host_recompute_s must be a JSON object of recompute kind -> [forward, re-run] "
@@ -321,7 +331,7 @@ class HardwareProfile:
         if isinstance(data, dict) and version != PROFILE_VERSION:  # first: other versions have other keys
             raise ProfileError(f"profile version {version!r} is not supported; this autoplan reads version {PROFILE_VERSION}. Re-run `autoplan profile`.")
         older = {"kernels": [], "kernel_floor_s": None, "host_kernel_s": None, "fsdp_unit_s": None,
-                 "collective_sync_s": None, "host_recompute_s": None, "fresh_copies": [], "attention": []}  # fields that older files lack
+                 "collective_sync_s": None, "host_recompute_s": None, "host_phase_kernel_s": None, "adamw_bytes_per_s": None, "fresh_copies": [], "attention": []}  # fields that older files lack
         data = _fields_from_json(cls, "profile", {**older, **data} if isinstance(data, dict) else data)
         for key in ("gemm", "collectives", "fits", "kernels", "fresh_copies", "attention"):
             if not isinstance(data[key], list):
