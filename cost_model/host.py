@@ -1,5 +1,4 @@
-"""The host's share of a step: eager PyTorch's dispatch of every kernel, recomputation's bookkeeping, and
-bf16-master's (`master_host_s`).
+"""The host's share of a step: eager PyTorch's dispatch of every kernel, and recomputation's bookkeeping.
 
 Host dispatch (`Efficiency.host_kernel_s`): eager PyTorch issues every kernel from the CPU (Python, the
 dispatcher, autograd's bookkeeping, a Triton launcher), and the GPU can run no faster than it is fed.
@@ -32,9 +31,6 @@ the defaults below.
 from __future__ import annotations
 
 from typing import Sequence
-
-# bf16-master's eager ops per parameter tensor and step that the device waits on (`master_host_s`)
-MASTER_HOST_OPS = 2
 
 # host (CPU) seconds to issue one priced kernel from eager PyTorch, autograd included (module docstring):
 # one layer forward + backward of this runtime (Triton kernels) on the lent H200's host, where the GPU work
@@ -75,23 +71,3 @@ def host_paced_s(ops: "Sequence[tuple[float, int]]", host_kernel_s: float, seria
         end = max(max(end, issued + host_kernel_s) + device_s, issued + kernels * host_kernel_s + device_s / kernels)
         issued += kernels * host_kernel_s
     return max(end, issued)
-
-
-def master_host_s(precision: str, zero_stage: int, tensors: float, host_kernel_s: float) -> float:
-    """The host's bookkeeping of bf16-master under ZeRO 0-2 (`runtime.grad_sync`) for a stage of `tensors`
-    parameter tensors: each one's fp32 main gradient moved into the master's flat gradient (in backward's hooks
-    where a bucket is reduced, after backward where it is not), and after the step its bf16 value copied out of
-    the master, an eager op each on a host that the device then waits on:
-
-        MASTER_HOST_OPS x tensors x host_kernel_s,   MASTER_HOST_OPS = 2
-
-    Each microbatch's hook also adds its bf16 gradient into the main gradient, one op per tensor inside
-    backward, like autocast's accumulation into .grad (`intra_op.node_kernels` counts those). On the lent H200
-    (`benchmarks/data/h200_steps_final.json`, one GPU) bf16-master added 36.6 ms to GPT 1.3B's step (389
-    tensors, one microbatch: 47 us per op) and 16.5 ms to Llama 1B's (147 tensors, two microbatches: 56 us)
-    over the same steps under autocast, whose device work differs by 2-3 ms; that machine's profile measured
-    61.5 us per op of the model's own. Under ZeRO 3 FSDP2's mixed-precision policy keeps the masters (no hooks
-    of ours): 0."""
-    if precision != "bf16-master" or zero_stage == 3:
-        return 0.0
-    return MASTER_HOST_OPS * tensors * host_kernel_s

@@ -64,7 +64,6 @@ class PartCost:
     kv_width: float = 0.0
     moe_layers: int = 0
     moe_token_share: float = 1.0  # of the rank's tokens its MoE dispatches (1 / tp when tokens are split)
-    param_tensors: int = 0  # parameter tensors (`Tally.tensors`)
 
     def compute_s(self, kind: str = "none") -> float:
         """Forward and backward compute, with the forward a recompute kind re-runs ("none": this part is
@@ -86,10 +85,9 @@ class Tally:
     params: float = 0.0
     expert: float = 0.0
     cast: float = 0.0
-    tensors: int = 0  # parameter tensors (tied ones once)
 
     def key(self) -> tuple:
-        return (self.params, self.expert, self.cast, self.tensors)
+        return (self.params, self.expert, self.cast)
 
     @staticmethod
     def at(pair, scale: float) -> float:
@@ -176,7 +174,6 @@ def _tallies(graph: "CapturedGraph", sol: "TpSolution", part_of: Mapping[str, ob
                     dense, expert = dense + (not is_expert) * count, expert + is_expert * count
             if fresh:
                 counted[key] = (dense, expert)
-        part.tensors += len({name for name, _ in node.params} - seen)
         seen.update(name for name, _ in node.params)
         part.params += dense
         part.expert += expert
@@ -272,7 +269,7 @@ def _part(graph: "CapturedGraph", nodes, sol: "TpSolution", ctx: CostContext, ta
                       cost.layer_fwd_compute_s - sum(saved.get(f, 0.0) for f in KINDS[kind]) for kind in KINDS)
     return PartCost(cost.fwd_compute_s, cost.bwd_compute_s, cost.fwd_comm_s, cost.bwd_comm_s, recompute,
                     cost.layer_fwd_comm_s if is_layer else 0.0, tally.params, tally.expert,
-                    is_layer, tally.cast, q_width, kv_width, len(moe), share, tally.tensors)
+                    is_layer, tally.cast, q_width, kv_width, len(moe), share)
 
 
 @dataclass(eq=False)
@@ -337,7 +334,6 @@ class BlockCosts:
                 "params": lambda g, kind: d[g].params,
                 "expert": lambda g, kind: d[g].expert_params,
                 "cast": lambda g, kind: d[g].cast_params,
-                "tensors": lambda g, kind: d[g].param_tensors,
             }
             self._arrays[recompute] = {k: self._per_layer(recompute, v) for k, v in per.items()}
         return self._arrays[recompute]

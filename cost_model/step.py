@@ -71,7 +71,6 @@ from autoplan.cost_model.parts import BlockCosts, PartCost
 from autoplan.plan import MemoryBreakdown, TimeBreakdown
 from autoplan.cost_model.step_config import ITEMSIZE, Config
 from autoplan.cost_model.step_bounds import rising_floors, step_time_floor_s
-from autoplan.cost_model.host import master_host_s
 from autoplan.cost_model.step_sums import LayerStates, LayerTimes, flat_value, peak_phase, prefix_sums, range_peak
 
 
@@ -232,8 +231,7 @@ class StepModel(DataParallelSync):
                 ends_step.append(tuple(float(x) for x in self._step_phase(part.params, e, part.cast_params, cfg)))
             largest = float(np.max(dense + expert)) if dense.size else 0.0
             prefix = {"dense": prefix_sums(dense), "expert": prefix_sums(expert), "weights": prefix_sums(w), "grads": prefix_sums(g),
-                      "optimizer": prefix_sums(o), "cast": prefix_sums(cast), "step_temp": prefix_sums(temp),
-                      "tensors": prefix_sums(a["tensors"])}
+                      "optimizer": prefix_sums(o), "cast": prefix_sums(cast), "step_temp": prefix_sums(temp)}
             self._states[key] = LayerStates(w + o + (g if held else 0.0), prefix, ends[0], ends[1],
                                             temporary_bytes(block.comm_buffer_bytes, largest, cfg.zero_stage,
                                                             state_bytes_for(self.env.dtype, cfg.precision)),
@@ -423,7 +421,6 @@ class StepModel(DataParallelSync):
             sums["grads"] += e[3]
             sums["optimizer"] += e[4]
             sums["activation"] += held
-            sums["tensors"] += p.param_tensors
             sums["compute"] += p.compute_s()
             sums["forward"] += p.fwd_compute_s
             sums["backward"] += p.backward_s()
@@ -438,7 +435,6 @@ class StepModel(DataParallelSync):
             "time": time + float(problem.overhead_s[stage]), "compute": sums["compute"], "forward": sums["forward"],
             "backward": sums["backward"], "dense": sums["dense"], "expert": sums["expert"],
             "buckets": sum(b - a for a, b in ranges) + 1, **peak,
-            "optimizer": self.optimizer_s(cfg, sums["dense"] + sums["expert"])
-            + master_host_s(cfg.precision, cfg.zero_stage, sums["tensors"], self.env.efficiency.host_kernel_s or 0.0),
+            "optimizer": self.optimizer_s(cfg, sums["dense"] + sums["expert"]),
         }
 
