@@ -9,7 +9,8 @@
 # GEMMs, copy bandwidth, launch floor), layers (benchmarks/gpu_layer_time.py measure), steps
 # (benchmarks/gpu_steps.py run, one-rank NCCL group), host (the host's dispatch per kernel on blocks of
 # several sizes: benchmarks/gpu_layer_time.py host), diagnose (the steps again, one process per case, with each
-# step's kernels by family and one microbatch's saved bytes), kernels (benchmarks/kernels.py against eager, its
+# step's kernels by family and one microbatch's saved bytes), isolated (one process per case, without diagnose's
+# torch.profiler pass), kernels (benchmarks/kernels.py against eager, its
 # Triton rows written into the profile: a kernel that fails to run leaves the profile as it was), tests
 # (the `gpu`-marked tests), compile (benchmarks/kernels.py with torch.compile too). The package is used from a copy of this
 # checkout's folders laid out as the installed package (no build step, no network needed); `python3 -P`
@@ -48,6 +49,11 @@ for s in $SECTIONS; do
                 case=$(basename "$plan" .preset.json)
                 section 75 python3 -m torch.distributed.run --nproc-per-node 1 benchmarks/gpu_steps.py run -d gpu_run/plans \
                     -o "$OUTDIR/steps_diagnosed.json" --append --diagnose --only "$case" ${STEPS_ARGS:-}
+            done ;;
+        isolated) for plan in gpu_run/plans/*.preset.json; do  # diagnose's one process per case, without its profiler
+                case=$(basename "$plan" .preset.json)
+                section 60 python3 -m torch.distributed.run --nproc-per-node 1 benchmarks/gpu_steps.py run -d gpu_run/plans \
+                    -o "$OUTDIR/steps_isolated.json" --append --only "$case" ${STEPS_ARGS:-}
             done ;;
         host) section 60 python3 benchmarks/gpu_layer_time.py host -o "$OUTDIR/host_dispatch.json" ;;
         kernels) section 60 python3 benchmarks/kernels.py --markdown --json "$OUTDIR/kernels.json" --no-compile \

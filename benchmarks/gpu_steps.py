@@ -39,11 +39,13 @@ CLUSTER = "1xh200"
 CASES = (
     ("llama-1b-T4096-b1", "llama", 16, 2048, 16, 8, 7168, 32000, 4096, 1, 2, "none", "autocast"),
     ("llama-1b-T4096-b2-full", "llama", 16, 2048, 16, 8, 7168, 32000, 4096, 2, 2, "full", "autocast"),
+    ("llama-1b-T2048-b4", "llama", 16, 2048, 16, 8, 7168, 32000, 2048, 4, 1, "none", "autocast"),
     ("llama-1b-T2048-b4-sel", "llama", 16, 2048, 16, 8, 7168, 32000, 2048, 4, 1, "selective", "autocast"),
     ("llama-h4096-8l-T4096-b1", "llama", 8, 4096, 32, 8, 14336, 128256, 4096, 1, 2, "none", "autocast"),
     ("gpt-1.3b-T2048-b4", "gpt", 24, 2048, 16, 16, 8192, 51200, 2048, 4, 1, "none", "autocast"),
     ("gpt-1.3b-T2048-b8-full", "gpt", 24, 2048, 16, 16, 8192, 51200, 2048, 8, 1, "full", "autocast"),
     ("llama-3b-T2048-b2", "llama", 28, 3072, 24, 8, 8192, 128256, 2048, 2, 2, "none", "autocast"),
+    ("gpt-2.7b-T2048-b4", "gpt", 32, 2560, 20, 20, 10240, 51200, 2048, 4, 1, "none", "autocast"),
     ("gpt-2.7b-T2048-b4-sel", "gpt", 32, 2560, 20, 20, 10240, 51200, 2048, 4, 1, "selective", "autocast"),
     # bf16 parameters with fp32 masters, as the search plans bfloat16 runs
     ("bfm-llama-1b-T4096-b1", "llama", 16, 2048, 16, 8, 7168, 32000, 4096, 1, 2, "none", "bf16-master"),
@@ -122,6 +124,10 @@ def run_plan(plan, config, warmup: int, steps: int, diagnose: bool = False) -> d
             times.append(time.perf_counter() - start)
     result = {"step_s": statistics.median(times), "steps_s": times, "peak_bytes": torch.cuda.max_memory_allocated(),
               "losses": losses, "memory_phases": phases, "optimizer_s": statistics.median(optimizer_s())}
+    try:  # a diagnostic: a failure here must not lose the step's measurement
+        result["step_phases"] = step_phases(program, optimizer, tokens, targets)
+    except Exception as exc:  # noqa: BLE001
+        result["step_phases"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     if diagnose:
         result["kernels"] = kernel_breakdown(lambda: program.train_step(tokens, targets, optimizer))
         result["saved_bytes"] = saved_bytes_per_microbatch(program, plan, tokens, targets)
@@ -228,6 +234,61 @@ def saved_bytes_per_microbatch(program, plan, tokens, targets) -> dict:
     return {"saved_bytes": measured.saved_bytes, "recompute_bytes": measured.recompute_bytes}
 
 
+def step_phases(program, optimizer, tokens, targets) -> dict:
+    """One step's GPU timeline by phase, from CUDA events the host records as it reaches each boundary (no
+    synchronisation added): each microbatch's forward (from the call of the program to its return) and
+    backward (to the next call, or to the gradient sync's `finish`), the sync's finish, what runs between it
+    and the optimizer (the loss and gradient norm), and the optimizer's step. An event's time is when the GPU
+    reached it: a phase holds the idle gaps where the GPU waited for the host. Seconds, summed over
+    microbatches."""
+    import torch
+
+    marks = []
+
+    def mark(name):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((name, event))
+
+    hooks = [program.register_forward_pre_hook(lambda *a: mark("forward")),
+             program.register_forward_hook(lambda *a: mark("backward"))]
+    sync, inner = program.grad_sync, optimizer.step
+    finish = sync.finish if sync is not None else None
+
+    def finished():
+        mark("sync")
+        finish()
+        mark("loss_and_norm")
+
+    def step(*args, **kwargs):
+        mark("optimizer")
+        out = inner(*args, **kwargs)
+        mark("end")
+        return out
+
+    if sync is not None:
+        sync.finish = finished
+    optimizer.step = step
+    torch.cuda.synchronize()
+    mark("start")
+    try:
+        program.train_step(tokens, targets, optimizer)
+        torch.cuda.synchronize()
+    finally:
+        for hook in hooks:
+            hook.remove()
+        del optimizer.step
+        if sync is not None:
+            del sync.finish
+    held: dict = {}  # each interval belongs to the phase its first mark opens ("start" opens the setup)
+    for (begin, a), (_, b) in zip(marks, marks[1:]):
+        phase = "setup" if begin == "start" else begin
+        held[phase] = held.get(phase, 0.0) + a.elapsed_time(b) / 1e3
+    held["total"] = marks[0][1].elapsed_time(marks[-1][1]) / 1e3
+    held["marks"] = [name for name, _ in marks]
+    return held
+
+
 def memory_phases(program, optimizer, tokens, targets) -> dict:
     """One step's memory by phase: allocated before it (weights, optimizer states), the peak of forward +
     backward (up to the optimizer's step), allocated when the step begins (the gradients added), and the
@@ -318,6 +379,25 @@ def own_peak_bytes(measured: dict, config) -> tuple[float, float]:
     return measured["peak_bytes"] - left, left
 
 
+def comparison(data: dict, profile=None) -> list[dict]:
+    """Per measured case of `data` (a `run` file): measured against today's cost model's prediction (the case
+    re-priced, by the preset or `profile`): step seconds, own peak bytes, what earlier cases left, and the
+    errors predicted / measured - 1. Cases that failed or are not in CASES: {"case", "error"}."""
+    cases = {c[0]: c for c in CASES}
+    rows = []
+    for row in data["cases"]:
+        if "measured" not in row or row["case"] not in cases:
+            rows.append({"case": row["case"], "error": row.get("error", "not a case of CASES")})
+            continue
+        m, plan = row["measured"], price_case(cases[row["case"]], profile)
+        p = plan.predicted
+        peak, left = own_peak_bytes(m, case_config(cases[row["case"]]))
+        rows.append({"case": row["case"], "step_s": m["step_s"], "predicted_step_s": p.step_time_s,
+                     "step_error": p.step_time_s / m["step_s"] - 1, "peak_bytes": peak, "left_bytes": left,
+                     "predicted_peak_bytes": p.peak_memory_bytes, "memory_error": p.peak_memory_bytes / peak - 1})
+    return rows
+
+
 def cmd_compare(args) -> int:
     """Measured against the prediction of today's cost model (the plans re-priced, by the preset or
     `--profile`)."""
@@ -325,26 +405,22 @@ def cmd_compare(args) -> int:
 
     data = json.loads(Path(args.measured).read_text())
     profile = HardwareProfile.load(args.profile) if args.profile else None
-    cases = {c[0]: c for c in CASES}
     print(f"{data['device']}, torch {data['torch']}: one-GPU training steps of the runtime's program, priced "
           f"{'with ' + args.profile if profile else 'by the h200 preset'}")
     print(f"{'case':26} {'step meas ms':>12} {'pred ms':>8} {'err':>7} {'peak meas GiB':>13} {'pred GiB':>8} {'err':>7}"
           f" {'left by earlier GiB':>19}")
-    step_errors, memory_errors = [], []
-    for row in data["cases"]:
-        if "measured" not in row or row["case"] not in cases:
-            print(f"{row['case']:26} failed: {row.get('error', 'not a case of CASES')[:120]}")
+    rows = comparison(data, profile)
+    for r in rows:
+        if "error" in r:
+            print(f"{r['case']:26} failed: {r['error'][:120]}")
             continue
-        m, plan = row["measured"], price_case(cases[row["case"]], profile)
-        p = plan.predicted
-        peak, left = own_peak_bytes(m, case_config(cases[row["case"]]))
-        step_errors.append(p.step_time_s / m["step_s"] - 1)
-        memory_errors.append(p.peak_memory_bytes / peak - 1)
-        print(f"{row['case']:26} {m['step_s'] * 1e3:12.1f} {p.step_time_s * 1e3:8.1f} {step_errors[-1]:+7.1%} "
-              f"{peak / 2**30:13.2f} {p.peak_memory_bytes / 2**30:8.2f} {memory_errors[-1]:+7.1%} {left / 2**30:19.2f}")
-    if step_errors:
-        print(f"median |error|: step {statistics.median(abs(e) for e in step_errors):.1%}, "
-              f"peak memory {statistics.median(abs(e) for e in memory_errors):.1%}")
+        print(f"{r['case']:26} {r['step_s'] * 1e3:12.1f} {r['predicted_step_s'] * 1e3:8.1f} {r['step_error']:+7.1%} "
+              f"{r['peak_bytes'] / 2**30:13.2f} {r['predicted_peak_bytes'] / 2**30:8.2f} {r['memory_error']:+7.1%} "
+              f"{r['left_bytes'] / 2**30:19.2f}")
+    priced = [r for r in rows if "error" not in r]
+    if priced:
+        print(f"median |error|: step {statistics.median(abs(r['step_error']) for r in priced):.1%}, "
+              f"peak memory {statistics.median(abs(r['memory_error']) for r in priced):.1%}")
     return 0
 
 
