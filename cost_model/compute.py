@@ -334,7 +334,7 @@ def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "Har
         calibrated = replace(calibrated, fsdp_unit_s=profile.fsdp_unit_s)
     if profile.collective_sync_s is not None:
         calibrated = replace(calibrated, collective_sync_s=profile.collective_sync_s)
-    if profile.host_recompute_s:
+    if profile.host_recompute_s and profile.device_kind == "cpu":  # a GPU's: `host.GPU_RECOMPUTE_S`, from steps
         calibrated = replace(calibrated, host_recompute_s=tuple(sorted((kind, *pair) for kind, pair in
                                                                        profile.host_recompute_s.items())))
     if profile.kernel_floor_s is not None:

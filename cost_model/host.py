@@ -24,8 +24,8 @@ Recomputation (`Efficiency.host_recompute_s`): a recomputed layer costs the host
 layer, r_f in forward (the checkpoint's bookkeeping and, where the kind saves something, torch's selective
 checkpointing's Python dispatch mode over every op) and r_b in backward (the re-run's dispatch and the replay
 mode's). `intra_op.layer_rerun_s` paces the first with the layer's forward and the second with the re-run's
-ops, by `host_paced_s`. Measured by `autoplan profile` (`profiler.dispatch.measure_recompute_host_s`), else
-the defaults below.
+ops, by `host_paced_s`. On a CPU measured by `autoplan profile` (`profiler.dispatch.measure_recompute_host_s`),
+else CPU_RECOMPUTE_S; on a GPU GPU_RECOMPUTE_S, fitted to training steps (below), whatever a profile holds.
 """
 
 from __future__ import annotations
@@ -44,10 +44,13 @@ HOST_KERNEL_S = 75e-6
 # re-run's dispatch and the replay mode's). CPU: CPU_BLOCK on the 2-core development machine, the fastest window by
 # thread CPU time (2026-11-26; totals 43.3-44.4 / 133.7-138.2 / 135.9-143.1 us over four runs at load 2-4).
 CPU_RECOMPUTE_S = (("full", 10.7e-6, 32.6e-6), ("matmul-only", 58.2e-6, 80.0e-6), ("selective", 59.1e-6, 84.0e-6))
-# GPU: the totals `autoplan profile` measured on the lent H200 (HOST_BLOCK, median window; 2026-11-26,
-# benchmarks/data/h200_profile_host.json: 116.1 / 284.2 / 336.4 us), split between forward and re-run as the CPU
-# split them (0.25 / 0.42 / 0.41 forward): that profile measured the totals only
-GPU_RECOMPUTE_S = (("full", 29e-6, 87e-6), ("matmul-only", 119e-6, 165e-6), ("selective", 138e-6, 198e-6))
+# GPU: fitted to the lent H200's steps of selective against recompute none at the same shapes (2026-11-26,
+# benchmarks/data/h200_steps_isolated.json: Llama 1B T2048 b4 +23.2 ms, its forward +24.0 of it; GPT 2.7B T2048 b4
+# +22.1 ms) under this pacing: (120, 40) us put both within 1% of the step that recompute none's price misses by.
+# An isolated block (`measure_recompute_host_s` on CUDA) read 144 + 260 us on the same machine and priced those
+# steps 22-35% over, so a GPU profile's figures are not used. matmul-only runs the same dispatch modes: priced
+# as selective. full (plain checkpointing): the eighth session's profile, 116 us in all, split as the CPU splits it.
+GPU_RECOMPUTE_S = (("full", 29e-6, 87e-6), ("matmul-only", 120e-6, 40e-6), ("selective", 120e-6, 40e-6))
 
 
 def host_paced_s(ops: "Sequence[tuple[float, int]]", host_kernel_s: float, serial: bool = False) -> float:

@@ -161,9 +161,12 @@ def optimizer_rate(device: "torch.device", quick: bool) -> float | None:
 
 def recompute_host_s(device: "torch.device", quick: bool) -> dict[str, list[float]] | None:
     """The host's [forward, re-run] seconds per forward kernel of a recomputed layer, per recompute kind
-    (`profiler.dispatch`); None, saying why, where the timed block cannot run."""
+    (`profiler.dispatch`), on a CPU; None on a GPU (priced from `cost_model.host.GPU_RECOMPUTE_S`) or, saying
+    why, where the timed block cannot run."""
     from autoplan.profiler.dispatch import measure_recompute_host_s
 
+    if device.type != "cpu":  # an isolated block reads several times what steps pay there (`cost_model.host`)
+        return None
     try:
         measured = measure_recompute_host_s(device, quick)
     except Exception as exc:  # an optional measurement: report it, keep the rest of the profile

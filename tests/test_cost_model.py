@@ -477,11 +477,18 @@ def test_a_recomputed_layer_pays_the_hosts_rerun_as_the_device_runs_it():
         reran = own - sum(saved.get(f, 0.0) for f in ("matmul", "attention") if kind == "selective" or
                           (kind == "matmul-only" and f == "matmul"))
         assert dict(cost.layer_recompute_s)[kind] == pytest.approx(reran + kernels * (forward_s + rerun_s), rel=1e-9)
-    measured = dataclasses.replace(_h100_profile(0.5), host_recompute_s={"full": [1e-5, 1e-4], "selective": [2e-5, 3e-4]})
-    _, calibrated = calibrate(parse_cluster("1x8xh100"), None, measured)
+    # a CPU profile's figures price its steps; a GPU's are not used (`host.GPU_RECOMPUTE_S`, fitted to steps)
+    measured = {"full": [1e-5, 1e-4], "selective": [2e-5, 3e-4]}
+    gpu = dataclasses.replace(_h100_profile(0.5), host_recompute_s=measured)
+    cluster, calibrated = calibrate(parse_cluster("1x8xh100"), None, gpu)
+    assert calibrated.resolved(cluster.device).host_recompute_s == GPU_RECOMPUTE_S
+    cpu_profile = dataclasses.replace(gpu, device_kind="cpu", device_name="a CPU")
+    _, calibrated = calibrate(parse_cluster("1x8xcpu"), None, cpu_profile)
     assert calibrated.host_recompute_s == (("full", 1e-5, 1e-4), ("selective", 2e-5, 3e-4))
     with pytest.raises(ConfigError, match=r"host_recompute_s\['full'\]=\(0.0, 0.5\) must be"):
         Efficiency(host_recompute_s=(("full", 0.0, 0.5),))
+
+
 @pytest.mark.parametrize("dp, zero_stage", [(1, 0), (2, 1), (2, 3)])
 def test_bf16_master_optimizer_is_adamw_on_the_masters_and_their_cast(dp, zero_stage):
     """Under bf16-master (ZeRO 0-2) the optimizer part is AdamW on the fp32 masters and their cast into the bf16

@@ -14,10 +14,12 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import gpu_layer_time  # noqa: E402
+import gpu_steps  # noqa: E402
 
 from autoplan.profiler.profile import HardwareProfile, shipped_profiles  # noqa: E402
 
 MEASURED = BENCHMARKS / "data" / "h200_layer_times.json"
+STEPS = BENCHMARKS / "data" / "h200_steps_isolated.json"
 
 
 def test_layer_times_on_the_h200_are_predicted_within_the_goal_by_the_preset():
@@ -31,8 +33,8 @@ def test_layer_times_on_the_h200_are_predicted_within_the_goal_by_the_preset():
 
 
 def test_the_shipped_profile_prices_the_layers_as_well_as_the_preset_at_the_median():
-    """With `--profile h200` (its GEMM sweep, copy, launch floor and host figure) the median holds too;
-    its p90 (18.7%) is the host-bound layers, which its 256-wide host block under-measured."""
+    """With `--profile h200` (its GEMM sweep, copy, launch floor and host figure) the median holds too
+    (3.8%, p90 14.2% with the profile the tenth session shipped)."""
     measured = json.loads(MEASURED.read_text())
     summary = gpu_layer_time.summary(gpu_layer_time.comparison(measured, HardwareProfile.load("h200"), "triton", "h200"))
     assert summary["median_abs_error"] <= 0.10, summary
@@ -58,3 +60,16 @@ def test_the_shipped_h200_profile_loads_by_name_and_calibrates_the_host():
 
     _, efficiency = calibrate(parse_cluster("8xh200"), None, profile, "auto", "bfloat16")
     assert efficiency.host_kernel_s == profile.host_kernel_s
+
+
+def test_one_gpu_steps_are_priced_within_five_percent_at_the_median_by_the_shipped_profile():
+    """Issue 20's GPU goal on the committed one-GPU steps of the runtime (15 cases, Llama and GPT, recompute
+    none / selective / full, autocast and bf16-master; each in its own process, measured the same call as
+    the shipped profile): median step |error| <= 5% priced with it, and every peak within 5% (issue 19).
+    The selective cases took part in fitting `cost_model.host.GPU_RECOMPUTE_S`; the other 12 did not."""
+    rows = gpu_steps.comparison(json.loads(STEPS.read_text()), HardwareProfile.load("h200"))
+    assert len(rows) == 15 and all("error" not in r for r in rows)
+    errors = sorted(abs(r["step_error"]) for r in rows)
+    assert errors[len(errors) // 2] <= 0.05, errors
+    assert max(abs(r["memory_error"]) for r in rows) <= 0.05
+
