@@ -35,12 +35,20 @@ ring_factor / bus bandwidth, with the message as nccl-tests counts it (B, or B /
 all-to-all); groups across nodes keep the ClusterSpec's links (a profile of one machine says nothing
 about its network).
 
-Inside a step (`Efficiency.collective_sync_s`): every blocking call (tp / sp / cp / ep collectives, FSDP2's
-all-gathers and reduce-scatters, each data-parallel bucket, each pipeline send) costs that much more than its
-time back to back. The ranks reach it out of step and the waiting rank's threads sleep and must be woken; on
-a CPU (gloo, ranks sharing the cores) `profiler.collectives.collective_sync_s` measures it: about 1 ms per
-call on the 2-core development machine, a fixed cost whatever the message. 0 without such a profile (GPUs:
-not measured; NCCL waits on the device).
+Inside a step (`Efficiency.collective_sync_s`, `collective_skew`): every blocking call (tp / sp / cp / ep
+collectives, FSDP2's all-gathers and reduce-scatters, each data-parallel bucket, each pipeline send) costs
+more than its time back to back, by
+
+    s + c sqrt(d),   d: the compute the rank ran since its last blocking call
+
+The waiting rank's threads sleep and must be woken (s), and the ranks reach the call out of step by what
+their compute since they last met drifted apart: the sum of d's independent stretches, whose spread grows
+as sqrt(d) (c). On a CPU (gloo, ranks sharing the cores) `profiler.collectives.collective_sync_s` fits both:
+on the 2-core development machine (2026-11-26) 0.9-1.7 ms at 0.3 ms of compute, 1.3-2.2 ms at 2.6-9 ms,
+2.9 ms at 20 ms and 2.6-4.1 ms at 40 ms (s about 0.9 ms, c about 0.45 ms per sqrt(ms)). The skew is
+priced where d is known: the tp / cp / ep calls of a part (`intra_op.skew_s`, a layer's calls cyclically),
+FSDP2's units and the data-parallel sync after backward (`dp_sync`); a pipeline send pays s. 0 without
+such a profile (GPUs: not measured; NCCL waits on the device).
 
 Ignored (a profile measures them): protocol efficiency (NCCL reaches ~80-90% of link bandwidth
 on large messages), tree / NVLS / SHARP algorithms for small messages, contention between

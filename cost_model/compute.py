@@ -101,6 +101,7 @@ have none), the bias adds of linear layers (fused in GEMM epilogues) and their b
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -165,8 +166,9 @@ class Efficiency:
     fsdp_unit_s: FSDP2's fixed cost per unit and microbatch beyond its calls' latencies (ZeRO 3), as a
     profile measured it (`profiler.fsdp`); 0 without one (not priced). grad_buckets: the size rule of the
     data-parallel gradient buckets (`autoplan.grad_buckets.BUCKET_RULES`): "ddp", this runtime's; another
-    stack's for pricing runs made on it (benchmarks). collective_sync_s: what a blocking collective costs
-    inside a step beyond its own time (`comm`'s "Inside a step"), a CPU profile's; 0 else."""
+    stack's for pricing runs made on it (benchmarks). collective_sync_s, collective_skew: what a blocking
+    collective costs inside a step beyond its own time, s + c sqrt(compute before it) (`comm`'s "Inside a
+    step"), a CPU profile's; 0 else."""
 
     matmul: float | None = None
     memory: float = 0.80
@@ -181,6 +183,7 @@ class Efficiency:
     fsdp_unit_s: float = 0.0
     grad_buckets: str = "ddp"
     collective_sync_s: float = 0.0
+    collective_skew: float = 0.0  # s^0.5: the ranks' skew at a blocking call, c sqrt(compute before it) (`skew_s`)
     floor_source: str = ("kernel floor: meta-pytorch/autoparallel's 7 us; collective call: NCCL's ring LL base "
                          "latency, 6.6 us (cost_model.compute)")
     host_kernel_s: float | None = None  # None: the device's default (`resolved`: HOST_KERNEL_S on a GPU, 0 on a CPU)
@@ -217,6 +220,9 @@ class Efficiency:
         if self.adamw_bytes_per_s is not None and not self.adamw_bytes_per_s > 0:
             raise ConfigError(f"efficiency adamw_bytes_per_s={self.adamw_bytes_per_s!r} must be > 0 (bytes per second "
                               f"of AdamW's passes; None prices them from the copy)")
+        if not 0 <= self.collective_skew < 0.1:
+            raise ConfigError(f"efficiency collective_skew={self.collective_skew!r} must be in [0, 0.1) s^0.5 (the ranks' "
+                              f"skew at a blocking call per square root of the compute before it; 0 turns it off)")
         for kind, *seconds in self.host_recompute_s or ():
             if len(seconds) != 2 or not all(0 <= s < 1e-2 for s in seconds):
                 raise ConfigError(f"efficiency host_recompute_s[{kind!r}]={tuple(seconds)!r} must be (forward, re-run) "
@@ -228,6 +234,11 @@ class Efficiency:
         there is one, else the ring formula plus the fixed cost of a call; + `collective_sync_s` (`comm`)"""
         sync_s = self.collective_sync_s if group.size > 1 else 0.0
         return sync_s + group_collective_time_s(kind, nbytes, cluster, group, self.collectives, self.collective_call_s)
+
+    def skew_s(self, compute_s: float) -> float:
+        """What the ranks' skew adds to a blocking call after `compute_s` of compute since the last one
+        (`comm`, "Inside a step"): collective_skew x sqrt(compute_s)."""
+        return self.collective_skew * math.sqrt(max(0.0, compute_s)) if self.collective_skew else 0.0
 
     def floor_note(self) -> str:
         """The fixed costs this efficiency prices, and where they come from (for a plan's notes)."""
@@ -334,6 +345,8 @@ def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "Har
         calibrated = replace(calibrated, fsdp_unit_s=profile.fsdp_unit_s)
     if profile.collective_sync_s is not None:
         calibrated = replace(calibrated, collective_sync_s=profile.collective_sync_s)
+    if profile.collective_skew is not None:
+        calibrated = replace(calibrated, collective_skew=profile.collective_skew)
     if profile.host_recompute_s and profile.device_kind == "cpu":  # a GPU's: `host.GPU_RECOMPUTE_S`, from steps
         calibrated = replace(calibrated, host_recompute_s=tuple(sorted((kind, *pair) for kind, pair in
                                                                        profile.host_recompute_s.items())))

@@ -30,8 +30,10 @@ and the embedding), which is ready only when the backward ends:
               (2 gr + 2 gr / g); w, gr: weight and gradient bytes, g: the group's size; + m * units *
               FSDP2's fixed cost per unit beyond its calls' latencies (hooks; `Efficiency.fsdp_unit_s`,
               measured by the profile, `profiler.fsdp`), and the two all-gathers each unit waits for (before
-              its forward and its backward) at `Efficiency.collective_sync_s` each, however well their bytes
-              hide: the ranks meet there out of step (`cost_model.comm`, "Inside a step")
+              its forward and its backward) at `Efficiency.collective_sync_s` + the skew after the unit's
+              compute (`Efficiency.skew_s`) each, however well their bytes hide: the ranks meet there out of
+              step (`cost_model.comm`, "Inside a step")
+    ZeRO 0-2: + the skew after the step's forward + backward, where the ranks meet at the last bucket
 
 `dp_sync_parts` names these parts (the all-reduce / reduce-scatter left after backward, the
 all-gather of the parameters).
@@ -89,18 +91,34 @@ class DataParallelSync:
         if not self.env.efficiency.overlap_grad_reduce:
             window_b = window_f = 0.0
         grad, weight = self.sync_bytes(cfg)
+        e, synced = self.env.efficiency, any(count and g.size > 1 for count, g in groups)
         if cfg.zero_stage == 0:
-            return {"gradient all-reduce after backward": hidden_behind(collective("all_reduce", grad), window_b)}
-        rs, ag = collective("reduce_scatter", grad), collective("all_gather", weight)
+            parts = {"gradient all-reduce after backward": hidden_behind(collective("all_reduce", grad), window_b)}
+        else:
+            rs, ag = collective("reduce_scatter", grad), collective("all_gather", weight)
         if cfg.zero_stage in (1, 2):
-            return {"gradient reduce-scatter after backward": hidden_behind(rs, window_b),
-                    "parameter all-gather after the step": ag[0]}
-        return {"parameter all-gathers (FSDP2)": m * hidden_behind(ag, window_f),
-                "backward all-gathers and reduce-scatters (FSDP2)": m * hidden_behind(
-                    (ag[0] + rs[0], ag[1] + rs[1], ag[2]), window_b),
-                "all-gather and reduce-scatter copies (FSDP2)": m * self._fsdp_copies_s(cfg, groups),
-                "fixed cost per unit (FSDP2)": m * ag[2] * (self.env.efficiency.fsdp_unit_s
-                                                            + 2 * self.env.efficiency.collective_sync_s)}
+            parts = {"gradient reduce-scatter after backward": hidden_behind(rs, window_b),
+                     "parameter all-gather after the step": ag[0]}
+        if cfg.zero_stage < 3:  # the ranks meet at the last bucket out of step by the whole forward + backward
+            skew = {"ranks out of step at the sync": e.skew_s(m * (sums["forward"] + sums["backward"]))}
+            return {**parts, **skew} if synced and e.collective_skew else parts
+        return self._fsdp_parts(cfg, sums, groups, ag, rs, hidden_behind, synced)
+
+    def _fsdp_parts(self, cfg: Config, sums: dict[str, float], groups, ag, rs, hidden_behind, synced: bool
+                    ) -> dict[str, float]:
+        """ZeRO 3's exposed sync by part (`dp_sync_parts`): FSDP2's units, per microbatch."""
+        e, m = self.env.efficiency, cfg.num_microbatches
+        window_b, window_f = (sums["backward"], sums["forward"]) if e.overlap_grad_reduce else (0.0, 0.0)
+        parts = {"parameter all-gathers (FSDP2)": m * hidden_behind(ag, window_f),
+                 "backward all-gathers and reduce-scatters (FSDP2)": m * hidden_behind(
+                     (ag[0] + rs[0], ag[1] + rs[1], ag[2]), window_b),
+                 "all-gather and reduce-scatter copies (FSDP2)": m * self._fsdp_copies_s(cfg, groups),
+                 "fixed cost per unit (FSDP2)": m * ag[2] * (e.fsdp_unit_s + 2 * e.collective_sync_s)}
+        if synced and e.collective_skew:  # each unit's all-gathers wait out the skew of the unit's compute
+            units = max(1.0, ag[2])
+            parts["ranks out of step at each unit (FSDP2)"] = m * ag[2] * (
+                e.skew_s(sums["forward"] / units) + e.skew_s(sums["backward"] / units))
+        return parts
 
     def sync_bytes(self, cfg: Config) -> tuple[float, float]:
         """(gradient, weight) bytes per parameter the data-parallel sync of `cfg` moves (`memory.dp_sync_bytes`:

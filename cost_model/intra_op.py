@@ -337,6 +337,7 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
     count = host and (host_s or ctx.efficiency.host_recompute_s)  # kernels are counted for the host's share
     paced: dict[str, list[tuple[float, int]]] = {"f": [], "b": [], "lf": []}  # (device s, kernels) in run order
     layer_ops: list[tuple[str, float, int]] = []  # (family, forward device s, forward kernels) of the layers' nodes
+    calls: list[tuple[float, float, bool, bool]] = []  # per node: (forward s, backward s, blocking calls after each)
     families: dict[str, float] = {}
     for node in graph.nodes:
         strategy = strategies[node.name]
@@ -357,6 +358,7 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
             comm_f, comm_b = comm_f + edge_memo[edge][0], comm_b + edge_memo[edge][1]
         sums["fc"] += fwd
         sums["bc"] += bwd
+        calls.append((fwd, bwd, comm_f > 0, comm_b > 0))
         if count:
             kernels = node_kernels(node, ctx)
             paced["f"].append((fwd, kernels[0]))
@@ -375,9 +377,30 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
         serial, (forward_s, backward_s) = bool(ctx.efficiency.host_serial), host_phases(ctx)
         sums["fc"], sums["lfc"] = host_paced_s(paced["f"], forward_s, serial), host_paced_s(paced["lf"], forward_s, serial)
         sums["bc"] = host_paced_s(paced["b"][::-1], backward_s, serial)
+    if host and ctx.efficiency.collective_skew:  # the ranks' skew at each blocking call (`comm`, inside a step)
+        cyclic = any(node.layer is not None for node in graph.nodes)
+        forward = skew_s([(f, call) for f, _, call, _ in calls], ctx.efficiency, cyclic)
+        sums["fm"] += forward
+        sums["lfm"] += forward if cyclic else 0.0
+        sums["bm"] += skew_s([(b, call) for _, b, _, call in reversed(calls)], ctx.efficiency, cyclic)
     rerun = layer_rerun_s(layer_ops, ctx) if count else ()
     return AssignmentCost(sums["fc"], sums["bc"], sums["fm"], sums["bm"], sums["lfc"], sums["lfm"],
                           tuple(sorted(families.items())), layer_recompute_s=rerun, shared_comm_s=sums["shared"])
+
+
+def skew_s(ops: list[tuple[float, bool]], efficiency, cyclic: bool) -> float:
+    """The ranks' skew at the blocking calls of `ops` (compute seconds, whether a blocking call follows it; in run
+    order): the sum over calls of `Efficiency.skew_s` of the compute since the call before. `cyclic`: a layer among
+    layers, whose compute after its last call runs before its first call of the next layer."""
+    gaps, since = [], 0.0
+    for compute, call in ops:
+        since += compute
+        if call:
+            gaps.append(since)
+            since = 0.0
+    if gaps and cyclic:
+        gaps[0] += since
+    return sum(efficiency.skew_s(gap) for gap in gaps)
 
 
 def host_phases(ctx: CostContext) -> tuple[float, float]:

@@ -202,11 +202,11 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
         fused, why = own["eager_kernels"], None
     if why is not None:
         print(f"fused-kernel efficiencies skipped: {why}; the cost model keeps its assumed efficiencies")
-    samples, fits, fsdp_unit_s, sync_s = (), (), None, None
+    samples, fits, fsdp_unit_s, (sync_s, skew) = (), (), None, (None, None)
     if distributed and collectives:
         dist.barrier()  # the other ranks wait here while rank 0 times the fused kernels
         samples, fits = measure_collectives(device, quick=quick)
-        sync_s = in_step_sync_s(device, fits, quick, rank)
+        sync_s, skew = in_step_sync_s(device, fits, quick, rank)
         fsdp_unit_s = measure_fsdp_unit_s(device, fits, quick=quick) if fsdp_units else None
     if rank != 0:
         return None
@@ -230,23 +230,26 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
         host_recompute_s=rerun,
         fsdp_unit_s=fsdp_unit_s,
         collective_sync_s=sync_s,
+        collective_skew=skew,
         fresh_copies=own["fresh_copies"],
         attention=own["attention"],
     )
 
 
-def in_step_sync_s(device: "torch.device", fits: tuple, quick: bool, rank: int) -> float | None:
-    """What a blocking collective costs inside a step beyond its fit (`profiler.collectives.collective_sync_s`),
-    on a CPU, every rank at once; None on CUDA (not measured there) or without an all-reduce fit."""
+def in_step_sync_s(device: "torch.device", fits: tuple, quick: bool, rank: int) -> tuple[float | None, float | None]:
+    """(s, c): what a blocking collective costs inside a step beyond its fit, s + c sqrt(compute before it)
+    (`profiler.collectives.collective_sync_s`), on a CPU, every rank at once; Nones on CUDA (not measured
+    there) or without an all-reduce fit."""
     from autoplan.profiler.collectives import collective_sync_s
 
     if device.type != "cpu" or not any(f.kind == "all_reduce" for f in fits):
-        return None
-    sync_s, samples = collective_sync_s(fits, device, quick)
+        return None, None
+    sync_s, skew, samples = collective_sync_s(fits, device, quick)
     if rank == 0:
         print("collective inside a step, beyond its fit (compute ms, message bytes: extra ms): "
-              + ", ".join(f"{c * 1e3:.2f}, {b}: {e * 1e3:.3f}" for c, b, e in samples))
-    return sync_s
+              + ", ".join(f"{c * 1e3:.2f}, {b}: {e * 1e3:.3f}" for c, b, e in samples)
+              + f"; fit {sync_s * 1e3:.3f} ms + {skew * 1e3 / 1e3 ** 0.5:.3f} ms x sqrt(compute ms)")
+    return sync_s, skew
 
 
 def slowest_rank(measured: dict) -> dict:
@@ -319,8 +322,10 @@ def render_profile(profile: HardwareProfile, console=None) -> None:
         table.add_row("FSDP2 unit", f"{profile.fsdp_unit_s * 1e6:,.1f} us per unit and microbatch beyond its calls' "
                       f"fitted latencies (hooks, fixed copies)")
     if profile.collective_sync_s is not None:
-        table.add_row("collective in a step", f"{profile.collective_sync_s * 1e6:,.1f} us per blocking call beyond its "
-                      f"fit, between compute (ranks out of step; `profiler.collectives`)")
+        skew = (f" + {profile.collective_skew * 1e3 / 1e3 ** 0.5:,.3f} ms x sqrt(the compute before it, ms)"
+                if profile.collective_skew else "")
+        table.add_row("collective in a step", f"{profile.collective_sync_s * 1e6:,.1f} us{skew} per blocking call beyond "
+                      f"its fit, between compute (ranks out of step; `profiler.collectives`)")
     for fit in profile.fits:
         table.add_row(f"{fit.kind} x{fit.group_size} ({profile.collective_backend})",
                       f"bus bandwidth {fit.bandwidth_bytes_per_s / 1e9:,.3f} GB/s, latency {fit.latency_s * 1e6:,.1f} us, "

@@ -190,7 +190,7 @@ def measure_collectives(device: torch.device, kinds: Sequence[str] = COLLECTIVE_
 # ------------------------------------------------------------------------- a collective inside a step
 # GEMM sizes (n x n x n, float32) of the compute between two collectives, about 0.6 and 2.5 ms on one thread of
 # the development machine: the span of a small model's layer segment between tensor-parallel collectives
-SYNC_GEMMS = (320, 512)
+SYNC_GEMMS = (320, 512, 768, 1024)  # about 0.3, 2.6, 9 and 20 ms of fp32 compute on one core
 SYNC_MESSAGES = (4 * KiB, 1 * MiB)  # an FSDP2 unit's or a tp activation's scale; the byte term is the fit's
 SYNC_WINDOW_S = 0.01  # a window runs at least this long: several calls in a row, as a step's layers run them
 
@@ -225,23 +225,23 @@ def in_step_windows_s(compute: Callable[[], object], message_bytes: int, world: 
 
 def collective_sync_s(fits: Sequence[CollectiveFit], device: torch.device, quick: bool = False,
                       computes: Sequence[Callable[[], object]] | None = None,
-                      budget_s: float | None = None) -> tuple[float, list[tuple[float, int, float]]]:
-    """(seconds a blocking collective costs inside a step beyond its fitted time, the samples (compute s,
-    message bytes, extra s)); every rank of the world calls it. Per compute (`computes`, default GEMMs of
-    `SYNC_GEMMS`) and message of `SYNC_MESSAGES`:
+                      budget_s: float | None = None) -> tuple[float, float, list[tuple[float, int, float]]]:
+    """(s, c, the samples (compute s, message bytes, extra s)): what a blocking collective costs inside a step
+    beyond its fitted time, s + c sqrt(the compute before it) (`cost_model.comm`, "Inside a step"); every rank
+    of the world calls it. Per compute (`computes`, default GEMMs of `SYNC_GEMMS`, 0.3-20 ms on one core of
+    the development machine) and message of `SYNC_MESSAGES`:
 
         extra = median(compute; all-reduce) - median(compute alone) - fit(all-reduce, message)
 
-    and the answer is the median of the extras, floored at 0. Medians, not the fastest window: a step pays the
-    typical call. Both ranks run the same loop at once, so what the extra holds is what a step's collective
+    and (s, c) the least-squares fit of extra against sqrt(compute), both floored at 0 (`fit_skew`; computes of
+    one duration: c = 0 and s their median). Medians, not the fastest window: a step pays the typical call. Both ranks run the same loop at once, so what the extra holds is what a step's collective
     meets and the lockstep sweep above does not: the ranks arrive out of step (each rank's compute ran on a
     core it shares with its peer's gloo threads and the OS), and the waiting rank's threads must be woken and
     scheduled again. On the 2-core development machine (2026-11-26, 2 gloo ranks, one thread each) the extra
-    was 0.7-1.6 ms per call at 0.6-2.5 ms of compute whatever the message (4 KiB or 1 MiB, fits of 0.16-0.20
-    ms + bytes / 2.6-3.8 GB/s), 0.7-1.1 ms at 0.08 ms and 0.8-3.9 ms at 8.7-21 ms: a fixed cost per call that
-    grows slowly with the compute before it, not in proportion to it. The cost model adds it to every
-    blocking call (`cost_model.comm`, "Inside a step"). Not measured on CUDA, where NCCL's kernels wait on
-    the device and the host runs ahead."""
+    was 0.9-1.7 ms per call at 0.3 ms of compute whatever the message (4 KiB or 1 MiB), 1.0-1.3 ms at 2.6 ms,
+    1.5-2.2 ms at 9 ms, 2.9 ms at 20 ms and 2.6-4.1 ms at 40 ms: a fixed cost per call and a skew that grows
+    as the square root of the compute before it, not in proportion to it. Not measured on CUDA, where
+    NCCL's kernels wait on the device and the host runs ahead."""
     fit = next((f for f in fits if f.kind == "all_reduce" and f.group_size == dist.get_world_size()), None)
     if fit is None:
         raise ProfileError("collective_sync_s needs the all-reduce fit over the world (measure_collectives first)")
@@ -256,4 +256,19 @@ def collective_sync_s(fits: Sequence[CollectiveFit], device: torch.device, quick
             alone_s, paired_s = in_step_windows_s(compute, message, world, repeats, inner)
             fitted = fit.latency_s + message * ring_byte_factor("all_reduce", fit.group_size) / fit.bandwidth_bytes_per_s
             samples.append((alone_s, message, paired_s - alone_s - fitted))
-    return max(0.0, float(np.median([extra for *_, extra in samples]))), samples
+    return (*fit_skew(samples), samples)
+
+
+def fit_skew(samples: Sequence[tuple[float, int, float]]) -> tuple[float, float]:
+    """(s, c) >= 0 of extra = s + c sqrt(compute) over `samples` (compute s, message bytes, extra s), least
+    squares; c = 0 and s the median extra where the computes span less than a factor of 2."""
+    x = np.sqrt([max(0.0, d) for d, _, _ in samples])
+    y = np.array([extra for *_, extra in samples])
+    if x.max() < np.sqrt(2.0) * max(x.min(), 1e-12):
+        return max(0.0, float(np.median(y))), 0.0
+    c, s = np.polyfit(x, y, 1)
+    if c < 0:
+        return max(0.0, float(np.median(y))), 0.0
+    if s < 0:
+        return 0.0, float(np.dot(x, y) / np.dot(x, x))
+    return float(s), float(c)

@@ -272,6 +272,7 @@ class HardwareProfile:
     adamw_bytes_per_s: float | None = None  # `profiler.memory.measure_adamw_rate` (CUDA); None: not measured
     fsdp_unit_s: float | None = None  # `profiler.fsdp`; None: not measured
     collective_sync_s: float | None = None  # `profiler.collectives.collective_sync_s` (CPU); None: not measured
+    collective_skew: float | None = None  # s^0.5, the same fit's skew term (CPU); None: not measured
     # {kind: [forward, re-run]} (`profiler.dispatch.measure_recompute_host_s`); None: not measured
     host_recompute_s: dict[str, list[float]] | None = None
     fresh_copies: tuple[MemorySample, ...] = ()  # `profiler.memory.measure_fresh_copies` (CPU)
@@ -292,7 +293,7 @@ class HardwareProfile:
         for name in ("kernel_floor_s", "host_kernel_s"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
-        for name in ("fsdp_unit_s", "collective_sync_s"):
+        for name in ("fsdp_unit_s", "collective_sync_s", "collective_skew"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name), allow_zero=True)
         if self.adamw_bytes_per_s is not None:
@@ -331,7 +332,7 @@ class HardwareProfile:
         if isinstance(data, dict) and version != PROFILE_VERSION:  # first: other versions have other keys
             raise ProfileError(f"profile version {version!r} is not supported; this autoplan reads version {PROFILE_VERSION}. Re-run `autoplan profile`.")
         older = {"kernels": [], "kernel_floor_s": None, "host_kernel_s": None, "fsdp_unit_s": None,
-                 "collective_sync_s": None, "host_recompute_s": None, "host_phase_kernel_s": None, "adamw_bytes_per_s": None, "fresh_copies": [], "attention": []}  # fields that older files lack
+                 "collective_sync_s": None, "collective_skew": None, "host_recompute_s": None, "host_phase_kernel_s": None, "adamw_bytes_per_s": None, "fresh_copies": [], "attention": []}  # fields that older files lack
         data = _fields_from_json(cls, "profile", {**older, **data} if isinstance(data, dict) else data)
         for key in ("gemm", "collectives", "fits", "kernels", "fresh_copies", "attention"):
             if not isinstance(data[key], list):

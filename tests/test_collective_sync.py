@@ -48,7 +48,7 @@ def test_profile_carries_sync_cost_and_gpu_profiles_price_none():
     assert eff.collective_sync_s == 0.0
 
 
-def _plan_times(mesh, sync_s: float, microbatch_size: int):
+def _plan_times(mesh, sync_s: float, microbatch_size: int, skew: float = 0.0, zero_stage: int = 0):
     """tiny-llama, 4 sequences of 64 on 2 CPU ranks, ZeRO 0: tp in Megatron's layout, as the runtime runs it."""
     from autoplan.api import capture_model, plan_from_assignment
     from autoplan.models import get_model_config
@@ -59,8 +59,8 @@ def _plan_times(mesh, sync_s: float, microbatch_size: int):
     graph = capture_model(config, 64, "float32")
     chosen = megatron_assignment(graph, registry, mesh.tp, config.rule_info(), False)
     plan = plan_from_assignment(graph, config, parse_cluster("1x2xcpu"), mesh, chosen, microbatch_size,
-                                4 // (microbatch_size * mesh.batch_shards), 0, "none", registry=registry,
-                                dtype="float32", efficiency=Efficiency(collective_sync_s=sync_s))
+                                4 // (microbatch_size * mesh.batch_shards), zero_stage, "none", registry=registry,
+                                dtype="float32", efficiency=Efficiency(collective_sync_s=sync_s, collective_skew=skew))
     return plan.predicted.time
 
 
@@ -95,8 +95,9 @@ def _measure_sync(rank: int, world: int, skew_s: float) -> tuple[float, float]:
 
     _, fits = measure_collectives(torch.device("cpu"), kinds=("all_reduce",), sizes=(4096, 2**20))
     computes = [_sleep_compute(rank, 1e-3, 0.0), _sleep_compute(rank, 1e-3, skew_s)]
-    base, _ = collective_sync_s(fits, torch.device("cpu"), quick=True, computes=computes[:1])
-    skewed, _ = collective_sync_s(fits, torch.device("cpu"), quick=True, computes=computes[1:])
+    base, no_skew, _ = collective_sync_s(fits, torch.device("cpu"), quick=True, computes=computes[:1])
+    skewed, _, _ = collective_sync_s(fits, torch.device("cpu"), quick=True, computes=computes[1:])
+    assert no_skew == 0.0  # one compute duration: no skew term is fitted
     return base, skewed
 
 
@@ -132,3 +133,53 @@ def test_zero3_units_wait_out_of_step_twice_per_microbatch():
     assert parts[1e-3, 3][fixed] - parts[0.0, 3][fixed] == pytest.approx(4 * 5 * 2e-3)  # m x units x 2 waits
     exposed = [sum(parts[s, 0].values()) for s in (0.0, 1e-3)]
     assert exposed[1] - exposed[0] == pytest.approx(1e-3)  # the last bucket's wait; the others hide
+
+
+def test_skew_sums_the_square_root_of_the_compute_between_calls():
+    """`intra_op.skew_s`: c sqrt(compute since the last call) per call; a layer's compute after its last call
+    runs before its first call of the next layer (cyclic); a part without calls pays none."""
+    from autoplan.cost_model.intra_op import skew_s
+
+    e = Efficiency(collective_skew=0.02)
+    ops = [(0.004, False), (0.005, True), (0.009, True), (0.007, False)]
+    assert skew_s(ops, e, cyclic=False) == pytest.approx(0.02 * (0.009 ** 0.5 + 0.009 ** 0.5))
+    assert skew_s(ops, e, cyclic=True) == pytest.approx(0.02 * (0.016 ** 0.5 + 0.009 ** 0.5))
+    assert skew_s([(0.01, False)], e, cyclic=True) == 0.0
+    assert skew_s(ops, Efficiency(), cyclic=True) == 0.0
+    with pytest.raises(ConfigError, match=r"collective_skew=0.5 must be in \[0, 0.1\)"):
+        Efficiency(collective_skew=0.5)
+
+
+def test_plan_pays_the_skew_where_ranks_meet():
+    """tp 2 pays c sqrt(compute between calls) on its calls, more per step than one skew of the whole step;
+    dp 2 pays c sqrt(the step's forward + backward) once, at the sync after backward (ZeRO 0), and ZeRO 3 on
+    each FSDP2 unit's gathers; the skew grows as c."""
+    from autoplan.mesh import MeshShape
+
+    tp = [_plan_times(MeshShape(tp=2), 1e-3, 4, c).communication_s for c in (0.0, 0.02, 0.04)]
+    assert tp[1] > tp[0] and tp[2] - tp[0] == pytest.approx(2 * (tp[1] - tp[0]))
+    base, skewed = (_plan_times(MeshShape(dp=2), 1e-3, 2, c) for c in (0.0, 0.02))
+    step_compute = base.compute_s  # forward + backward of the step's microbatches
+    assert skewed.communication_s - base.communication_s == pytest.approx(0.02 * step_compute ** 0.5, rel=0.05)
+    fsdp = [_plan_times(MeshShape(dp=2), 1e-3, 2, c, zero_stage=3).communication_s for c in (0.0, 0.02)]
+    assert fsdp[1] > fsdp[0]
+
+
+def test_profile_carries_the_skew():
+    cpu = _cpu_profile(collective_sync_s=1.0e-3, collective_skew=0.02)
+    assert HardwareProfile.from_json(cpu.to_json()) == cpu
+    older = {k: v for k, v in cpu.to_json().items() if k != "collective_skew"}
+    assert HardwareProfile.from_json(older).collective_skew is None
+    _, eff = calibrate(parse_cluster("1x2xcpu"), None, cpu, dtype="float32")
+    assert (eff.collective_sync_s, eff.collective_skew) == (1.0e-3, 0.02)
+
+
+def test_skew_fit_recovers_its_terms_and_floors_them():
+    from autoplan.profiler.collectives import fit_skew
+
+    computes = (0.0003, 0.0026, 0.009, 0.02, 0.04)
+    exact = [(d, 4096, 0.9e-3 + 0.02 * d ** 0.5) for d in computes]
+    assert fit_skew(exact) == (pytest.approx(0.9e-3), pytest.approx(0.02))
+    assert fit_skew([(0.001, 4096, 1e-3), (0.0011, 4096, 2e-3)]) == (pytest.approx(1.5e-3), 0.0)  # one duration
+    falling = [(d, 4096, 3e-3 - 0.01 * d ** 0.5) for d in computes]
+    assert fit_skew(falling)[1] == 0.0
