@@ -87,9 +87,8 @@ class DataParallelSync:
             usable = window if cfg.zero_stage == 3 or n == 0 else window * (n - 1) / n
             return max(last, total - usable)
 
-        window_b, window_f, m = sums["backward"], sums["forward"], cfg.num_microbatches
-        if not self.env.efficiency.overlap_grad_reduce:
-            window_b = window_f = 0.0
+        m = cfg.num_microbatches
+        window_b = sums["backward"] if self.env.efficiency.overlap_grad_reduce else 0.0
         grad, weight = self.sync_bytes(cfg)
         e, synced = self.env.efficiency, any(count and g.size > 1 for count, g in groups)
         if cfg.zero_stage == 0:
