@@ -35,29 +35,7 @@ Memory-bound bytes per element of a tensor of the op (i = its itemsize), forward
     embedding       read the ids and the gathered rows, write the output / read dy, write the rows into
                     a zero-filled dense (V, h) gradient (the zero fill is bytes of the whole local table)
 
-The optimizer step, per local parameter, moves the bytes of torch's AdamW as it runs (single-tensor
-on CPU, foreach on CUDA: the same passes, `adamw_step_bytes`), its states (m, v, the fp32 weights or
-their fp32 master, one temporary for the denominator) 4 bytes each and its gradient g bytes:
-
-    decay w *= 1 - lr wd           read w, write w          8
-    m.lerp_(g, 1 - b1)             read m and g, write m    8 + g
-    v *= b2; v.addcmul_(g, g)      two passes over v        16 + g
-    d = sqrt(v) / c2 + eps         three passes into d      24
-    w.addcdiv_(m, d, -step)        read w, m, d, write w    16        -> 72 + 2 g
-    + the gradient norm the runtime takes before the step (`runtime.health`: g), and under mixed
-      precision the master cast into the weights (4 + weight bytes)
-
-(the plain fp32 step: 84 bytes per parameter, 3.5 times the 24 of one pass over weights, gradients,
-m and v; torch 2.13's AdamW on one CPU thread, over the 10M parameters of benchmarks/step_fidelity.py's
-models, took the time of 80 to 130 bytes per parameter at the profile's copy bandwidth).
-
-Those passes run tensor by tensor, at the bandwidth of the tensor's size (`adamw_time_s`), where a CPU
-profile measured fresh-allocation copies by size (`cost_model.eager`): the three passes into d write
-temporaries that torch allocates (sqrt, the division), at the fresh-copy curve read at the tensor's fp32
-bytes; the in-place passes at the faster of that and the flat copy (a small tensor's passes after the
-first find it in cache, as a small fresh copy's destination is; a large one streams as the flat 256 MiB
-copy does, without the fresh allocation's page faults). The tensor's size: `StepModel.optimizer_s`'s
-representative tensor. Without the curve (GPUs, older profiles): every pass at the flat copy.
+The optimizer step: `cost_model.optimizer` (AdamW as it runs, pass by pass).
 
 Every op with parameters also pays, in backward, autograd's accumulation of the microbatch's weight
 gradient into .grad (read both, write one: 3 x the gradient bytes per parameter; the first microbatch
@@ -193,7 +171,7 @@ class Efficiency:
     host_serial: bool | None = None  # the host's dispatch adds to the kernels (None: `resolved`, True on a CPU)
     # (forward, backward) host s per priced kernel of each pass (a CUDA profile's); None: host_kernel_s for both
     host_phase_kernel_s: tuple[float, float] | None = None
-    adamw_bytes_per_s: float | None = None  # a CUDA profile's AdamW rate (`adamw_time_s`); None: from the copy
+    adamw_bytes_per_s: float | None = None  # a CUDA profile's AdamW rate (`optimizer.adamw_time_s`); None: from the copy
     fresh_copies: FreshCopyCurve | None = None  # a CPU profile's (`cost_model.eager`); None: the flat copy
     attention_rates: AttentionRates | None = None  # a CPU profile's causal SDPA (`cost_model.eager`)
     _by_kernel: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
@@ -501,43 +479,6 @@ def memory_op_bytes(node: "NodeInfo", local_param_bytes: float = 0.0) -> tuple[f
         ids = node.input_metas[0].nbytes
         return ids + 2 * out.nbytes, ids + 2 * out.nbytes + local_param_bytes
     return float(node.fwd_bytes), float(node.bwd_bytes)
-
-
-ADAM_STATE_BYTES = 4  # m, v, the master weights and the denominator's temporary: fp32 in torch's AdamW
-
-
-def adamw_pass_bytes(grad_bytes: float) -> float:
-    """Bytes torch's AdamW passes move per parameter (module docstring): 72 + 2 g."""
-    return 18 * ADAM_STATE_BYTES + 2 * grad_bytes
-
-
-def adamw_step_bytes(grad_bytes: float, weight_bytes: float) -> float:
-    """Bytes the optimizer step moves per local parameter (module docstring): torch's AdamW passes
-    (`adamw_pass_bytes`), the gradient norm before it (g), and the master's cast into weights narrower than fp32."""
-    cast = ADAM_STATE_BYTES + weight_bytes if weight_bytes < ADAM_STATE_BYTES else 0.0
-    return adamw_pass_bytes(grad_bytes) + grad_bytes + cast
-
-
-ADAMW_FRESH_BYTES = 6 * ADAM_STATE_BYTES  # d = sqrt(v) / c2 + eps: its three passes, into fresh temporaries
-
-
-def adamw_time_s(params: float, grad_bytes: float, weight_bytes: float, tensor_params: float, device: DeviceSpec,
-                 efficiency: Efficiency) -> float:
-    """Seconds of the optimizer step over `params` local parameters in tensors of `tensor_params` each (module
-    docstring): the temporaries' bytes at the fresh-copy curve at the tensor's fp32 bytes, the rest at the faster
-    of that and the flat copy; all at the flat copy where no curve was measured; all at the AdamW rate a profile
-    measured where it has one (`profiler.memory.measure_adamw_rate`, CUDA). One kernel's floor at least."""
-    total = adamw_step_bytes(grad_bytes, weight_bytes) * params
-    if efficiency.adamw_bytes_per_s:
-        return efficiency.kernels_s(total / efficiency.adamw_bytes_per_s)
-    curve = efficiency.fresh_copies
-    if curve is None:
-        return efficiency.kernels_s(memory_time_s(total, device, efficiency))
-    fresh = curve.bandwidth(tensor_params * ADAM_STATE_BYTES)
-    in_place = max(device.memory_bandwidth_bytes_per_s, fresh)
-    temporaries = ADAMW_FRESH_BYTES * params
-    seconds = (total - temporaries) / in_place + temporaries / fresh
-    return efficiency.kernels_s(seconds / efficiency.memory)
 
 
 def grad_accumulation_bytes(local_param_bytes: float) -> float:

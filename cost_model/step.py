@@ -23,7 +23,7 @@ sends (`cost_model.pipeline`). Per optimizer step:
                       sync (the largest over stages; `cost_model.dp_sync`)
     bubble_s        = (sum of stage times - slowest) / v
     optimizer_s     = torch's AdamW over the stage's local parameters (ZeRO 1-3: their 1 / data-parallel
-                      share), its passes over memory (`compute.adamw_time_s`: at a hidden x hidden tensor's
+                      share), its passes over memory (`optimizer.adamw_time_s`: at a hidden x hidden tensor's
                       size, its tp shard's and ZeRO slice's, where a CPU profile measured copies by size)
 
 Data-parallel sync per stage: `cost_model.dp_sync` (in buckets overlapped with backward, as
@@ -56,7 +56,8 @@ import numpy as np
 from autoplan.cluster import ClusterSpec
 from autoplan.validity import ulysses_kv_heads
 from autoplan.cost_model.comm import AxisGroup
-from autoplan.cost_model.compute import Efficiency, adamw_time_s
+from autoplan.cost_model.compute import Efficiency
+from autoplan.cost_model.optimizer import adamw_time_s
 from autoplan.cost_model.dp_sync import DataParallelSync
 from autoplan.cost_model.memory import FP32_BYTES, model_state_bytes, state_bytes_for, temporary_bytes
 from autoplan.cost_model.parallel_dims import (axes_group, expert_all_to_all_s, expert_tp_exchange_s,

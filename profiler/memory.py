@@ -25,10 +25,10 @@ kernels moves, where it is slower than the preallocated copy (`cost_model.comput
 curve is not measured there.
 
 AdamW (CUDA, `measure_adamw_rate`): torch's foreach AdamW step over fp32 parameters, timed whole, as the bytes
-per second of the passes the cost model counts for it (`cost_model.compute.adamw_pass_bytes`): its
+per second of the passes the cost model counts for it (`cost_model.optimizer.adamw_pass_bytes`): its
 multi-tensor kernels read and write the weights, gradients and both moments in a few passes each, and run
 at their own fraction of the copy above (on the lent H200: 3.6-3.8 TB/s in steps, against the copy's 4.2).
-`cost_model.compute.adamw_time_s` prices the optimizer step at this rate where a profile measured it.
+`cost_model.optimizer.adamw_time_s` prices the optimizer step at this rate where a profile measured it.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def measure_adamw_rate(device: torch.device, quick: bool = False, shape: tuple[i
     """(bytes per second, parameters, seconds per step) of `torch.optim.AdamW`'s step (foreach, its defaults
     otherwise, as the runtime makes it) over `shape[0]` fp32 tensors of `shape[1]` parameters with gradients,
     its median window after three steps made its states (module docstring)."""
-    from autoplan.cost_model.compute import adamw_pass_bytes
+    from autoplan.cost_model.optimizer import adamw_pass_bytes
     from autoplan.profiler.gemm import timed_windows_s
 
     count, size = shape

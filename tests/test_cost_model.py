@@ -495,7 +495,7 @@ def test_bf16_master_optimizer_is_adamw_on_the_masters_and_their_cast(dp, zero_s
     weights (`adamw_step_bytes`: 90 bytes per parameter against autocast's 84), on a GPU as on a CPU: the
     runtime keeps no host op per parameter tensor (one foreach copy per bucket, the gradient norm on the
     device). Under ZeRO 3 FSDP2's policy keeps the masters: autocast's step."""
-    from autoplan.cost_model.compute import adamw_step_bytes
+    from autoplan.cost_model.optimizer import adamw_step_bytes
 
     config = dataclasses.replace(get_model_config("tiny-llama"), hidden=1024, ffn_hidden=4096)  # AdamW above the kernel floor
 

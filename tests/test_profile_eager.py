@@ -231,7 +231,7 @@ def test_the_optimizer_is_priced_at_the_bandwidth_of_its_tensors_size():
     copy; the temporaries into d: the curve alone), all at the flat copy without a curve; and in a plan, a curve
     twice as fast at the model's tensor sizes halves the optimizer's price."""
     from autoplan.api import estimate
-    from autoplan.cost_model.compute import ADAMW_FRESH_BYTES, adamw_step_bytes, adamw_time_s
+    from autoplan.cost_model.optimizer import ADAMW_FRESH_BYTES, adamw_step_bytes, adamw_time_s
 
     curve = (MemorySample(MiB, 2 * MiB / 50e9), MemorySample(16 * MiB, 32 * MiB / 50e9),
              MemorySample(64 * MiB, 128 * MiB / 5e9))

@@ -1,5 +1,5 @@
 """What issue 20's step-fidelity benchmark found priced apart from what runs, priced as it runs:
-torch's AdamW step pass by pass (`cost_model.compute.adamw_step_bytes`), FSDP2's copies around its
+torch's AdamW step pass by pass (`cost_model.optimizer.adamw_step_bytes`), FSDP2's copies around its
 collectives under ZeRO 3 (`StepModel.dp_sync_parts`), and the runtime's FSDP2 units, one per layer
 (`runtime.zero.layer_units`), which the cost model's unit count assumes."""
 
@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from autoplan.cluster import parse_cluster
-from autoplan.cost_model.compute import Efficiency, adamw_step_bytes, memory_time_s
+from autoplan.cost_model.compute import Efficiency, memory_time_s
+from autoplan.cost_model.optimizer import adamw_step_bytes
 from autoplan.errors import ConfigError
 from autoplan.models import get_model_config
 
