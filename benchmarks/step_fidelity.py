@@ -24,6 +24,10 @@ What a careful user would do, on 2 gloo ranks (issue 20):
                 rotate the plans' order, each round one discarded step and `--steps` timed steps per plan,
                 each after a barrier; a step's time is the slowest rank's wall time; the measured step is
                 the median
+    malloc      both the profile and the ranks under GLIBC_TUNABLES=KEPT_PAGES, as the README advises for
+                training on a CPU (glibc's default maps, unmaps and trims the steps' large temporaries, whose
+                pages are then faulted in again each step: a Llama layer ran 5.6% slower, and the profile's
+                loops never see it); `--default-malloc` runs both under the default
     breakdown   measured (medians, the slowest rank's steps): the CPU seconds of the step (the steadier
                 figure on a loaded machine: wall time there is CPU time stretched by the other jobs),
                 the main thread's share of them (the rest: gloo's threads), the wait for the gradient sync after backward (`GradSync.exposed_s`), the optimizer
@@ -113,6 +117,20 @@ def plan_specs(quick: bool = False) -> list[PlanSpec]:
 
 
 # ------------------------------------------------------------------------------ profile and plans
+
+
+# glibc's malloc as a CPU training process should run (README, "Training on a CPU"): no block of its own mapping,
+# the heap never trimmed, so a step's large temporaries reuse pages already faulted in. Read at process start only.
+KEPT_PAGES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295:glibc.malloc.top_pad=268435456"
+
+
+def keep_freed_pages(default_malloc: bool) -> str:
+    """Set GLIBC_TUNABLES to KEPT_PAGES for the processes this run starts (the profile's, the ranks'), unless
+    `default_malloc` or the caller set it; returns what they run under (recorded with the results)."""
+    if default_malloc or not sys.platform.startswith("linux"):
+        return os.environ.get("GLIBC_TUNABLES", "default")
+    os.environ.setdefault("GLIBC_TUNABLES", KEPT_PAGES)
+    return os.environ["GLIBC_TUNABLES"]
 
 
 def fresh_profile(path: Path, quick: bool) -> None:
@@ -360,12 +378,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile", type=Path, help="price with this profile instead of measuring a fresh one")
     parser.add_argument("--out", type=Path, default=OUT / "step_fidelity.json")
     parser.add_argument("--from-json", type=Path, help="re-print a saved run")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help=f"run the profile and the steps under glibc's default malloc, not {KEPT_PAGES}")
     args = parser.parse_args(argv)
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
         for family, result in saved["families"].items():
             print_family(family, result)
         return saved
+    malloc = keep_freed_pages(args.default_malloc)  # before the profile and the ranks start: they inherit it
     args.rounds = args.rounds or (2 if args.quick else 3)
     args.steps = args.steps or (2 if args.quick else 4)
     from autoplan.profiler.profile import HardwareProfile
@@ -376,7 +397,7 @@ def main(argv: list[str] | None = None) -> dict:
     profile = HardwareProfile.load(profile_path)
     saved = {"config": {"world": WORLD, "seq": SEQ, "batch": BATCH, "dtype": DTYPE, "rounds": args.rounds,
                         "steps": args.steps, "quick": args.quick, "profile": str(profile_path),
-                        "torch": torch.__version__, "cpus": os.cpu_count()}, "families": {}}
+                        "torch": torch.__version__, "cpus": os.cpu_count(), "malloc": malloc}, "families": {}}
     for family in args.families:
         partial = args.out.with_name(f"{args.out.stem}_{family}_partial.json")
         saved["families"][family] = run_family(family, families()[family], profile, args, partial)

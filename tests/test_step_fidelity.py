@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -94,3 +95,14 @@ def test_one_round_runs_on_two_ranks(llama_plans, tmp_path):
     for rows in samples.values():
         assert len(rows) == 1 and rows[0]["step_s"] > 0 and rows[0]["optimizer_s"] > 0
     assert samples["dp2 zero1"][0]["sync_wait_s"] >= 0
+
+
+def test_the_ranks_run_under_the_malloc_the_readme_advises(monkeypatch):
+    """The profile and the ranks inherit GLIBC_TUNABLES: KEPT_PAGES unless asked for the default or already set."""
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert sf.keep_freed_pages(default_malloc=True) == "default"
+    assert "GLIBC_TUNABLES" not in os.environ
+    if sys.platform.startswith("linux"):
+        assert sf.keep_freed_pages(default_malloc=False) == sf.KEPT_PAGES == os.environ["GLIBC_TUNABLES"]
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1")
+    assert sf.keep_freed_pages(default_malloc=False) == "glibc.malloc.trim_threshold=1"  # the caller's stays
