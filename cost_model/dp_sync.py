@@ -87,21 +87,21 @@ class DataParallelSync:
             usable = window if cfg.zero_stage == 3 or n == 0 else window * (n - 1) / n
             return max(last, total - usable)
 
-        m = cfg.num_microbatches
-        window_b = sums["backward"] if self.env.efficiency.overlap_grad_reduce else 0.0
+        m, e = cfg.num_microbatches, self.env.efficiency
+        window_b = sums["backward"] if e.overlap_grad_reduce else 0.0
         grad, weight = self.sync_bytes(cfg)
-        e, synced = self.env.efficiency, any(count and g.size > 1 for count, g in groups)
+        synced = any(count and g.size > 1 for count, g in groups)
+        if cfg.zero_stage == 3:
+            return self._fsdp_parts(cfg, sums, groups, collective("all_gather", weight),
+                                    collective("reduce_scatter", grad), hidden_behind, synced)
         if cfg.zero_stage == 0:
             parts = {"gradient all-reduce after backward": hidden_behind(collective("all_reduce", grad), window_b)}
         else:
-            rs, ag = collective("reduce_scatter", grad), collective("all_gather", weight)
-        if cfg.zero_stage in (1, 2):
-            parts = {"gradient reduce-scatter after backward": hidden_behind(rs, window_b),
-                     "parameter all-gather after the step": ag[0]}
-        if cfg.zero_stage < 3:  # the ranks meet at the last bucket out of step by the whole forward + backward
-            skew = {"ranks out of step at the sync": e.skew_s(m * (sums["forward"] + sums["backward"]))}
-            return {**parts, **skew} if synced and e.collective_skew else parts
-        return self._fsdp_parts(cfg, sums, groups, ag, rs, hidden_behind, synced)
+            parts = {"gradient reduce-scatter after backward": hidden_behind(collective("reduce_scatter", grad), window_b),
+                     "parameter all-gather after the step": collective("all_gather", weight)[0]}
+        if synced and e.collective_skew:  # the ranks meet at the last bucket out of step by the whole forward + backward
+            parts["ranks out of step at the sync"] = e.skew_s(m * (sums["forward"] + sums["backward"]))
+        return parts
 
     def _fsdp_parts(self, cfg: Config, sums: dict[str, float], groups, ag, rs, hidden_behind, synced: bool
                     ) -> dict[str, float]:

@@ -338,6 +338,7 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
     paced: dict[str, list[tuple[float, int]]] = {"f": [], "b": [], "lf": []}  # (device s, kernels) in run order
     layer_ops: list[tuple[str, float, int]] = []  # (family, forward device s, forward kernels) of the layers' nodes
     calls: list[tuple[float, float, bool, bool]] = []  # per node: (forward s, backward s, blocking calls after each)
+    skewed = host and ctx.efficiency.collective_skew  # the ranks' skew at each blocking call (`comm`, inside a step)
     families: dict[str, float] = {}
     for node in graph.nodes:
         strategy = strategies[node.name]
@@ -358,7 +359,8 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
             comm_f, comm_b = comm_f + edge_memo[edge][0], comm_b + edge_memo[edge][1]
         sums["fc"] += fwd
         sums["bc"] += bwd
-        calls.append((fwd, bwd, comm_f > 0, comm_b > 0))
+        if skewed:
+            calls.append((fwd, bwd, comm_f > 0, comm_b > 0))
         if count:
             kernels = node_kernels(node, ctx)
             paced["f"].append((fwd, kernels[0]))
@@ -377,7 +379,7 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
         serial, (forward_s, backward_s) = bool(ctx.efficiency.host_serial), host_phases(ctx)
         sums["fc"], sums["lfc"] = host_paced_s(paced["f"], forward_s, serial), host_paced_s(paced["lf"], forward_s, serial)
         sums["bc"] = host_paced_s(paced["b"][::-1], backward_s, serial)
-    if host and ctx.efficiency.collective_skew:  # the ranks' skew at each blocking call (`comm`, inside a step)
+    if skewed:
         cyclic = any(node.layer is not None for node in graph.nodes)
         forward = skew_s([(f, call) for f, _, call, _ in calls], ctx.efficiency, cyclic)
         sums["fm"] += forward
