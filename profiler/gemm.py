@@ -17,7 +17,12 @@ CPU's GEMMs, which take the median window by the thread's CPU time (`time_gemm_s
 not stretch that clock, and the fastest window is the best of many, where a step pays the typical
 one: on the development machine a step's GEMMs ran 3-6% slower than the fastest windows of the same
 shapes and 0-3% slower than their medians (2026-11-26, one rank, `torch.profiler`), and the
-fastest-window profile priced every plan of `benchmarks/step_fidelity.py` under.
+fastest-window profile priced every plan of `benchmarks/step_fidelity.py` under. And a CPU's GEMMs take
+their operands in turn from a pool of copies larger than the last-level cache (`operand_pool`), as a
+step's GEMMs meet their weights and activations, last touched a layer or a pass ago: over 8 shapes of
+the grid, 2 ranks at once (2026-11-26), calls on the same operands ran 5% faster on average than calls
+on rotated ones (-21% .. +5% per shape); in one process, a step's GEMMs ran 2.4-3.5% slower than the same
+shapes on the same operands in a loop.
 
 Timers: on CUDA, `torch.cuda.Event(enable_timing=True)` pairs recorded on the current stream around
 each window, read after one final synchronize (no host round trip inside the timed region); on CPU,
@@ -51,6 +56,8 @@ CUDA_QUICK_SIZES = (1024, 4096)
 CPU_SIZES = (64, 256, 1024, 2048)
 CPU_QUICK_SIZES = (64, 256)
 MIN_WINDOW_S = 1e-3  # a timed window of back-to-back calls lasts at least this long
+COLD_POOL_BYTES = 64 * 2**20  # a CPU's GEMM operands in turn: twice the development machine's 32 MiB L3
+MAX_POOL_PAIRS = 256
 WARMUP_CALLS = 2
 
 
@@ -144,12 +151,31 @@ def fastest_call_s(fn: Callable[[], object], device: torch.device, budget_s: flo
 def time_gemm_s(m: int, n: int, k: int, dtype: str, device: torch.device, budget_s: float) -> float:
     """Seconds of C (m, n) = torch.mm(A (m, k), B (k, n)) in `dtype` on `device` (`fastest_call_s`), C
     a fresh tensor each call as eager linear layers allocate theirs (on a CPU, pages the allocator may
-    have to fault in; on CUDA, the caching allocator's block)."""
+    have to fault in; on CUDA, the caching allocator's block). On a CPU each call takes the next pair of
+    operands from a pool larger than the last-level cache (`operand_pool`), the median window."""
     torch_dtype = TORCH_DTYPES[dtype]
     a = torch.randn(m, k, device=device, dtype=torch_dtype)  # (m, k)
     b = torch.randn(k, n, device=device, dtype=torch_dtype)  # (k, n)
-    # a CPU's median window, by the thread's CPU time: what a step's GEMMs take (module docstring)
-    return fastest_call_s(lambda: torch.mm(a, b), device, budget_s, statistics.median if device.type == "cpu" else min)
+    if device.type != "cpu":
+        return fastest_call_s(lambda: torch.mm(a, b), device, budget_s)
+    pool, calls = operand_pool(a, b), [0]
+
+    def next_pair() -> torch.Tensor:
+        x, y = pool[calls[0] % len(pool)]
+        calls[0] += 1
+        return torch.mm(x, y)
+
+    # the median window, by the thread's CPU time: what a step's GEMMs take (module docstring)
+    return fastest_call_s(next_pair, device, budget_s, statistics.median)
+
+
+def operand_pool(a: torch.Tensor, b: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of (a, b) filling at least `COLD_POOL_BYTES` (2 to `MAX_POOL_PAIRS` pairs): taken in turn, each
+    call reads its operands from memory, as a step's GEMMs do (their weights and activations last touched a
+    layer or a pass ago), not from the cache the previous call filled (module docstring)."""
+    pair_bytes = (a.numel() + b.numel()) * a.element_size()
+    count = max(2, min(MAX_POOL_PAIRS, -(-COLD_POOL_BYTES // pair_bytes)))
+    return [(a.clone(), b.clone()) for _ in range(count)]
 
 
 def sweep_gemms(device: torch.device, dtype: str | None = None, shapes: Iterable[tuple[int, int, int]] | None = None,

@@ -121,6 +121,22 @@ def test_load_refuses_another_devices_profile_naming_both(tmp_path):
 # ------------------------------------------------------------------------------ GEMM efficiency
 
 
+def test_cpu_gemms_take_their_operands_in_turn_from_a_pool_beyond_the_cache():
+    """Every pair a copy with its own storage, together at least COLD_POOL_BYTES (capped at MAX_POOL_PAIRS
+    pairs for tiny shapes, at least 2 for huge ones), so a call does not read the operands the call before
+    left in the cache."""
+    from autoplan.profiler.gemm import COLD_POOL_BYTES, MAX_POOL_PAIRS, operand_pool
+
+    a, b = torch.randn(256, 128), torch.randn(128, 512)
+    pool = operand_pool(a, b)
+    pair_bytes = (a.numel() + b.numel()) * 4
+    assert len(pool) * pair_bytes >= COLD_POOL_BYTES > (len(pool) - 1) * pair_bytes
+    assert len({x.data_ptr() for x, _ in pool} | {y.data_ptr() for _, y in pool}) == 2 * len(pool)
+    assert all(torch.equal(x, a) and torch.equal(y, b) for x, y in pool)
+    assert len(operand_pool(torch.randn(8, 8), torch.randn(8, 8))) == MAX_POOL_PAIRS
+    assert len(operand_pool(torch.empty(2048, 4096), torch.empty(4096, 2048))) == 2
+
+
 def test_gemm_efficiency_reproduces_samples_and_interpolates_in_log_shape():
     eff = GemmEfficiency.from_profile(_profile(peak=1e15))  # no DeviceSpec: peak = best measured
     best = _linear_eff(4096, 4096, 4096)
