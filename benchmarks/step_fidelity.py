@@ -9,8 +9,9 @@ What a careful user would do, on 2 gloo ranks (issue 20):
 
     profile     a fresh `torchrun --nproc-per-node 2 -m autoplan profile` (GEMMs, copy bandwidth, launch
                 floor, fresh-allocation copies by size, causal SDPA, eager dispatch per kernel, on both
-                ranks at once, the slower rank's time kept; every collective over both ranks, and what
-                a blocking one costs between compute beyond that (`collective_sync_s`); not FSDP2's
+                ranks at once, the slower rank's time kept; every collective over both ranks, what
+                a blocking one costs between compute beyond that (`collective_sync_s`) and what an
+                overlapped one costs the compute beside it (`overlap_cost`); not FSDP2's
                 unit cost, `--fsdp-units`, which still aborts at exit now and then),
                 `--quick` with --quick
     predicted   each plan priced with that profile by the code `autoplan estimate --profile` runs

@@ -146,7 +146,8 @@ class Efficiency:
     data-parallel gradient buckets (`autoplan.grad_buckets.BUCKET_RULES`): "ddp", this runtime's; another
     stack's for pricing runs made on it (benchmarks). collective_sync_s, collective_skew: what a blocking
     collective costs inside a step beyond its own time, s + c sqrt(compute before it) (`comm`'s "Inside a
-    step"), a CPU profile's; 0 else."""
+    step"), a CPU profile's; 0 else. overlap_cost: the fraction of an overlapped collective's time that the
+    compute it overlaps loses (`dp_sync`): a CPU profile's, where gloo's threads share the ranks' cores; 0 else."""
 
     matmul: float | None = None
     memory: float = 0.80
@@ -162,6 +163,7 @@ class Efficiency:
     grad_buckets: str = "ddp"
     collective_sync_s: float = 0.0
     collective_skew: float = 0.0  # s^0.5: the ranks' skew at a blocking call, c sqrt(compute before it) (`skew_s`)
+    overlap_cost: float = 0.0  # of an overlapped collective's time, the share its compute loses
     floor_source: str = ("kernel floor: meta-pytorch/autoparallel's 7 us; collective call: NCCL's ring LL base "
                          "latency, 6.6 us (cost_model.compute)")
     host_kernel_s: float | None = None  # None: the device's default (`resolved`: HOST_KERNEL_S on a GPU, 0 on a CPU)
@@ -201,6 +203,9 @@ class Efficiency:
         if not 0 <= self.collective_skew < 0.1:
             raise ConfigError(f"efficiency collective_skew={self.collective_skew!r} must be in [0, 0.1) s^0.5 (the ranks' "
                               f"skew at a blocking call per square root of the compute before it; 0 turns it off)")
+        if not 0 <= self.overlap_cost <= 1:
+            raise ConfigError(f"efficiency overlap_cost={self.overlap_cost!r} must be in [0, 1] (the share of an overlapped "
+                              f"collective's time its compute loses; 0: it hides whole)")
         for kind, *seconds in self.host_recompute_s or ():
             if len(seconds) != 2 or not all(0 <= s < 1e-2 for s in seconds):
                 raise ConfigError(f"efficiency host_recompute_s[{kind!r}]={tuple(seconds)!r} must be (forward, re-run) "
@@ -325,6 +330,8 @@ def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "Har
         calibrated = replace(calibrated, collective_sync_s=profile.collective_sync_s)
     if profile.collective_skew is not None:
         calibrated = replace(calibrated, collective_skew=profile.collective_skew)
+    if profile.overlap_cost is not None:
+        calibrated = replace(calibrated, overlap_cost=profile.overlap_cost)
     if profile.host_recompute_s and profile.device_kind == "cpu":  # a GPU's: `host.GPU_RECOMPUTE_S`, from steps
         calibrated = replace(calibrated, host_recompute_s=tuple(sorted((kind, *pair) for kind, pair in
                                                                        profile.host_recompute_s.items())))

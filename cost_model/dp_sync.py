@@ -34,6 +34,9 @@ and the embedding), which is ready only when the backward ends:
               compute (`Efficiency.skew_s`) each, however well their bytes hide: the ranks meet there out of
               step (`cost_model.comm`, "Inside a step")
     ZeRO 0-2: + the skew after the step's forward + backward, where the ranks meet at the last bucket
+    every stage: + f * (traffic - exposed), f = `Efficiency.overlap_cost`: the hidden traffic still costs the
+              compute it overlaps f of its time where the collectives have no cores of their own (a CPU's
+              gloo threads on the ranks' cores: `profiler.collectives.overlap_cost` measures f; 0 on a GPU)
 
 `dp_sync_parts` names these parts (the all-reduce / reduce-scatter left after backward, the
 all-gather of the parameters).
@@ -54,6 +57,8 @@ from autoplan.grad_buckets import bucket_bytes_for, bucket_count
 
 if TYPE_CHECKING:
     from autoplan.cost_model.step import StepEnv
+
+CORES_PART = "overlapped traffic on the compute's cores"  # `Efficiency.overlap_cost`'s part (module docstring)
 
 
 class DataParallelSync:
@@ -94,11 +99,15 @@ class DataParallelSync:
         if cfg.zero_stage == 3:
             return self._fsdp_parts(cfg, sums, groups, collective("all_gather", weight),
                                     collective("reduce_scatter", grad), hidden_behind, synced)
+        reduced = collective("all_reduce" if cfg.zero_stage == 0 else "reduce_scatter", grad)
+        exposed = hidden_behind(reduced, window_b)
         if cfg.zero_stage == 0:
-            parts = {"gradient all-reduce after backward": hidden_behind(collective("all_reduce", grad), window_b)}
+            parts = {"gradient all-reduce after backward": exposed}
         else:
-            parts = {"gradient reduce-scatter after backward": hidden_behind(collective("reduce_scatter", grad), window_b),
+            parts = {"gradient reduce-scatter after backward": exposed,
                      "parameter all-gather after the step": collective("all_gather", weight)[0]}
+        if e.overlap_cost:  # what the hidden part of the traffic takes from the backward's cores
+            parts[CORES_PART] = e.overlap_cost * (reduced[0] - exposed)
         if synced and e.collective_skew:  # the ranks meet at the last bucket out of step by the whole forward + backward
             parts["ranks out of step at the sync"] = e.skew_s(m * (sums["forward"] + sums["backward"]))
         return parts
@@ -108,11 +117,14 @@ class DataParallelSync:
         """ZeRO 3's exposed sync by part (`dp_sync_parts`): FSDP2's units, per microbatch."""
         e, m = self.env.efficiency, cfg.num_microbatches
         window_b, window_f = (sums["backward"], sums["forward"]) if e.overlap_grad_reduce else (0.0, 0.0)
-        parts = {"parameter all-gathers (FSDP2)": m * hidden_behind(ag, window_f),
-                 "backward all-gathers and reduce-scatters (FSDP2)": m * hidden_behind(
-                     (ag[0] + rs[0], ag[1] + rs[1], ag[2]), window_b),
+        backward = (ag[0] + rs[0], ag[1] + rs[1], ag[2])
+        exposed_f, exposed_b = hidden_behind(ag, window_f), hidden_behind(backward, window_b)
+        parts = {"parameter all-gathers (FSDP2)": m * exposed_f,
+                 "backward all-gathers and reduce-scatters (FSDP2)": m * exposed_b,
                  "all-gather and reduce-scatter copies (FSDP2)": m * self._fsdp_copies_s(cfg, groups),
                  "fixed cost per unit (FSDP2)": m * ag[2] * (e.fsdp_unit_s + 2 * e.collective_sync_s)}
+        if e.overlap_cost:  # what the hidden part of the traffic takes from the compute's cores
+            parts[CORES_PART] = e.overlap_cost * m * (ag[0] - exposed_f + backward[0] - exposed_b)
         if synced and e.collective_skew:  # each unit's all-gathers wait out the skew of the unit's compute
             units = max(1.0, ag[2])
             parts["ranks out of step at each unit (FSDP2)"] = m * ag[2] * (

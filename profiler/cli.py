@@ -202,11 +202,12 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
         fused, why = own["eager_kernels"], None
     if why is not None:
         print(f"fused-kernel efficiencies skipped: {why}; the cost model keeps its assumed efficiencies")
-    samples, fits, fsdp_unit_s, (sync_s, skew) = (), (), None, (None, None)
+    samples, fits, fsdp_unit_s, (sync_s, skew), overlap = (), (), None, (None, None), None
     if distributed and collectives:
         dist.barrier()  # the other ranks wait here while rank 0 times the fused kernels
         samples, fits = measure_collectives(device, quick=quick)
         sync_s, skew = in_step_sync_s(device, fits, quick, rank)
+        overlap = overlapped_cost(device, quick, rank)
         fsdp_unit_s = measure_fsdp_unit_s(device, fits, quick=quick) if fsdp_units else None
     if rank != 0:
         return None
@@ -231,6 +232,7 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
         fsdp_unit_s=fsdp_unit_s,
         collective_sync_s=sync_s,
         collective_skew=skew,
+        overlap_cost=overlap,
         fresh_copies=own["fresh_copies"],
         attention=own["attention"],
     )
@@ -250,6 +252,20 @@ def in_step_sync_s(device: "torch.device", fits: tuple, quick: bool, rank: int) 
               + ", ".join(f"{c * 1e3:.2f}, {b}: {e * 1e3:.3f}" for c, b, e in samples)
               + f"; fit {sync_s * 1e3:.3f} ms + {skew * 1e3 / 1e3 ** 0.5:.3f} ms x sqrt(compute ms)")
     return sync_s, skew
+
+
+def overlapped_cost(device: "torch.device", quick: bool, rank: int) -> float | None:
+    """The share of an overlapped all-reduce's time its compute loses (`profiler.collectives.overlap_cost`),
+    on a CPU, every rank at once; None on CUDA (not measured there)."""
+    from autoplan.profiler.collectives import overlap_cost
+
+    if device.type != "cpu":
+        return None
+    share, (alone, reduced, paired) = overlap_cost(device, quick)
+    if rank == 0:
+        print(f"all-reduce overlapped with compute: compute {alone * 1e3:.1f} ms, all-reduce {reduced * 1e3:.1f} ms, "
+              f"both {paired * 1e3:.1f} ms: the compute loses {share:.0%} of the all-reduce's time")
+    return share
 
 
 def slowest_rank(measured: dict) -> dict:
@@ -326,6 +342,9 @@ def render_profile(profile: HardwareProfile, console=None) -> None:
                 if profile.collective_skew else "")
         table.add_row("collective in a step", f"{profile.collective_sync_s * 1e6:,.1f} us{skew} per blocking call beyond "
                       f"its fit, between compute (ranks out of step; `profiler.collectives`)")
+    if profile.overlap_cost is not None:
+        table.add_row("collective beside compute", f"the compute loses {profile.overlap_cost:.0%} of an overlapped "
+                      f"all-reduce's time (`profiler.collectives.overlap_cost`)")
     for fit in profile.fits:
         table.add_row(f"{fit.kind} x{fit.group_size} ({profile.collective_backend})",
                       f"bus bandwidth {fit.bandwidth_bytes_per_s / 1e9:,.3f} GB/s, latency {fit.latency_s * 1e6:,.1f} us, "

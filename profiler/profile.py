@@ -273,6 +273,7 @@ class HardwareProfile:
     fsdp_unit_s: float | None = None  # `profiler.fsdp`; None: not measured
     collective_sync_s: float | None = None  # `profiler.collectives.collective_sync_s` (CPU); None: not measured
     collective_skew: float | None = None  # s^0.5, the same fit's skew term (CPU); None: not measured
+    overlap_cost: float | None = None  # `profiler.collectives.overlap_cost` (CPU); None: not measured
     # {kind: [forward, re-run]} (`profiler.dispatch.measure_recompute_host_s`); None: not measured
     host_recompute_s: dict[str, list[float]] | None = None
     fresh_copies: tuple[MemorySample, ...] = ()  # `profiler.memory.measure_fresh_copies` (CPU)
@@ -298,6 +299,8 @@ class HardwareProfile:
                 _positive(name, getattr(self, name), allow_zero=True)
         if self.adamw_bytes_per_s is not None:
             _positive("adamw_bytes_per_s", self.adamw_bytes_per_s)
+        if self.overlap_cost is not None and _positive("overlap_cost", self.overlap_cost, allow_zero=True) > 1:
+            raise ProfileError(f"overlap_cost must be a fraction in [0, 1], got {self.overlap_cost!r}; re-run `autoplan profile`")
         if self.host_phase_kernel_s is not None:
             if not isinstance(self.host_phase_kernel_s, (list, tuple)) or len(self.host_phase_kernel_s) != 2:
                 raise ProfileError(f"host_phase_kernel_s must be [forward, backward] seconds per priced kernel, got "
@@ -332,7 +335,7 @@ class HardwareProfile:
         if isinstance(data, dict) and version != PROFILE_VERSION:  # first: other versions have other keys
             raise ProfileError(f"profile version {version!r} is not supported; this autoplan reads version {PROFILE_VERSION}. Re-run `autoplan profile`.")
         older = {"kernels": [], "kernel_floor_s": None, "host_kernel_s": None, "fsdp_unit_s": None,
-                 "collective_sync_s": None, "collective_skew": None, "host_recompute_s": None, "host_phase_kernel_s": None, "adamw_bytes_per_s": None, "fresh_copies": [], "attention": []}  # fields that older files lack
+                 "collective_sync_s": None, "collective_skew": None, "overlap_cost": None, "host_recompute_s": None, "host_phase_kernel_s": None, "adamw_bytes_per_s": None, "fresh_copies": [], "attention": []}  # fields that older files lack
         data = _fields_from_json(cls, "profile", {**older, **data} if isinstance(data, dict) else data)
         for key in ("gemm", "collectives", "fits", "kernels", "fresh_copies", "attention"):
             if not isinstance(data[key], list):
