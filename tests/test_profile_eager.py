@@ -252,3 +252,21 @@ def test_the_optimizer_is_priced_at_the_bandwidth_of_its_tensors_size():
         return plan.predicted.time.optimizer_s
 
     assert optimizer_s(100e9) == pytest.approx(optimizer_s(50e9) / 2, rel=1e-6)
+
+
+def test_eager_kernels_take_their_inputs_in_turn_from_copies_beyond_the_cache():
+    """`eager_copies`: separate inputs filling the cold pool (2 to 64 copies), each its own storage, each call
+    of the kernel's torch fallback runnable forward and backward (as `time_eager_s` runs them)."""
+    from autoplan.profiler.gemm import COLD_POOL_BYTES
+    from autoplan.profiler.kernels import eager_copies
+
+    s = dict(tokens=256, hidden=384)
+    copies = eager_copies("rms_norm", s, torch.device("cpu"), torch.float32)
+    nbytes = sum(t.numel() * t.element_size() for t in copies[0][0])
+    assert len(copies) == min(64, -(-COLD_POOL_BYTES // nbytes))
+    assert len({inputs[0].data_ptr() for inputs, _ in copies}) == len(copies)
+    inputs, fn = copies[-1]
+    out = fn(*inputs)
+    assert all(g is not None for g in torch.autograd.grad(out, inputs, torch.ones_like(out)))
+    big = eager_copies("cross_entropy", dict(tokens=4096, vocab=8192), torch.device("cpu"), torch.float32)
+    assert len(big) == 2  # 128 MiB of logits: two copies
