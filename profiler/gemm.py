@@ -35,8 +35,8 @@ Default sweeps (sized to the device):
 - CUDA, bf16: m, n, k each in {256, 512, 1k, 2k, 4k, 8k, 16k}: 343 shapes, covering the (tokens x
   hidden) x (hidden x 3h / 4h) products of transformer layers up to GPT-3 width, and the narrow ones a
   rank of tp 8 runs (a 2048-wide model's k and v projections: 256 outputs per rank). `--quick`: {1k, 4k}^3.
-- CPU, fp32: m, n, k each in {64, 256, 1024, 2048}: 64 shapes, about 5 s on 2 idle cores (the largest
-  is ~0.13 s at ~140 GFLOP/s). `--quick`: {64, 256}^3.
+- CPU, fp32: m, n, k each in {64, 256, 1024, 2048}: 64 shapes in 3 passes, about 12 s on 2 cores (the
+  largest is ~0.16 s at ~110 GFLOP/s). `--quick`: {64, 256}^3, one pass.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ CPU_QUICK_SIZES = (64, 256)
 MIN_WINDOW_S = 1e-3  # a timed window of back-to-back calls lasts at least this long
 COLD_POOL_BYTES = 64 * 2**20  # a CPU's GEMM operands in turn: twice the development machine's 32 MiB L3
 MAX_POOL_PAIRS = 256
+CPU_PASSES = 3  # a CPU's grid is swept this many times, each shape its median pass (`sweep_gemms`)
 WARMUP_CALLS = 2
 
 
@@ -179,17 +180,24 @@ def operand_pool(a: torch.Tensor, b: torch.Tensor) -> list[tuple[torch.Tensor, t
 
 
 def sweep_gemms(device: torch.device, dtype: str | None = None, shapes: Iterable[tuple[int, int, int]] | None = None,
-                quick: bool = False, budget_s: float | None = None) -> tuple[GemmSample, ...]:
+                quick: bool = False, budget_s: float | None = None, passes: int | None = None) -> tuple[GemmSample, ...]:
     """One GemmSample per shape; defaults: the device's dtype and grid, and a per-shape budget of
-    0.03 s on CUDA and 0.02 s on CPU (halved by `quick`)."""
+    0.03 s on CUDA and 0.02 s on CPU (halved by `quick`). On a CPU the grid is swept `passes` times (default
+    `CPU_PASSES`, 1 with `quick`) one after the other, and each shape keeps its median pass: a shared machine's
+    speed drifts from second to second, and one pass of a few seconds catches one moment of it (two fresh
+    profiles six minutes apart on the development machine, 2026-11-26, read the whole grid 7% apart, the
+    median over shapes, and single shapes up to 41%)."""
     dtype = dtype or default_dtype(device.type)
     if dtype not in TORCH_DTYPES:
         raise ConfigError(f"GEMM dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
     shapes = list(shapes) if shapes is not None else default_shapes(device.type, quick)
     if budget_s is None:
         budget_s = (0.03 if device.type == "cuda" else 0.02) * (0.5 if quick else 1.0)
-    samples = []
+    if passes is None:
+        passes = CPU_PASSES if device.type == "cpu" and not quick else 1
+    times: dict[tuple[int, int, int], list[float]] = {shape: [] for shape in shapes}
     with torch.no_grad():
-        for m, n, k in shapes:
-            samples.append(GemmSample(m, n, k, dtype, time_gemm_s(m, n, k, dtype, device, budget_s)))
-    return tuple(samples)
+        for _ in range(passes):
+            for m, n, k in shapes:
+                times[(m, n, k)].append(time_gemm_s(m, n, k, dtype, device, budget_s))
+    return tuple(GemmSample(m, n, k, dtype, statistics.median(times[(m, n, k)])) for m, n, k in shapes)

@@ -137,6 +137,21 @@ def test_cpu_gemms_take_their_operands_in_turn_from_a_pool_beyond_the_cache():
     assert len(operand_pool(torch.empty(2048, 4096), torch.empty(4096, 2048))) == 2
 
 
+def test_cpu_sweep_keeps_each_shapes_median_pass(monkeypatch):
+    """`sweep_gemms` on a CPU sweeps the grid CPU_PASSES times, one pass after another, and keeps each shape's
+    median; `quick` sweeps once."""
+    from autoplan.profiler import gemm
+
+    readings = iter([1.0, 5.0, 3.0, 9.0, 2.0, 7.0])  # pass 1: shapes a, b; pass 2: a, b; pass 3: a, b
+    monkeypatch.setattr(gemm, "time_gemm_s", lambda *args: next(readings))
+    shapes = [(64, 64, 64), (256, 64, 64)]
+    assert gemm.CPU_PASSES == 3
+    samples = gemm.sweep_gemms(torch.device("cpu"), shapes=shapes)
+    assert [s.time_s for s in samples] == [2.0, 7.0]  # a: median(1, 3, 2); b: median(5, 9, 7)
+    monkeypatch.setattr(gemm, "time_gemm_s", lambda *args: 4.0)
+    assert [s.time_s for s in gemm.sweep_gemms(torch.device("cpu"), shapes=shapes, quick=True)] == [4.0, 4.0]
+
+
 def test_gemm_efficiency_reproduces_samples_and_interpolates_in_log_shape():
     eff = GemmEfficiency.from_profile(_profile(peak=1e15))  # no DeviceSpec: peak = best measured
     best = _linear_eff(4096, 4096, 4096)
