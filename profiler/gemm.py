@@ -35,7 +35,7 @@ Default sweeps (sized to the device):
 - CUDA, bf16: m, n, k each in {256, 512, 1k, 2k, 4k, 8k, 16k}: 343 shapes, covering the (tokens x
   hidden) x (hidden x 3h / 4h) products of transformer layers up to GPT-3 width, and the narrow ones a
   rank of tp 8 runs (a 2048-wide model's k and v projections: 256 outputs per rank). `--quick`: {1k, 4k}^3.
-- CPU, fp32: m, n, k each in {64, 256, 1024, 2048}: 64 shapes in 3 passes, about 12 s on 2 cores (the
+- CPU, fp32: m, n, k each in {64, 256, 1024, 2048}: 64 shapes in 3 passes, 12-17 s on one thread (the
   largest is ~0.16 s at ~110 GFLOP/s). `--quick`: {64, 256}^3, one pass.
 """
 
