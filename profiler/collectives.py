@@ -234,14 +234,15 @@ def collective_sync_s(fits: Sequence[CollectiveFit], device: torch.device, quick
         extra = median(compute; all-reduce) - median(compute alone) - fit(all-reduce, message)
 
     and (s, c) the least-squares fit of extra against sqrt(compute), both floored at 0 (`fit_skew`; computes of
-    one duration: c = 0 and s their median). Medians, not the fastest window: a step pays the typical call. Both ranks run the same loop at once, so what the extra holds is what a step's collective
-    meets and the lockstep sweep above does not: the ranks arrive out of step (each rank's compute ran on a
-    core it shares with its peer's gloo threads and the OS), and the waiting rank's threads must be woken and
-    scheduled again. On the 2-core development machine (2026-11-26, 2 gloo ranks, one thread each) the extra
-    was 0.9-1.7 ms per call at 0.3 ms of compute whatever the message (4 KiB or 1 MiB), 1.0-1.3 ms at 2.6 ms,
-    1.5-2.2 ms at 9 ms, 2.9 ms at 20 ms and 2.6-4.1 ms at 40 ms: a fixed cost per call and a skew that grows
-    as the square root of the compute before it, not in proportion to it. Not measured on CUDA, where
-    NCCL's kernels wait on the device and the host runs ahead."""
+    one duration: c = 0 and s their median). Medians, not the fastest window: a step pays the typical call.
+    Both ranks run the same loop at once, so what the extra holds is what a step's collective meets and the
+    lockstep sweep above does not: the ranks arrive out of step (each rank's compute ran on a core it shares
+    with its peer's gloo threads and the OS), and the waiting rank's threads must be woken and scheduled again.
+    On the 2-core development machine (2026-11-26, 2 gloo ranks, one thread each) the extra was 0.9-1.7 ms per
+    call at 0.3 ms of compute whatever the message (4 KiB or 1 MiB), 1.0-1.3 ms at 2.6 ms, 1.5-2.2 ms at 9 ms,
+    2.9 ms at 20 ms and 2.6-4.1 ms at 40 ms: a fixed cost per call and a skew that grows as the square root of
+    the compute before it, not in proportion to it. Not measured on CUDA, where NCCL's kernels wait on the
+    device and the host runs ahead."""
     fit = next((f for f in fits if f.kind == "all_reduce" and f.group_size == dist.get_world_size()), None)
     if fit is None:
         raise ProfileError("collective_sync_s needs the all-reduce fit over the world (measure_collectives first)")
@@ -291,8 +292,8 @@ def overlap_cost(device: torch.device, quick: bool = False, message_bytes: int =
     the median of alternating windows after a world barrier, by wall time, then the slowest rank's. f = 0:
     the collective hides whole behind compute (its own cores, or a GPU's copy engines and spare SMs); f =
     1: it runs as if after the compute. On the 2-core development machine (2026-11-26, 2 gloo ranks, one
-    thread each, 12 GEMMs of 1024^3, about 240 ms, beside all-reduces of 8-100 MiB) f read 0.42-0.80: gloo's threads copy and
-    reduce on the cores the ranks compute on. Not measured on CUDA."""
+    thread each, 12 GEMMs of 1024^3, about 240 ms, beside all-reduces of 8-100 MiB) f read 0.42-0.80:
+    gloo's threads copy and reduce on the cores the ranks compute on. Not measured on CUDA."""
     world = _World(device)
     buffer = torch.ones(max(1, message_bytes // ELEMENT_BYTES), device=device)
     gemm = gemm_compute(OVERLAP_GEMM, device)

@@ -41,9 +41,11 @@ Default sweeps (sized to the device):
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -60,6 +62,7 @@ COLD_POOL_BYTES = 64 * 2**20  # a CPU's GEMM operands in turn: twice the develop
 MAX_POOL_PAIRS = 256
 CPU_PASSES = 3  # a CPU's grid is swept this many times, each shape its median pass (`sweep_gemms`)
 WARMUP_CALLS = 2
+T = TypeVar("T")
 
 
 def default_dtype(kind: str) -> str:
@@ -159,24 +162,30 @@ def time_gemm_s(m: int, n: int, k: int, dtype: str, device: torch.device, budget
     b = torch.randn(k, n, device=device, dtype=torch_dtype)  # (k, n)
     if device.type != "cpu":
         return fastest_call_s(lambda: torch.mm(a, b), device, budget_s)
-    pool, calls = operand_pool(a, b), [0]
-
-    def next_pair() -> torch.Tensor:
-        x, y = pool[calls[0] % len(pool)]
-        calls[0] += 1
-        return torch.mm(x, y)
-
     # the median window, by the thread's CPU time: what a step's GEMMs take (module docstring)
-    return fastest_call_s(next_pair, device, budget_s, statistics.median)
+    return fastest_call_s(in_turn(operand_pool(a, b), lambda pair: torch.mm(*pair)), device, budget_s,
+                          statistics.median)
 
 
 def operand_pool(a: torch.Tensor, b: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Copies of (a, b) filling at least `COLD_POOL_BYTES` (2 to `MAX_POOL_PAIRS` pairs): taken in turn, each
     call reads its operands from memory, as a step's GEMMs do (their weights and activations last touched a
     layer or a pass ago), not from the cache the previous call filled (module docstring)."""
-    pair_bytes = (a.numel() + b.numel()) * a.element_size()
-    count = max(2, min(MAX_POOL_PAIRS, -(-COLD_POOL_BYTES // pair_bytes)))
+    count = pool_size((a.numel() + b.numel()) * a.element_size(), MAX_POOL_PAIRS)
     return [(a.clone(), b.clone()) for _ in range(count)]
+
+
+def pool_size(nbytes: int, most: int) -> int:
+    """How many copies of `nbytes` each fill `COLD_POOL_BYTES`: 2 at least, `most` at most."""
+    return max(2, min(most, -(-COLD_POOL_BYTES // max(1, nbytes))))
+
+
+def in_turn(items: Sequence[T], call: Callable[[T], object]) -> Callable[[], object]:
+    """A timed call that runs `call` on the next of `items` each time, round robin: each call meets inputs
+    the calls just before it did not leave in the cache (`operand_pool`; `profiler.kernels.eager_copies`;
+    `profiler.memory.measure_fresh_copies`)."""
+    turn = itertools.cycle(items)
+    return lambda: call(next(turn))
 
 
 def sweep_gemms(device: torch.device, dtype: str | None = None, shapes: Iterable[tuple[int, int, int]] | None = None,

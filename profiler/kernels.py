@@ -328,42 +328,34 @@ def time_eager_s(kernel: str, s: dict[str, int], device, dtype, budget_s: float)
     (as training runs it), backward `torch.autograd.grad` of one forward's output (the add: the sum of two
     gradients where the residual stream forks), each the median window, each call on the next of
     `eager_copies` (module docstring)."""
-    from autoplan.profiler.gemm import fastest_call_s
+    from autoplan.profiler.gemm import fastest_call_s, in_turn
 
     copies = eager_copies(kernel, s, device, dtype)
-    calls = [0, 0]
+    fwd_s = fastest_call_s(in_turn(copies, lambda copy: copy[1](*copy[0])), device, budget_s, statistics.median)
+    passes = [_backward_call(kernel, inputs, fn) for inputs, fn in copies]
+    return fwd_s, fastest_call_s(in_turn(passes, lambda backward: backward()), device, budget_s, statistics.median)
 
-    def forward():
-        inputs, fn = copies[calls[0] % len(copies)]
-        calls[0] += 1
-        return fn(*inputs)
 
-    fwd_s = fastest_call_s(forward, device, budget_s, statistics.median)
-    passes = []
-    for inputs, fn in copies:
-        out = fn(*inputs)
-        if kernel == "add":  # its backward passes dy through; the sum of the residual fork's two gradients is
-            passes.append(lambda dy=torch.randn_like(out), other=torch.randn_like(out): dy + other)  # what is counted
-        else:  # (`compute.memory_op_bytes`)
-            passes.append(lambda out=out, inputs=inputs, dy=torch.randn_like(out): torch.autograd.grad(
-                out, inputs, dy, retain_graph=True))
-
-    def backward():
-        calls[1] += 1
-        return passes[calls[1] % len(passes)]()
-
-    return fwd_s, fastest_call_s(backward, device, budget_s, statistics.median)
+def _backward_call(kernel: str, inputs: list[torch.Tensor], fn: Callable) -> Callable[[], object]:
+    """One copy's backward as `time_eager_s` times it: `torch.autograd.grad` of one forward's output; the add's,
+    the sum of the residual fork's two gradients (its backward passes dy through; that sum is what the cost
+    model counts on it, `compute.memory_op_bytes`)."""
+    out = fn(*inputs)
+    dy = torch.randn_like(out)
+    if kernel == "add":
+        other = torch.randn_like(out)
+        return lambda: dy + other
+    return lambda: torch.autograd.grad(out, inputs, dy, retain_graph=True)
 
 
 def eager_copies(kernel: str, s: dict[str, int], device, dtype) -> list[tuple[list[torch.Tensor], Callable]]:
     """`eager_call`'s inputs and call, in as many copies as fill `profiler.gemm.COLD_POOL_BYTES` (2 to 64): taken
     in turn, each call reads inputs the call before did not leave in the cache, as a step's ops read
     activations made a layer or a pass ago (module docstring)."""
-    from autoplan.profiler.gemm import COLD_POOL_BYTES
+    from autoplan.profiler.gemm import pool_size
 
     first = eager_call(kernel, s, device, dtype)
-    nbytes = sum(t.numel() * t.element_size() for t in first[0])
-    count = max(2, min(64, -(-COLD_POOL_BYTES // max(1, nbytes))))
+    count = pool_size(sum(t.numel() * t.element_size() for t in first[0]), 64)
     return [first] + [eager_call(kernel, s, device, dtype) for _ in range(count - 1)]
 
 

@@ -33,9 +33,11 @@ at their own fraction of the copy above (on the lent H200: 3.6-3.8 TB/s in steps
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
-from autoplan.profiler.gemm import fastest_call_s
+from autoplan.profiler.gemm import fastest_call_s, in_turn
 from autoplan.profiler.profile import MemorySample
 
 MiB = 2**20
@@ -83,7 +85,7 @@ def measure_adamw_rate(device: torch.device, quick: bool = False, shape: tuple[i
     optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=True)
     for _ in range(3):
         optimizer.step()
-    seconds = sorted(timed_windows_s(optimizer.step, device, repeats=3 if quick else 7, inner=3))[(3 if quick else 7) // 2]
+    seconds = statistics.median(timed_windows_s(optimizer.step, device, repeats=3 if quick else 7, inner=3))
     total = count * size
     return adamw_pass_bytes(4.0) * total / seconds, total, seconds
 
@@ -99,8 +101,6 @@ def measure_fresh_copies(device: torch.device, quick: bool = False, budget_s: fl
     for mib in (FRESH_QUICK_SIZES_MIB if quick else FRESH_SIZES_MIB):
         size = mib * MiB
         sources = [torch.ones(size, dtype=torch.uint8) for _ in range(max(2, COLD_SOURCE_BYTES // size))]
-        turn = iter(range(1 << 62))
-        samples.append(MemorySample(size, fastest_call_s(lambda: sources[next(turn) % len(sources)].clone(),
-                                                         device, budget_s)))
+        samples.append(MemorySample(size, fastest_call_s(in_turn(sources, torch.Tensor.clone), device, budget_s)))
         del sources
     return tuple(samples)

@@ -277,18 +277,17 @@ class RankProgram(nn.Module):
         """train_step's body after the checks of its input (module docstring)."""
         plan = self.plan
         local_tokens, local_targets = self.shard_batch(tokens, targets)
+        # the whole local batch onto the device at once: a blocking copy from host memory synchronises the
+        # stream, so one per microbatch would drain the queue the host had run ahead to fill
+        local_tokens, local_targets = local_tokens.to(self.device), local_targets.to(self.device)
         check_optimizer(self.grad_sync, optimizer, self.plan.zero_stage)
         optimizer.zero_grad(set_to_none=True)
         if self.grad_sync is not None:
             self.grad_sync.begin_step(plan.num_microbatches)
         if self.pipeline is not None:
             with self._autocast():
-                total = self.pipeline.step(local_tokens.to(self.device),
-                                           local_targets.to(self.device))
+                total = self.pipeline.step(local_tokens, local_targets)
         else:
-            # the whole local batch onto the device at once: a blocking copy from host memory synchronises
-            # the stream, so one per microbatch would drain the queue the host had run ahead to fill
-            local_tokens, local_targets = local_tokens.to(self.device), local_targets.to(self.device)
             total = torch.zeros((), device=self.device)
             for mb_tokens, mb_targets in zip(local_tokens.chunk(plan.num_microbatches),
                                              local_targets.chunk(plan.num_microbatches)):
