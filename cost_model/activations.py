@@ -27,10 +27,7 @@ the captured graph once and records, per op, the storages it makes and those its
     conversions   each tp conversion of a producer's output (gather, split, all-to-all) is a fresh
                   storage of the local size in the consumer's layer; copy-to-region is a view
 
-Runtime dtypes under mixed precision: GEMM, attention and MoE outputs in the compute dtype; the
-embedding (fp32 weights) and so the residual stream and norm inputs in fp32; pointwise ops in
-their inputs' widest dtype. Under master weights (plan precision "bf16-master", `RunShape.master`)
-the parameters are bf16: the embedding, and so the residual stream, in the compute dtype.
+Runtime dtypes under mixed precision: `cost_model.runtime_dtypes`.
 
 What a policy keeps (`held`): without recomputation, every storage some op keeps. A recomputed layer
 (a checkpointed region, runtime.recompute) keeps instead its region inputs (storages made outside it
@@ -49,18 +46,18 @@ from autoplan.models.config import expert_capacity
 from autoplan.placement import Placement, Replicate, Shard
 from autoplan.strategies import Strategy, expert_dims
 from autoplan.cost_model.ep_margins import ep_imbalance_margins
+from autoplan.cost_model.runtime_dtypes import (FP32, NO_SAVE_POINTWISE, SAVE_ALL_POINTWISE, biased, is_float,
+                                                 runtime_itemsizes)
 from autoplan.cost_model.storages import Activations, Storage
 
 if TYPE_CHECKING:
     from autoplan.capture import CapturedGraph, NodeInfo, TensorMeta
     from autoplan.cost_model.compute import AttentionKernel
 
-FP32, INT64, BOOL = 4, 8, 1
+INT64, BOOL = 8, 1
 REPLICATE = Replicate()
 VIEW_TARGETS = frozenset({"view", "reshape", "unsqueeze", "squeeze", "expand", "transpose", "permute",
                           "flatten", "contiguous", "getitem", "chunk", "split", "t"})
-NO_SAVE_POINTWISE = frozenset({"add", "iadd", "add_", "sub", "isub", "sub_", "neg", "float", "to"})
-SAVE_ALL_POINTWISE = frozenset({"mul", "imul", "mul_", "truediv", "div"})
 CASTS = frozenset({"to", "float", "type_as"})
 SAVE_OUTPUT_POINTWISE = frozenset({"tanh", "sigmoid", "exp", "relu", "rsqrt", "sqrt"})
 MOE_ROUTER_INTS = 2  # top-k indices and softmax weights kept per routed slot (int64 + fp32 below)
@@ -68,49 +65,6 @@ ROUTED_ROWS = frozenset({"received", "expert_in", "gate", "up", "product"})  # `
 
 
 # ------------------------------------------------------------------------------------ the walk
-
-
-def runtime_itemsizes(graph: "CapturedGraph", mixed: bool, strategies: Mapping[str, Strategy],
-                      master: bool = False) -> dict[str, int]:
-    """Bytes per element of each node's output as the runtime holds it (module docstring); `master`:
-    parameters held in the compute dtype (`RunShape.master`)."""
-    found: dict[str, int] = {}
-    for node in graph.nodes:
-        meta = node.output
-        if meta is None:
-            continue
-        size = meta.nbytes // max(meta.numel, 1)
-        if mixed and _is_float(meta):
-            size = _mixed_itemsize(node, found, size, strategies[node.name], master)
-        found[node.name] = size
-    return found
-
-
-def _biased(node: "NodeInfo") -> bool:
-    return any(name.endswith(".bias") for name, _ in node.params)
-
-
-def _is_float(meta: "TensorMeta") -> bool:
-    return meta.dtype in ("float32", "bfloat16", "float16", "float64")
-
-
-def _mixed_itemsize(node: "NodeInfo", found: Mapping[str, int], compute: int, strategy: Strategy,
-                    master: bool = False) -> int:
-    """Under autocast over fp32 parameters: GEMM-like ops give the compute dtype (a row-parallel linear
-    with a bias fp32: its bias is added after the reduction, outside autocast's GEMM), embeddings fp32,
-    "float" fp32, the rest their (first, or for binary arithmetic widest) float input's. Under master
-    weights (bf16 parameters) the embedding and a row-parallel linear's bias are in the compute dtype."""
-    if node.op_kind == "linear" and strategy.name in ("row", "row_sp") and _biased(node):
-        return compute if master else FP32
-    if node.op_kind in ("linear", "attention", "moe"):
-        return compute
-    if node.op_kind == "embedding":
-        return compute if master else FP32
-    if node.target == "float":
-        return FP32
-    widths = [found[p] for p, m in zip(node.inputs, node.input_metas) if p in found and _is_float(m)]
-    binary = node.op_kind == "elementwise" and node.target in SAVE_ALL_POINTWISE | NO_SAVE_POINTWISE
-    return max(widths if binary else widths[:1], default=compute)
 
 
 @dataclass(frozen=True)
@@ -296,7 +250,7 @@ class _Walk:
         if self.strategies[node.name].name in ("row", "row_sp"):  # a full-size partial GEMM output, reduced
             self.make(f"{node.name}:partial", node.output.nbytes, node, "matmul",
                       _batched(node.output, self.graph.batch_size))
-            self.output(node, "other" if _biased(node) else "collective")
+            self.output(node, "other" if biased(node) else "collective")
         else:
             self.output(node, "matmul")
 
@@ -318,7 +272,7 @@ class _Walk:
         self.output(node, "other")
 
     def _elementwise(self, node: "NodeInfo") -> None:
-        target, floats = node.target, [i for i, m in enumerate(node.input_metas) if _is_float(m)]
+        target, floats = node.target, [i for i, m in enumerate(node.input_metas) if is_float(m)]
         if target in CASTS and node.inputs and self.itemsize.get(node.inputs[0]) == self.itemsize.get(node.name):
             self.out[node.name] = self.seen(node, 0)  # a cast to its input's own dtype returns the input
             return
