@@ -2,10 +2,10 @@
 # Every GPU measurement autoplan makes, in one run on a CUDA machine; each section under its own time
 # limit, so one that hangs or fails costs only its own limit; results and the log in OUTDIR.
 #
-#   python benchmarks/gpu_steps.py plan -d gpu_run/plans      # first, on any machine: the step cases' plans
+#   python benchmarks/gpu_steps.py plan -d gpu_run/plans [--cluster 1xh100]   # first, on any machine: the step cases' plans
 #   bash benchmarks/gpu_session.sh OUTDIR [SECTION ...]         # on the GPU machine
 #
-# Sections (default: all but compile, in this order): profile (autoplan profile -> OUTDIR/h200.json,
+# Sections (default: all but compile, in this order): profile (autoplan profile -> OUTDIR/profile.json,
 # GEMMs, copy bandwidth, launch floor), layers (benchmarks/gpu_layer_time.py measure), steps
 # (benchmarks/gpu_steps.py run, one-rank NCCL group), host (the host's dispatch per kernel on blocks of
 # several sizes: benchmarks/gpu_layer_time.py host), diagnose (the steps again, one process per case, with each
@@ -39,7 +39,7 @@ section() {  # section LIMIT_S COMMAND...: run, log, and say how it ended
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >>"$LOG" 2>&1
 for s in $SECTIONS; do
     case $s in
-        profile) section 100 python3 -P -m autoplan.profiler.cli --no-kernels -o "$OUTDIR/h200.json" ;;
+        profile) section 100 python3 -P -m autoplan.profiler.cli --no-kernels -o "$OUTDIR/profile.json" ;;
         layers) section 130 python3 benchmarks/gpu_layer_time.py measure -o "$OUTDIR/layer_times.json" ${LAYER_ARGS:-} ;;
         steps) section 110 python3 -m torch.distributed.run --nproc-per-node 1 benchmarks/gpu_steps.py run \
                    -d gpu_run/plans -o "$OUTDIR/steps.json" ${STEPS_ARGS:-} ;;
@@ -57,7 +57,7 @@ for s in $SECTIONS; do
             done ;;
         host) section 60 python3 benchmarks/gpu_layer_time.py host -o "$OUTDIR/host_dispatch.json" ;;
         kernels) section 60 python3 benchmarks/kernels.py --markdown --json "$OUTDIR/kernels.json" --no-compile \
-                   --budget-s 0.1 --profile "$OUTDIR/h200.json" ;;
+                   --budget-s 0.1 --profile "$OUTDIR/profile.json" ;;
         compile) section 200 python3 benchmarks/kernels.py --markdown --json "$OUTDIR/kernels_compile.json" ;;
         *) echo "unknown section $s" | tee -a "$LOG" ;;
     esac

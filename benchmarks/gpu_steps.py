@@ -6,8 +6,9 @@ plan's prediction (issues 17, 19, 20).
     python benchmarks/gpu_steps.py compare benchmarks/data/h200_steps.json
 
 `plan` prices each case of `CASES` (built-in Llama and GPT shapes that fit one H200, bf16 autocast over
-fp32 weights or bf16 parameters with fp32 masters, AdamW) with `autoplan.estimate` on the `1xh200` cluster, by the device preset, and writes
-one plan file per case (and, with `--profile`, a second set priced with that hardware profile).
+fp32 weights or bf16 parameters with fp32 masters, AdamW) with `autoplan.estimate` on a one-GPU cluster
+(`--cluster`, default `1xh200`), by the device preset, and writes one plan file per case that the cost model
+says fits the device's memory (and, with `--profile`, a second set priced with that hardware profile).
 `run` compiles each plan with `autoplan.parallelize` on a one-rank NCCL group (the model built on meta,
 parameters from the seeded init), takes `--warmup` untimed and `--steps` timed `train_step`s on fixed
 random tokens, each timed by the wall clock between two `torch.cuda.synchronize()`s, and records the
@@ -16,8 +17,8 @@ phase (`memory_phases`), and the plan's predicted step time, peak memory and the
 process count what an earlier case left allocated in a later case's `max_memory_allocated`, so `compare`
 subtracts it where the phases were recorded (`own_peak_bytes`); `gpu_session.sh diagnose` runs each case
 in a process of its own (`isolated`). A case that fails is recorded with its error; the rest still run.
-`compare` prints measured against the current cost model's prediction of each case (re-priced, by the
-preset or a profile): error = predicted / measured - 1.
+`compare` prints measured against the current cost model's prediction of each case (re-priced on the
+cluster the run recorded, by the preset or a profile): error = predicted / measured - 1.
 """
 
 from __future__ import annotations
@@ -76,7 +77,12 @@ def cmd_plan(args) -> int:
         for tag, prof in (("preset", None), ("profile", profile)):
             if tag == "profile" and prof is None:
                 continue
-            plan = price_case(case, prof)
+            plan = price_case(case, prof, args.cluster)
+            capacity = plan.cluster.device.memory_bytes
+            if plan.predicted.peak_memory_bytes > capacity:
+                print(f"{name} ({tag}): skipped, predicted {plan.predicted.peak_memory_bytes / 2**30:.2f} GiB "
+                      f"over the device's {capacity / 2**30:.2f} GiB")
+                continue
             plan.save(out / f"{name}.{tag}.json")
             print(f"{name} ({tag}): predicted {plan.predicted.step_time_s * 1e3:.1f} ms, "
                   f"{plan.predicted.peak_memory_bytes / 2**30:.2f} GiB")
@@ -337,6 +343,7 @@ def cmd_run(args) -> int:
         if args.only and name not in args.only:
             continue
         plan = Plan.load(path)
+        result["cluster"] = plan.cluster.to_json()  # what `compare` re-prices on
         row = {"case": name, "priced_by": tag, "predicted": _predicted(plan)}
         try:
             if tag == "preset" or not any(r["case"] == name and "measured" in r for r in result["cases"]):
@@ -354,13 +361,14 @@ def cmd_run(args) -> int:
     return 0
 
 
-def price_case(case, profile=None):
-    """`case`'s plan as the current cost model prices it (`cmd_plan`'s estimate)."""
+def price_case(case, profile=None, cluster=CLUSTER):
+    """`case`'s plan on `cluster` (shorthand or ClusterSpec) as the current cost model prices it (`cmd_plan`'s
+    estimate)."""
     from autoplan.api import estimate
     from autoplan.mesh import MeshShape
 
     seq, mbs, n_mb, recompute, precision = case[8:13]
-    return estimate(case_config(case), CLUSTER, mbs * n_mb, seq, mesh=MeshShape(), microbatch_size=mbs, zero_stage=0,
+    return estimate(case_config(case), cluster, mbs * n_mb, seq, mesh=MeshShape(), microbatch_size=mbs, zero_stage=0,
                     recompute=recompute, profile=profile, precision=precision)
 
 
@@ -379,17 +387,24 @@ def own_peak_bytes(measured: dict, config) -> tuple[float, float]:
     return measured["peak_bytes"] - left, left
 
 
+def recorded_cluster(data: dict):
+    """The cluster a `run` file's plans were compiled for (files before it was recorded ran on `CLUSTER`)."""
+    from autoplan.cluster import ClusterSpec
+
+    return ClusterSpec.from_json(data["cluster"]) if "cluster" in data else CLUSTER
+
+
 def comparison(data: dict, profile=None) -> list[dict]:
     """Per measured case of `data` (a `run` file): measured against today's cost model's prediction (the case
-    re-priced, by the preset or `profile`): step seconds, own peak bytes, what earlier cases left, and the
-    errors predicted / measured - 1. Cases that failed or are not in CASES: {"case", "error"}."""
-    cases = {c[0]: c for c in CASES}
+    re-priced on the run's cluster, by the preset or `profile`): step seconds, own peak bytes, what earlier cases
+    left, and the errors predicted / measured - 1. Cases that failed or are not in CASES: {"case", "error"}."""
+    cases, cluster = {c[0]: c for c in CASES}, recorded_cluster(data)
     rows = []
     for row in data["cases"]:
         if "measured" not in row or row["case"] not in cases:
             rows.append({"case": row["case"], "error": row.get("error", "not a case of CASES")})
             continue
-        m, plan = row["measured"], price_case(cases[row["case"]], profile)
+        m, plan = row["measured"], price_case(cases[row["case"]], profile, cluster)
         p = plan.predicted
         peak, left = own_peak_bytes(m, case_config(cases[row["case"]]))
         rows.append({"case": row["case"], "step_s": m["step_s"], "predicted_step_s": p.step_time_s,
@@ -406,7 +421,7 @@ def cmd_compare(args) -> int:
     data = json.loads(Path(args.measured).read_text())
     profile = HardwareProfile.load(args.profile) if args.profile else None
     print(f"{data['device']}, torch {data['torch']}: one-GPU training steps of the runtime's program, priced "
-          f"{'with ' + args.profile if profile else 'by the h200 preset'}")
+          f"{'with ' + args.profile if profile else 'by the device preset'}")
     print(f"{'case':26} {'step meas ms':>12} {'pred ms':>8} {'err':>7} {'peak meas GiB':>13} {'pred GiB':>8} {'err':>7}"
           f" {'left by earlier GiB':>19}")
     rows = comparison(data, profile)
@@ -430,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plan")
     p.add_argument("-d", "--dir", default="benchmarks/out/gpu_plans")
     p.add_argument("--profile")
+    p.add_argument("--cluster", default=CLUSTER, help=f"a one-GPU cluster shorthand (default {CLUSTER})")
     r = sub.add_parser("run")
     r.add_argument("-d", "--dir", default="benchmarks/out/gpu_plans")
     r.add_argument("-o", "--output", default="steps.json")
