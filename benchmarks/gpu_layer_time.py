@@ -5,6 +5,7 @@ runs it, measured, against what the cost model predicts for it (issue 16).
     python benchmarks/gpu_layer_time.py compare benchmarks/data/h200_layer_times.json
     python benchmarks/gpu_layer_time.py compare benchmarks/data/h200_layer_times.json --profile profiles/h200.json
     python benchmarks/gpu_layer_time.py measure --dry-run -o /tmp/x.json  # CPU: tiny shapes, the code path only
+    python benchmarks/gpu_layer_time.py flash benchmarks/data/h200_layer_times.json  # the flash kernels alone
 
 What is measured (`measure`): the zoo's own block (`LlamaBlock`: RMSNorm, GQA attention with RoPE,
 SwiGLU; `GPTBlock`: LayerNorm, MHA, tanh-GELU MLP; both with residual adds) at the shapes one rank of
@@ -254,6 +255,51 @@ def summary(rows: list[dict]) -> dict[str, float]:
             "mean_error": statistics.mean(r["error"] for r in rows)}
 
 
+FLASH_FORWARD = ("fprop",)  # cuDNN's SDPA kernels by name: the forward's, and the backward's (main + helpers)
+FLASH_BACKWARD = ("bprop", "cudnn::fusion")
+
+
+def flash_rows(measured: dict, device_preset: str) -> list[dict]:
+    """Per measured case with cuDNN's flash kernels (the `triton` backend's breakdown): the kernels' forward and
+    backward seconds, the GEMM curve's rate at the attention's shape (`Efficiency.attention_efficiency`, FLOPs
+    counted in full), each pass's measured rate over it, and the priced seconds (`compute.attention_time_s`)."""
+    from autoplan.cluster import preset
+    from autoplan.cost_model.compute import Efficiency, attention_time_s
+
+    device = preset(device_preset).device
+    efficiency, head_dim, rows = Efficiency().resolved(device), measured["head_dim"], []
+    for m in measured["cases"]:
+        kernels = m.get("kernels") if m.get("backend") == "triton" else None
+        fwd = sum(k["s"] for k in kernels or () if any(p in k["kernel"] for p in FLASH_FORWARD))
+        bwd = sum(k["s"] for k in kernels or () if any(p in k["kernel"] for p in FLASH_BACKWARD))
+        if not (fwd and bwd):
+            continue
+        case = Case(m["family"], m["hidden"], m["tp"], m["seq"], m["mbs"])
+        batch_heads, seq = case.mbs * case.hidden // head_dim / case.tp, case.seq
+        flops = 4 * batch_heads * seq * seq * head_dim
+        curve = device.peak_flops_for("bfloat16") * efficiency.attention_efficiency(batch_heads * seq, seq, head_dim,
+                                                                                    device, "bfloat16")
+        priced = attention_time_s(batch_heads, seq, head_dim, 2, device, "bfloat16", efficiency)
+        rows.append({"case": case.name, "fwd_s": fwd, "bwd_s": bwd, "fwd_over_curve": flops / fwd / curve,
+                     "bwd_over_curve": 2 * flops / bwd / curve, "fwd_priced_s": priced[0], "bwd_priced_s": priced[1]})
+    return rows
+
+
+def cmd_flash(args) -> int:
+    """The flash kernels' rates over the GEMM curve (what `compute.GPU_FLASH_RATES` is fitted to) and today's price."""
+    rows = flash_rows(json.loads(Path(args.measured).read_text()), args.device)
+    print(f"{'case':32} {'fwd us':>8} {'priced':>8} {'bwd us':>8} {'priced':>8} {'fwd/curve':>9} {'bwd/curve':>9}")
+    for r in rows:
+        print(f"{r['case']:32} {r['fwd_s'] * 1e6:8.0f} {r['fwd_priced_s'] * 1e6:8.0f} {r['bwd_s'] * 1e6:8.0f} "
+              f"{r['bwd_priced_s'] * 1e6:8.0f} {r['fwd_over_curve']:9.3f} {r['bwd_over_curve']:9.3f}")
+    if rows:
+        med = {k: statistics.median(r[k] for r in rows) for k in ("fwd_over_curve", "bwd_over_curve")}
+        err = {p: statistics.median(abs(r[f"{p}_priced_s"] / r[f"{p}_s"] - 1) for r in rows) for p in ("fwd", "bwd")}
+        print(f"{len(rows)} cases: rate over the curve, median forward {med['fwd_over_curve']:.3f}, backward "
+              f"{med['bwd_over_curve']:.3f}; priced median |error| forward {err['fwd']:.1%}, backward {err['bwd']:.1%}")
+    return 0
+
+
 def cmd_compare(args) -> int:
     from autoplan.profiler.profile import HardwareProfile
 
@@ -290,10 +336,13 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--backend", choices=("triton", "torch"), default="triton")
     c.add_argument("--device", default="h200", help="the cluster preset of the measured device")
     c.add_argument("--json", help="write the rows and the summary here")
+    f = sub.add_parser("flash", help="cuDNN's flash kernels of a measured file against the GEMM curve and the price")
+    f.add_argument("measured")
+    f.add_argument("--device", default="h200", help="the cluster preset of the measured device")
     h = sub.add_parser("host", help="the host's dispatch per kernel on blocks of several sizes (CUDA)")
     h.add_argument("-o", "--output", default="host_dispatch.json")
     args = parser.parse_args(argv)
-    return {"measure": cmd_measure, "compare": cmd_compare, "host": cmd_host}[args.command](args)
+    return {"measure": cmd_measure, "compare": cmd_compare, "flash": cmd_flash, "host": cmd_host}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -419,9 +419,10 @@ def attention_time_s(batch_heads: float, seq: int, head_dim: int, itemsize: floa
     FLOPs are counted in full (4 T^2 d forward, 8 T^2 d backward per head), as Narayanan et al. 2021
     count them. Flash: one kernel each way whose HBM traffic is q, k, v, o (and dO, dq, dk, dv); a causal
     flash kernel skips the masked half of those FLOPs but runs at well below the GEMM rate (FlashAttention-2
-    reaches 50-73% of A100 peak forward and less backward, Dao 2023), so the full count at the GEMM rate
-    of the device's default curve stands for both (`Efficiency.attention_efficiency`: a profile's GEMM
-    sweep does not measure it). Materialized: `attention_kernels`, each at its own roofline. `keys`: the keys each query
+    reaches 50-73% of A100 peak forward and less backward, Dao 2023), so the full count is priced from the
+    GEMM rate of the device's default curve (`Efficiency.attention_efficiency`: a profile's GEMM sweep does
+    not measure it), as cuDNN's kernels ran on a GPU (`default_flash_rates`), or at a CPU profile's measured
+    SDPA rates. Materialized: `attention_kernels`, each at its own roofline. `keys`: the keys each query
     attends to (a sliding window's min(T, window); None: all T), the T x keys that stands for T x T above."""
     keys = seq if keys is None else keys
     vectors = batch_heads * seq * head_dim * itemsize  # one of q, k, v, o
@@ -429,7 +430,8 @@ def attention_time_s(batch_heads: float, seq: int, head_dim: int, itemsize: floa
     if efficiency.attention.kind == "flash":
         per_head = 2.0 * seq * keys * head_dim  # one T x keys x d GEMM
         rate = peak * efficiency.attention_efficiency(batch_heads * seq, keys, head_dim, device, dtype)
-        fwd_rate, bwd_rate = _measured_attention_rates(2 * batch_heads * per_head, device, dtype, efficiency) or (rate, rate)
+        measured = _measured_attention_rates(2 * batch_heads * per_head, device, dtype, efficiency)
+        fwd_rate, bwd_rate = measured or default_flash_rates(rate, device, efficiency)
         fwd = max(2 * batch_heads * per_head / fwd_rate, memory_time_s(4 * vectors, device, efficiency))
         bwd = max(4 * batch_heads * per_head / bwd_rate, memory_time_s(8 * vectors, device, efficiency))
         return efficiency.kernels_s(fwd, 1), efficiency.kernels_s(bwd, 2)
@@ -446,6 +448,25 @@ def attention_time_s(batch_heads: float, seq: int, head_dim: int, itemsize: floa
 
     forward, backward = attention_kernels(efficiency.attention, itemsize)
     return run(forward), run(backward)
+
+
+# (forward, backward) rate of cuDNN's causal flash kernels over the device's default GEMM curve's at the same shape,
+# FLOPs counted in full: on the lent H200 (benchmarks/data/h200_layer_times.json: the kernels of 40 runtime layers,
+# hidden 2048-12288, tp 1-8, 2048-8192 tokens) the forward ran at 1.09-2.19x the curve (median 1.275: it skips the
+# masked half), the backward's kernels (the main one, the dO.O row sums, dQ's reduction and cast) at 0.74-1.39x
+# (median 0.87: it recomputes the scores, 5 GEMMs to the forward's 2), taking 2.7-3.2x the forward's time where
+# the curve alone priced 2x. Priced so, the median |error| per pass is 6.2% forward, 6.7% backward (the curve alone:
+# 27.5% and 14.4%; `python benchmarks/gpu_layer_time.py flash benchmarks/data/h200_layer_times.json`)
+GPU_FLASH_RATES = (1.275, 0.87)
+
+
+def default_flash_rates(rate: float, device: DeviceSpec, efficiency: Efficiency) -> tuple[float, float]:
+    """(forward, backward) FLOP/s of the flash kernel where no profile measured it, given `rate`, the GEMM
+    curve's at its shape: on a GPU `GPU_FLASH_RATES` x `rate`; on a CPU, or under a flat matmul efficiency
+    (every matmul at one rate), both at `rate`."""
+    if efficiency.matmul is not None or same_device(device.name, "cpu"):
+        return rate, rate
+    return rate * GPU_FLASH_RATES[0], rate * GPU_FLASH_RATES[1]
 
 
 def _measured_attention_rates(flops: float, device: DeviceSpec, dtype: str, efficiency: Efficiency
