@@ -73,3 +73,29 @@ def test_one_gpu_steps_are_priced_within_five_percent_at_the_median_by_the_shipp
     assert errors[len(errors) // 2] <= 0.05, errors
     assert max(abs(r["memory_error"]) for r in rows) <= 0.05
 
+
+
+def test_the_flash_kernels_are_priced_pass_by_pass_from_what_cudnn_ran():
+    """cuDNN's causal flash kernels of the 40 committed layers: each pass's median |error| within 10% with
+    `compute.GPU_FLASH_RATES` (the GEMM curve alone priced the forward 27.5% slow and the backward 14.4% fast,
+    at the median: the backward took about 3x the forward's time, not 2x)."""
+    rows = gpu_layer_time.flash_rows(json.loads(MEASURED.read_text()), "h200")
+    assert len(rows) == 40
+    for phase in ("fwd", "bwd"):
+        errors = sorted(abs(r[f"{phase}_priced_s"] / r[f"{phase}_s"] - 1) for r in rows)
+        assert errors[len(errors) // 2] <= 0.10, (phase, errors)
+    assert all(2.5 < r["bwd_s"] / r["fwd_s"] < 3.5 for r in rows)
+
+
+def test_one_gpu_steps_on_an_h100_are_priced_by_its_own_profile_held_out():
+    """The same 15 cases run on a lent H100 (the twelfth session, each in its own process, the profile measured
+    in the same call and shipped as `h100`): no constant of the cost model was fitted to these steps. Median step
+    |error| within 6% (5.9% measured; issue 20's 5% goal is held on the H200's steps above), every peak within 5%."""
+    assert "h100" in shipped_profiles()
+    data = json.loads((BENCHMARKS / "data" / "h100_steps_isolated.json").read_text())
+    assert "H100" in data["device"]
+    rows = gpu_steps.comparison(data, HardwareProfile.load("h100"))
+    assert len(rows) == 15 and all("error" not in r for r in rows)
+    errors = sorted(abs(r["step_error"]) for r in rows)
+    assert errors[len(errors) // 2] <= 0.06, errors
+    assert max(abs(r["memory_error"]) for r in rows) <= 0.05
