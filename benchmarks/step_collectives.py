@@ -3,6 +3,7 @@ collectives take inside the step against what the profile's fits price for them.
 
     python benchmarks/step_collectives.py PROFILE.json                 # the Llama of step_fidelity.py
     python benchmarks/step_collectives.py PROFILE.json --family gpt
+    python benchmarks/step_collectives.py PROFILE.json --plans cp2 "dp2 zero0"
 
 On 2 gloo ranks (one CPU thread each), the step_fidelity.py plans dp2 ZeRO 0, tp2 Megatron, dp2 ZeRO 3 and
 tp2 Megatron with sequence parallelism are compiled by `autoplan.parallelize` and run for 6 steps (the first
@@ -93,10 +94,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("profile", type=Path)
     parser.add_argument("--family", choices=("llama", "gpt"), default="llama")
+    parser.add_argument("--plans", nargs="+", default=PLANS, metavar="PLAN",
+                        help=f"step_fidelity.py plans by name (default: {', '.join(PLANS)})")
     args = parser.parse_args(argv)
     profile, config = HardwareProfile.load(args.profile), sf.families()[args.family]
     graph, specs = capture_model(config, sf.SEQ, sf.DTYPE), {s.name: s for s in sf.plan_specs(False)}
-    plans = {name: sf.price(config, specs[name], profile, graph) for name in PLANS}
+    unknown = sorted(set(args.plans) - set(specs))
+    if unknown:
+        parser.error(f"unknown plans {unknown}; step_fidelity.py's are: {', '.join(specs)}")
+    plans = {name: sf.price(config, specs[name], profile, graph) for name in args.plans}
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "steps.json")
         mp.start_processes(_rank, args=(sf._free_port(), config, plans, out), nprocs=sf.WORLD, start_method="spawn")

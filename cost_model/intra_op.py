@@ -305,6 +305,7 @@ class AssignmentCost:
     layer_recompute_s: tuple[tuple[str, float], ...] = ()  # (recompute kind, seconds its re-run of the layers
     # adds, the host's share priced: `layer_rerun_s`); empty without host pricing
     shared_comm_s: float = 0.0  # conversions shared by several consumers, counted again by the pairwise ILP
+    attention_s: tuple[float, float] = (0.0, 0.0)  # the attention cores' (forward, backward) kernel seconds
 
     @property
     def total_s(self) -> float:
@@ -332,7 +333,7 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
             canonical[id(obj)] = repr(obj)
         return canonical[id(obj)]
 
-    sums = dict.fromkeys(("fc", "bc", "fm", "bm", "lfc", "lfm", "shared"), 0.0)
+    sums = dict.fromkeys(("fc", "bc", "fm", "bm", "lfc", "lfm", "shared", "af", "ab"), 0.0)
     host_s = (ctx.efficiency.host_kernel_s or 0.0) if host else 0.0
     count = host and (host_s or ctx.efficiency.host_recompute_s)  # kernels are counted for the host's share
     paced: dict[str, list[tuple[float, int]]] = {"f": [], "b": [], "lf": []}  # (device s, kernels) in run order
@@ -359,6 +360,8 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
             comm_f, comm_b = comm_f + edge_memo[edge][0], comm_b + edge_memo[edge][1]
         sums["fc"] += fwd
         sums["bc"] += bwd
+        if node.op_kind == "attention":
+            sums["af"], sums["ab"] = sums["af"] + fwd, sums["ab"] + bwd
         if skewed:
             calls.append((fwd, bwd, comm_f > 0, comm_b > 0))
         if count:
@@ -387,7 +390,8 @@ def price_assignment(graph: "CapturedGraph", strategies: Mapping[str, Strategy],
         sums["bm"] += skew_s([(b, call) for _, b, _, call in reversed(calls)], ctx.efficiency, cyclic)
     rerun = layer_rerun_s(layer_ops, ctx) if count else ()
     return AssignmentCost(sums["fc"], sums["bc"], sums["fm"], sums["bm"], sums["lfc"], sums["lfm"],
-                          tuple(sorted(families.items())), layer_recompute_s=rerun, shared_comm_s=sums["shared"])
+                          tuple(sorted(families.items())), layer_recompute_s=rerun, shared_comm_s=sums["shared"],
+                          attention_s=(sums["af"], sums["ab"]))
 
 
 def skew_s(ops: list[tuple[float, bool]], efficiency, cyclic: bool) -> float:

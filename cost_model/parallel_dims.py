@@ -6,7 +6,10 @@ sequence-split into head-split (each rank then sees the whole sequence for heads
 another turns the output back:
 
     per layer and microbatch   4 all-to-alls forward (q, k, v, output) + 4 backward (their gradients),
-                               each of B = mbs * T * width_per_tp_rank * itemsize bytes over cp ranks
+                               each of B = mbs * T * width_per_tp_rank * itemsize bytes over cp ranks,
+                               with its pack and unpack copies of B / cp; and where the ranks drift apart
+                               (a CPU profile's skew), a wait before and after each attention core
+                               (`ulysses_skew_s`)
 
 Per rank, compute and activations then equal those of a microbatch of mbs / cp sequences of full
 length (linear layers see T / cp tokens; attention sees T tokens for 1 / cp of the heads), which is how
@@ -60,7 +63,7 @@ import numpy as np
 
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.comm import AxisGroup
-from autoplan.cost_model.compute import Efficiency
+from autoplan.cost_model.compute import Efficiency, memory_time_s
 from autoplan.mesh import MeshShape
 
 
@@ -83,7 +86,10 @@ def _group_shape(spans: tuple[tuple[int, int], ...], gpus_per_node: int) -> Axis
 
 def ulysses_all_to_all_s(tokens: float, q_width: float, kv_width: float, itemsize: float, cluster: ClusterSpec,
                          group: AxisGroup, efficiency: Efficiency | None = None) -> float:
-    """Forward + backward seconds of one layer's Ulysses all-to-alls for one microbatch (module docstring).
+    """Forward + backward seconds of one layer's Ulysses all-to-alls for one microbatch (module docstring), each
+    with the two copies the runtime makes around it (`runtime.collectives.all_to_all_dim`: the rank's tensor
+    packed into one chunk per peer, and the received chunks joined: both read and write the rank's share,
+    tokens / cp x width, in a kernel each, at the memory-bound roofline).
 
     tokens: mbs * T of the whole cp group; widths: features per tp rank of q (and the output) and of k, v."""
     if group.size == 1:
@@ -91,7 +97,20 @@ def ulysses_all_to_all_s(tokens: float, q_width: float, kv_width: float, itemsiz
     efficiency = efficiency or Efficiency()  # the default: the datasheet links, a call cost each
     q = efficiency.collective_s("all_to_all", tokens * q_width * itemsize, cluster, group)
     kv = efficiency.collective_s("all_to_all", tokens * kv_width * itemsize, cluster, group)
-    return 2 * (2 * q + 2 * kv)
+    share = tokens / group.size * itemsize  # bytes per feature of one rank's tensor
+    copies = sum(efficiency.kernels_s(memory_time_s(2 * share * width, cluster.device, efficiency, 1))
+                 for width in (q_width, kv_width))
+    return 2 * (2 * q + 2 * kv) + 2 * 2 * 2 * copies  # fwd + bwd, two calls of each width, two copies each
+
+
+def ulysses_skew_s(forward_s: float, backward_s: float, attention_s: tuple[float, float],
+                   efficiency: Efficiency) -> float:
+    """What the ranks' skew adds at one layer's Ulysses all-to-alls per microbatch (`Efficiency.skew_s`; 0 where
+    the profile fitted none): each pass blocks before its attention core (q, k and v's calls in a row wait once)
+    and after it, so it waits once after the core's compute and once after the rest of the layer's. `forward_s`,
+    `backward_s`: the layer's compute; `attention_s`: its core's (forward, backward)."""
+    return sum(efficiency.skew_s(core) + efficiency.skew_s(max(0.0, total - core))
+               for total, core in zip((forward_s, backward_s), attention_s))
 
 
 def expert_all_to_all_s(tokens_per_rank: float, hidden: int, top_k: int, itemsize: float, cluster: ClusterSpec,

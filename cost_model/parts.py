@@ -64,6 +64,7 @@ class PartCost:
     kv_width: float = 0.0
     moe_layers: int = 0
     moe_token_share: float = 1.0  # of the rank's tokens its MoE dispatches (1 / tp when tokens are split)
+    attention_s: tuple[float, float] = (0.0, 0.0)  # its attention core's (forward, backward) compute
 
     def compute_s(self, kind: str = "none") -> float:
         """Forward and backward compute, with the forward a recompute kind re-runs ("none": this part is
@@ -269,7 +270,7 @@ def _part(graph: "CapturedGraph", nodes, sol: "TpSolution", ctx: CostContext, ta
                       cost.layer_fwd_compute_s - sum(saved.get(f, 0.0) for f in KINDS[kind]) for kind in KINDS)
     return PartCost(cost.fwd_compute_s, cost.bwd_compute_s, cost.fwd_comm_s, cost.bwd_comm_s, recompute,
                     cost.layer_fwd_comm_s if is_layer else 0.0, tally.params, tally.expert,
-                    is_layer, tally.cast, q_width, kv_width, len(moe), share)
+                    is_layer, tally.cast, q_width, kv_width, len(moe), share, cost.attention_s)
 
 
 @dataclass(eq=False)

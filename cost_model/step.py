@@ -61,7 +61,7 @@ from autoplan.cost_model.optimizer import adamw_time_s
 from autoplan.cost_model.dp_sync import DataParallelSync
 from autoplan.cost_model.memory import FP32_BYTES, model_state_bytes, state_bytes_for, temporary_bytes
 from autoplan.cost_model.parallel_dims import (axes_group, expert_all_to_all_s, expert_tp_exchange_s,
-                                               ulysses_all_to_all_s)
+                                               ulysses_all_to_all_s, ulysses_skew_s)
 from autoplan.validity import stage_min_layers
 from autoplan.cost_model.pipeline import (Part, StageProblem, chunk_ends, chunk_ranges, chunk_sizes,
                                           in_flight_microbatches, p2p_per_microbatch_s, pipeline_buffer_bytes,
@@ -153,7 +153,7 @@ class StepModel(DataParallelSync):
 
     # ------------------------------------------------------------------ what configurations share
     def _extra_comm_s(self, block: BlockCosts, cfg: Config, part: PartCost) -> float:
-        """Ulysses and expert all-to-alls of one part per microbatch."""
+        """Ulysses (with the ranks' skew at them) and expert all-to-alls of one part per microbatch."""
         env, itemsize, total = self.env, ITEMSIZE[self.env.dtype], 0.0
         context = cfg.context_parallel  # the Ulysses group: cp, or ep x cp under ep_as = "cp"
         if context > 1 and part.q_width:
@@ -162,6 +162,7 @@ class StepModel(DataParallelSync):
             total += ulysses_all_to_all_s(cfg.microbatch_size * env.seq_len, part.q_width, kv_width, itemsize,
                                           env.cluster, self.group(cfg, cfg.mesh.context_axes),
                                           env.efficiency)
+            total += ulysses_skew_s(part.fwd_compute_s, part.bwd_compute_s, part.attention_s, env.efficiency)
         if cfg.mesh.expert_parallel > 1 and part.moe_layers:  # tokens / tp each under etp < tp (moe_token_share)
             tokens = float(block.microbatch) * env.seq_len * part.moe_token_share
             rows = env.model.dispatched_rows_per_token  # top_k; padded to the expert capacity where set

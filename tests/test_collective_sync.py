@@ -183,3 +183,34 @@ def test_skew_fit_recovers_its_terms_and_floors_them():
     assert fit_skew([(0.001, 4096, 1e-3), (0.0011, 4096, 2e-3)]) == (pytest.approx(1.5e-3), 0.0)  # one duration
     falling = [(d, 4096, 3e-3 - 0.01 * d ** 0.5) for d in computes]
     assert fit_skew(falling)[1] == 0.0
+
+
+def test_ulysses_calls_wait_before_and_after_each_attention_core():
+    """`parallel_dims.ulysses_skew_s`: per pass, one wait after the attention core's compute (the output's call)
+    and one after the rest of the layer's (q, k and v's calls in a row wait once); none without a fitted skew.
+    A cp 2 plan pays it, linearly in c."""
+    from autoplan.cost_model.parallel_dims import ulysses_skew_s
+    from autoplan.mesh import MeshShape
+
+    e = Efficiency(collective_skew=0.02)
+    expected = 0.02 * (0.01 ** 0.5 + 0.03 ** 0.5 + 0.02 ** 0.5 + 0.06 ** 0.5)
+    assert ulysses_skew_s(0.04, 0.08, (0.01, 0.02), e) == pytest.approx(expected)
+    assert ulysses_skew_s(0.04, 0.08, (0.01, 0.02), Efficiency()) == 0.0
+    cp = [_plan_times(MeshShape(cp=2), 1e-3, 4, c).communication_s for c in (0.0, 0.02, 0.04)]
+    assert cp[1] > cp[0] and cp[2] - cp[0] == pytest.approx(2 * (cp[1] - cp[0]))
+
+
+def test_ulysses_all_to_alls_are_priced_with_their_pack_and_unpack_copies():
+    """Each of a layer's 8 all-to-alls per microbatch (q, k, v, output; forward and backward) copies the rank's
+    share twice around the call (`runtime.collectives.all_to_all_dim`): read + write of tokens / cp x width."""
+    from autoplan.cost_model.parallel_dims import ulysses_all_to_all_s
+
+    cluster, pair = parse_cluster("1x2xcpu"), AxisGroup(2, 1, 2)
+    e = Efficiency(kernel_floor_s=0.0)
+    tokens, q, kv, itemsize = 4096, 384, 128, 4
+    calls = 4 * (e.collective_s("all_to_all", tokens * q * itemsize, cluster, pair)
+                 + e.collective_s("all_to_all", tokens * kv * itemsize, cluster, pair))
+    moved = 4 * 2 * 2 * tokens / 2 * itemsize * (q + kv)  # 4 calls of each width x 2 copies x (read + write)
+    copies = moved / (cluster.device.memory_bandwidth_bytes_per_s * e.memory)
+    assert ulysses_all_to_all_s(tokens, q, kv, itemsize, cluster, pair, e) == pytest.approx(calls + copies)
+    assert ulysses_all_to_all_s(tokens, q, kv, itemsize, cluster, AxisGroup(1, 1, 1), e) == 0.0
