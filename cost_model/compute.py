@@ -52,7 +52,9 @@ its launch, and the gap an eager framework leaves between small kernels. 7 us by
 
     linear          1 GEMM / 2 GEMMs (dX, dW)
     attention       flash: 1 / 2 (FlashAttention-2's backward: a row-sum pre-pass, then the main kernel);
-                    materialized: one per kernel of `attention_kernels`
+                    materialized: one per kernel of `attention_kernels`; with RoPE inside the core, its
+                    passes over q and k (`rope_time_s`: Triton 1 / 1 a tensor, torch 5 / 5), not counted
+                    for the host (its measured cost per kernel holds them)
     moe             3 / 6: the expert projections' grouped GEMMs (routing and permutation not counted)
     norm            1 / 2 (dx, then the weight gradient's partial sums reduced)
     elementwise     1 / 1;   embedding 1 / 2 (the zero fill, then the scatter-add);
@@ -467,6 +469,28 @@ def default_flash_rates(rate: float, device: DeviceSpec, efficiency: Efficiency)
     if efficiency.matmul is not None or same_device(device.name, "cpu"):
         return rate, rate
     return rate * GPU_FLASH_RATES[0], rate * GPU_FLASH_RATES[1]
+
+
+# RoPE inside the attention op (the zoo's attention cores; a Hugging Face model's rotation is captured as ops of its
+# own): per pass, (bytes moved per byte of a rotated tensor, kernels per tensor). The runtime's Triton kernel reads
+# and writes the tensor once each way (`runtime.kernels.rope`; its cos and sin tables stay in cache); torch's, on a
+# CPU (`apply_rope_torch`), negates one half, joins the halves, multiplies by cos and by sin and adds (10 bytes per
+# byte in 5 kernels), and its backward multiplies by cos and by sin, negates, joins the halves' gradients and adds
+# the two paths (10 in 5)
+ROPE_PASSES = {True: ((2.0, 1), (2.0, 1)), False: ((10.0, 5), (10.0, 5))}
+
+
+def rope_time_s(rotated_bytes: float, tensors: int, device: DeviceSpec, efficiency: Efficiency) -> tuple[float, float]:
+    """(forward, backward) seconds of RoPE over `tensors` tensors (q and k: 2) of `rotated_bytes` in all, as
+    `ROPE_PASSES` counts the variant that runs, at the `rope` kernel's measured efficiency where a profile
+    measured it (`cost_model.kernels`: the Triton kernel on a GPU)."""
+    seconds = []
+    for (per_byte, kernels), direction in zip(ROPE_PASSES[bool(efficiency.kernels.triton)], ("fwd", "bwd")):
+        nbytes, launched = per_byte * rotated_bytes, kernels * tensors
+        measured = efficiency.kernels.efficiency("rope", direction, nbytes)
+        pass_efficiency = replace(efficiency, memory=measured) if measured is not None else efficiency
+        seconds.append(pass_efficiency.kernels_s(memory_time_s(nbytes, device, pass_efficiency, launched), launched))
+    return seconds[0], seconds[1]
 
 
 def _measured_attention_rates(flops: float, device: DeviceSpec, dtype: str, efficiency: Efficiency

@@ -49,7 +49,7 @@ from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.comm import AxisGroup
 from autoplan.cost_model.compute import (MOE_KERNELS, OP_KERNELS, Efficiency, attention_kernels, attention_time_s,
                                          grad_accumulation_bytes, linear_time_s, memory_op_bytes, memory_time_s,
-                                         op_time_s)
+                                         op_time_s, rope_time_s)
 from autoplan.cost_model.host import host_paced_s
 from autoplan.cost_model.memory import StateBytes, comm_tensor_nbytes, local_nbytes, param_placements, scaled_nbytes
 from autoplan.errors import AutoplanError
@@ -78,6 +78,7 @@ class CostContext:
     batch_scale: float  # microbatch size / capture batch
     axis: str = "tp"
     head_dim: int = DEFAULT_HEAD_DIM  # of the attention cores (`attention_head_dim`)
+    rope: bool = False  # whether the attention cores rotate q and k themselves (`attention_rope`)
     group: AxisGroup = field(init=False, repr=False, compare=False)
     reshard_memo: dict = field(init=False, repr=False, compare=False)  # `reshard_s` by (meta, src, dst)
 
@@ -105,12 +106,25 @@ def attention_head_dim(graph: "CapturedGraph") -> int:
     return DEFAULT_HEAD_DIM
 
 
+def attention_rope(graph: "CapturedGraph") -> bool:
+    """Whether the graph's attention cores apply RoPE to q and k inside them (the zoo's `Attention(rope=True)`; a
+    traced model's rotation outside its attention core is captured, and priced, as ops of its own)."""
+    for node in graph.nodes:
+        if node.op_kind == "attention":
+            try:
+                return bool(getattr(graph.graph_module.get_submodule(node.module_path), "rope", False))
+            except (AttributeError, TypeError, ValueError):
+                return False
+    return False
+
+
 def make_context(graph: "CapturedGraph", cluster: ClusterSpec, mesh: MeshShape, microbatch_size: float,
                  dtype: str = "bfloat16", efficiency: Efficiency | None = None) -> CostContext:
     if microbatch_size <= 0:
         raise AutoplanError(f"microbatch_size must be > 0, got {microbatch_size}")
     return CostContext(cluster, mesh, dtype, efficiency or Efficiency(), graph.batch_size,
-                       microbatch_size / graph.batch_size, head_dim=attention_head_dim(graph))
+                       microbatch_size / graph.batch_size, head_dim=attention_head_dim(graph),
+                       rope=attention_rope(graph))
 
 
 # ---------------------------------------------------------------------------------- node costs
@@ -162,8 +176,13 @@ def node_compute_s(node: "NodeInfo", strategy: Strategy, ctx: CostContext) -> tu
     if node.op_kind == "attention":
         q = node.input_metas[0]
         batch_heads = q.shape[0] * ctx.batch_scale * q.shape[-1] / ctx.head_dim * strategy.compute_fraction
-        return attention_time_s(batch_heads, q.shape[1], ctx.head_dim, q.nbytes / q.numel, device, dtype, eff,
-                                attention_keys(node))
+        fwd, bwd = attention_time_s(batch_heads, q.shape[1], ctx.head_dim, q.nbytes / q.numel, device, dtype, eff,
+                                    attention_keys(node))
+        if not ctx.rope:
+            return fwd, bwd
+        rotated = (q.nbytes + node.input_metas[1].nbytes) * ctx.batch_scale * strategy.compute_fraction  # q and k
+        rope_fwd, rope_bwd = rope_time_s(rotated, 2, device, eff)
+        return fwd + rope_fwd, bwd + rope_bwd
     if node.op_kind == "moe":
         e = eff.gemm_efficiency(*_moe_shape(node, strategy, ctx), device, dtype)
         rate = device.peak_flops_for(dtype) * e
@@ -187,7 +206,9 @@ def node_kernels(node: "NodeInfo", ctx: CostContext) -> tuple[int, int]:
     """(forward, backward) kernels the node launches, as `node_compute_s` counts them for the floor: a
     linear 1 / 2 (dX, dW), attention flash 1 / 2 or materialized one per kernel of `attention_kernels`,
     MoE and memory-bound ops per `MOE_KERNELS` / `OP_KERNELS`; plus one accumulation into .grad per
-    parameter tensor in backward. Nodes that move nothing (views) launch none."""
+    parameter tensor in backward. Nodes that move nothing (views) launch none. An attention core's RoPE kernels
+    are not counted: the host's cost per kernel is measured on a block that runs them (`profiler.dispatch`), so
+    its figure holds their dispatch already."""
     if node.fwd_flops == 0 and node.fwd_bytes == 0:
         return 0, 0
     accumulate = len(node.params)

@@ -38,7 +38,8 @@ models), so that bytes / (copy * e_k) gives back the measured time (`cost_model.
     cross_entropy  N logits                           N (b + 12)            N (20 + b)
 
 with N the elements of the op's activation (tokens x width), b its itemsize. RoPE has no node of its
-own (it runs inside the attention core, priced by `profiler.attention`'s rates), so it is not timed.
+own: it runs inside the attention core, and a CPU prices torch's five passes over q and k at the copy's
+bandwidth (`cost_model.compute.rope_time_s`); it is not timed here.
 """
 
 from __future__ import annotations

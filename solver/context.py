@@ -18,7 +18,7 @@ from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.assignment import tp_solution
 from autoplan.cost_model.comm import COLLECTIVE_KINDS, AxisGroup
 from autoplan.cost_model.compute import Efficiency
-from autoplan.cost_model.intra_op import CostContext, attention_head_dim, make_context
+from autoplan.cost_model.intra_op import CostContext, attention_head_dim, attention_rope, make_context
 from autoplan.cost_model.intra_op_problem import graph_strategies
 from autoplan.cost_model.layer_runs import LayerRuns
 from autoplan.cost_model.memory import is_batched, param_placements
@@ -71,7 +71,7 @@ class SearchContext:
         self.info = dict(info) if info is not None else config.rule_info()
         self.fold, self.time_limit_s = fold, time_limit_s
         self.graph = graph() if callable(graph) else graph
-        self.head_dim = attention_head_dim(self.graph)
+        self.head_dim, self.rope = attention_head_dim(self.graph), attention_rope(self.graph)
         self.fold_map = fold_graph(self.graph) if fold else None
         self._layer_runs: LayerRuns | None = None
         self.steps = StepModel(StepEnv(config, cluster, seq_len, dtype, self.efficiency, int(self.info.get("head_dim") or 0)), partition_bounds)
@@ -176,7 +176,7 @@ class SearchContext:
             parts = self.solution(tp, microbatch, variant, assignment, etp)
             mesh = mesh if spread is not None else MeshShape(dp=self.cluster.world_size // tp, tp=tp)
             ctx = CostContext(self.cluster, mesh, self.dtype, self.efficiency, self.graph.batch_size,
-                              float(microbatch) / self.graph.batch_size, head_dim=self.head_dim)
+                              float(microbatch) / self.graph.batch_size, head_dim=self.head_dim, rope=self.rope)
             self._blocks[key] = block_costs(self.graph, parts, ctx, variant, microbatch)
         return self._blocks[key]
 

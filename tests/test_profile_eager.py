@@ -115,7 +115,9 @@ def test_attention_is_priced_at_the_measured_sdpa_rates():
     batch_heads = 8 * 6  # 8 sequences x 6 heads, 256 tokens, head dim 64
     slow = (AttentionSample(batch_heads, 256, 64, "float32", 0.04, 0.12),)
     fast = (AttentionSample(batch_heads, 256, 64, "float32", 0.02, 0.06),)
-    times = {name: node_compute_s(attn, strategies[attn.name], _ctx(graph, _cpu_profile(attention=a)))
+    # the core alone: the zoo's Llama rotates q and k inside it too (`compute.rope_time_s`, tests/test_kernel_costs.py)
+    times = {name: node_compute_s(attn, strategies[attn.name],
+                                  dataclasses.replace(_ctx(graph, _cpu_profile(attention=a)), rope=False))
              for name, a in (("slow", slow), ("fast", fast))}
     assert times["slow"] == pytest.approx((0.04, 0.12), rel=1e-6)
     assert times["fast"] == pytest.approx((0.02, 0.06), rel=1e-6)
@@ -210,7 +212,8 @@ def test_eager_kernels_price_their_nodes_at_the_measured_rates_each_pass_apart()
         if node_kernel(next(n for n in graph.nodes if n.name == name), "replicate", eager=True) in (None, "silu_mul",
                                                                                                   "cross_entropy"):
             assert times["measured"][name] == plain, name
-        assert times["triton"][name] == plain, name
+        if "attn_core" not in name:  # the core's RoPE: one Triton kernel a tensor, or torch's five passes
+            assert times["triton"][name] == plain, name
     note = ctxs["measured"].efficiency.kernels.note(0.8)
     assert "torch eager" in note and "rms_norm 0.02" in note  # the note gives both passes and sizes pooled
 

@@ -127,7 +127,7 @@ def op_family_costs(plan: Plan, graph, config, profile=None, registry=None, info
     from fractions import Fraction
 
     from autoplan.cost_model.compute import calibrate
-    from autoplan.cost_model.intra_op import CostContext, price_assignment
+    from autoplan.cost_model.intra_op import make_context, price_assignment
     from autoplan.cost_model.intra_op_problem import resolve_strategies
     from autoplan.mesh import MeshShape
 
@@ -141,8 +141,8 @@ def op_family_costs(plan: Plan, graph, config, profile=None, registry=None, info
                                         {op.node: op.strategy for op in plan.ops})
     cluster, efficiency = calibrate(plan.cluster, None, profile, plan.kernels, plan.dtype)
     microbatch = Fraction(plan.microbatch_size, plan.mesh.context_parallel)
-    ctx = CostContext(cluster, MeshShape(dp=cluster.world_size // tp, tp=tp), plan.dtype, efficiency,
-                      graph.batch_size, float(microbatch) / graph.batch_size)
+    ctx = make_context(graph, cluster, MeshShape(dp=cluster.world_size // tp, tp=tp), float(microbatch), plan.dtype,
+                       efficiency)
     groups: dict[tuple[str, str], list] = defaultdict(list)
     for node in graph.nodes:
         groups[(op_family(node.name), strategies[node.name].name)].append(node)
