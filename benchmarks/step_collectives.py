@@ -34,7 +34,7 @@ import step_fidelity as sf  # noqa: E402
 
 PLANS = ("dp2 zero0", "tp2 megatron", "dp2 zero3", "tp2 megatron sp")
 # torch.distributed's names -> (the profile's kind, whether the first argument is a shard of the full message)
-WRAPPED = {"all_reduce": ("all_reduce", False), "all_gather_single": ("all_gather", False),
+WRAPPED = {"all_reduce": ("all_reduce", False), "all_gather": ("all_gather", False), "all_gather_single": ("all_gather", False),
            "all_gather_into_tensor": ("all_gather", False), "reduce_scatter_single": ("reduce_scatter", True),
            "reduce_scatter_tensor": ("reduce_scatter", True), "all_to_all_single": ("all_to_all", False)}
 
@@ -50,8 +50,9 @@ def wrap_collectives(log: list) -> None:
             start = time.perf_counter()
             out = _inner(*args, **kwargs)
             if not kwargs.get("async_op"):
-                first = args[0] if args else kwargs.get("tensor", kwargs.get("output"))
-                nbytes = first.numel() * first.element_size() if isinstance(first, torch.Tensor) else 0
+                first = args[0] if args else kwargs.get("tensor", kwargs.get("output", kwargs.get("tensor_list")))
+                parts = first if isinstance(first, (list, tuple)) else [first]  # gloo's list form: the full output
+                nbytes = sum(t.numel() * t.element_size() for t in parts if isinstance(t, torch.Tensor))
                 log.append((_kind, time.perf_counter() - start, nbytes * (dist.get_world_size() if _shard else 1)))
             return out
         setattr(dist, name, timed)
