@@ -174,37 +174,33 @@ def all_reduce_(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def all_gather_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    """cat over ranks of x along `dim` (no autograd)."""
+    """cat over ranks of x along `dim` (no autograd): every rank's x gathered whole, rank after rank along dim 0,
+    then joined along `dim` in one copy (none for dim 0). A fresh tensor, never a view of x."""
     n = group_size(group)
     if n == 1:
         return x
-    moved = x.movedim(dim, 0).contiguous()  # (m, ...)
-    out = moved.new_empty((n * moved.shape[0], *moved.shape[1:]))
+    inp = x.contiguous()
+    out = inp.new_empty((n * inp.shape[0], *inp.shape[1:]))  # rank r's x in the r-th block of rows
     if not x.is_meta:  # meta tensors (shape inference) only get the shape
         with _issuing("all_gather", group):
-            _gather_into(out, moved, group)
-    return _from_dim0(out, dim)
+            _gather_into(out, inp, group)
+    return out if dim % x.dim() == 0 else torch.cat(out.chunk(n), dim=dim)
 
 
 def reduce_scatter_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    """This rank's 1/n slice along `dim` of the sum over ranks of x (no autograd)."""
+    """This rank's 1/n slice along `dim` of the sum over ranks of x (no autograd): the n slices laid rank after
+    rank along dim 0 in one copy (none for a contiguous x and dim 0), then reduce-scattered into a fresh tensor."""
     n = group_size(group)
     if n == 1:
         return x
     _check_divisible(x, dim, n)
-    moved = x.movedim(dim, 0).contiguous()  # (n*m, ...)
-    out = moved.new_empty((moved.shape[0] // n, *moved.shape[1:]))
+    first = dim % x.dim() == 0
+    inp = x.contiguous() if first else torch.cat(x.chunk(n, dim=dim), dim=0)  # rank r's slice in the r-th block
+    out = inp.new_empty((inp.shape[0] // n, *inp.shape[1:]))
     if not x.is_meta:
         with _issuing("reduce_scatter", group):
-            _reduce_scatter_into(out, moved, group)
-    return _from_dim0(out, dim)
-
-
-def _from_dim0(out: torch.Tensor, dim: int) -> torch.Tensor:
-    """`out` with dim 0 moved back to `dim`, as a fresh contiguous tensor (not a view of `out`)."""
-    if dim == 0:
-        return out
-    return out.movedim(0, dim).clone(memory_format=torch.contiguous_format)
+            _reduce_scatter_into(out, inp, group)
+    return out
 
 
 def split_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
