@@ -95,27 +95,29 @@ class CostContext:
         return self.efficiency.collective_s(kind, nbytes, self.cluster, self.group)
 
 
+def _attention_core(graph: "CapturedGraph"):
+    """The module of the graph's first attention core, or None (no attention, or a module not found)."""
+    node = next((n for n in graph.nodes if n.op_kind == "attention"), None)
+    if node is None:
+        return None
+    try:
+        return graph.graph_module.get_submodule(node.module_path)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 def attention_head_dim(graph: "CapturedGraph") -> int:
     """The head dim of the graph's attention cores (read from their modules), else DEFAULT_HEAD_DIM."""
-    for node in graph.nodes:
-        if node.op_kind == "attention":
-            try:
-                return int(graph.graph_module.get_submodule(node.module_path).head_dim)
-            except (AttributeError, TypeError, ValueError):
-                return DEFAULT_HEAD_DIM
-    return DEFAULT_HEAD_DIM
+    try:
+        return int(_attention_core(graph).head_dim)
+    except (AttributeError, TypeError, ValueError):
+        return DEFAULT_HEAD_DIM
 
 
 def attention_rope(graph: "CapturedGraph") -> bool:
     """Whether the graph's attention cores apply RoPE to q and k inside them (the zoo's `Attention(rope=True)`; a
     traced model's rotation outside its attention core is captured, and priced, as ops of its own)."""
-    for node in graph.nodes:
-        if node.op_kind == "attention":
-            try:
-                return bool(getattr(graph.graph_module.get_submodule(node.module_path), "rope", False))
-            except (AttributeError, TypeError, ValueError):
-                return False
-    return False
+    return bool(getattr(_attention_core(graph), "rope", False))
 
 
 def make_context(graph: "CapturedGraph", cluster: ClusterSpec, mesh: MeshShape, microbatch_size: float,

@@ -110,29 +110,38 @@ def _is_gloo(group: Group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
+def _single_tensor(kind: str, group: Group):
+    """torch.distributed's single-tensor all-gather or reduce-scatter, as `autoplan profile` times them
+    (`profiler.collectives`): torch 2.13's `all_gather_single` / `reduce_scatter_single` on every backend, else
+    `all_gather_into_tensor` / `reduce_scatter_tensor`; None on a gloo group of an older torch, which lacks them."""
+    single = getattr(dist, f"{kind}_single", None)
+    if single is not None:
+        return single
+    return None if _is_gloo(group) else getattr(dist, {"all_gather": "all_gather_into_tensor",
+                                                          "reduce_scatter": "reduce_scatter_tensor"}[kind])
+
+
 def _gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
-    """out (n*m, ...) <- cat over ranks of inp (m, ...); the single-tensor all-gather, as `autoplan profile`
-    times it (`profiler.collectives`): torch 2.13's `all_gather_single` on every backend, else NCCL's
-    `all_gather_into_tensor` or, on older gloo, the list form."""
-    single = getattr(dist, "all_gather_single", None)
-    if single is None and _is_gloo(group):
+    """out (n*m, ...) <- cat over ranks of inp (m, ...): the single-tensor all-gather (`_single_tensor`), or on
+    an older gloo the list form."""
+    gather = _single_tensor("all_gather", group)
+    if gather is None:
         dist.all_gather(list(out.chunk(group_size(group))), inp, group=group)
         return
-    (single or dist.all_gather_into_tensor)(out, inp, group=group)
+    gather(out, inp, group=group)
 
 
 def _reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
-    """out (m, ...) <- this rank's m rows of the sum over ranks of inp (n*m, ...), as `autoplan profile` times
-    it: torch 2.13's `reduce_scatter_single` on every backend (on 2 gloo ranks, 0.6 ms at 1 MiB where an
-    all-reduce and a copy of our rows took 2.6), else NCCL's `reduce_scatter_tensor` or, on older gloo, which
-    lacks it, an all-reduce that keeps our rows."""
-    single = getattr(dist, "reduce_scatter_single", None)
-    if single is None and _is_gloo(group):
+    """out (m, ...) <- this rank's m rows of the sum over ranks of inp (n*m, ...): the single-tensor
+    reduce-scatter (`_single_tensor`; on 2 gloo ranks 0.6 ms at 1 MiB, where an all-reduce and a copy of our
+    rows took 2.6), or on an older gloo, which lacks it, an all-reduce that keeps our rows."""
+    scatter = _single_tensor("reduce_scatter", group)
+    if scatter is None:
         total = inp.clone()
         dist.all_reduce(total, group=group)
         out.copy_(total.chunk(group_size(group))[group_rank(group)])
         return
-    (single or dist.reduce_scatter_tensor)(out, inp, group=group)
+    scatter(out, inp, group=group)
 
 
 def start(kind: str, out: torch.Tensor, inp: torch.Tensor, group: Group):
@@ -140,13 +149,14 @@ def start(kind: str, out: torch.Tensor, inp: torch.Tensor, group: Group):
     named as the others: "all_reduce" sums `inp` in place (`out` is `inp`), "reduce_scatter" puts
     this rank's rows of the sum of `inp` in `out`, "all_gather" puts every rank's `inp` in `out`.
     Returns its Work (wait on it before reading `out`)."""
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # 2.13 / 2.11
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    issue = {"all_reduce": lambda: dist.all_reduce(inp, group=group, async_op=True),
-             "reduce_scatter": lambda: scatter(out, inp, group=group, async_op=True),
-             "all_gather": lambda: gather(out, inp, group=group, async_op=True)}
+    single = None if kind == "all_reduce" else _single_tensor(kind, group)
+    if kind != "all_reduce" and single is None:
+        raise RuntimeError(f"an asynchronous {kind} over gloo needs torch >= 2.13 (this is {torch.__version__}); "
+                           f"use ZeRO stage 0 there")
     with _issuing(kind, group):
-        return issue[kind]()
+        if single is None:
+            return dist.all_reduce(inp, group=group, async_op=True)
+        return single(out, inp, group=group, async_op=True)
 
 
 def wait(kind: str, work, group: Group) -> None:
