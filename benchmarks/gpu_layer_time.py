@@ -262,9 +262,10 @@ FLASH_BACKWARD = ("bprop", "cudnn::fusion")
 def flash_rows(measured: dict, device_preset: str) -> list[dict]:
     """Per measured case with cuDNN's flash kernels (the `triton` backend's breakdown): the kernels' forward and
     backward seconds, the GEMM curve's rate at the attention's shape (`Efficiency.attention_efficiency`, FLOPs
-    counted in full), each pass's measured rate over it, and the priced seconds (`compute.attention_time_s`)."""
+    counted in full), each pass's measured rate over it, and the priced seconds (`attention_cost.attention_time_s`)."""
     from autoplan.cluster import preset
-    from autoplan.cost_model.compute import Efficiency, attention_time_s
+    from autoplan.cost_model.attention_cost import attention_time_s
+    from autoplan.cost_model.compute import Efficiency
 
     device = preset(device_preset).device
     efficiency, head_dim, rows = Efficiency().resolved(device), measured["head_dim"], []
@@ -286,7 +287,7 @@ def flash_rows(measured: dict, device_preset: str) -> list[dict]:
 
 
 def cmd_flash(args) -> int:
-    """The flash kernels' rates over the GEMM curve (what `compute.GPU_FLASH_RATES` is fitted to) and today's price."""
+    """The flash kernels' rates over the GEMM curve (what `attention_cost.GPU_FLASH_RATES` is fitted to) and today's price."""
     rows = flash_rows(json.loads(Path(args.measured).read_text()), args.device)
     print(f"{'case':32} {'fwd us':>8} {'priced':>8} {'bwd us':>8} {'priced':>8} {'fwd/curve':>9} {'bwd/curve':>9}")
     for r in rows:

@@ -47,9 +47,9 @@ import numpy as np
 from autoplan.capture.graph import attention_keys
 from autoplan.cluster import ClusterSpec
 from autoplan.cost_model.comm import AxisGroup
-from autoplan.cost_model.compute import (MOE_KERNELS, OP_KERNELS, Efficiency, attention_kernels, attention_time_s,
-                                         grad_accumulation_bytes, linear_time_s, memory_op_bytes, memory_time_s,
-                                         op_time_s, rope_time_s)
+from autoplan.cost_model.attention_cost import attention_kernels, attention_time_s, rope_time_s
+from autoplan.cost_model.compute import (MOE_KERNELS, OP_KERNELS, Efficiency, grad_accumulation_bytes, linear_time_s,
+                                         memory_op_bytes, memory_time_s, op_time_s)
 from autoplan.cost_model.host import host_paced_s
 from autoplan.cost_model.memory import StateBytes, comm_tensor_nbytes, local_nbytes, param_placements, scaled_nbytes
 from autoplan.errors import AutoplanError

@@ -3,7 +3,7 @@
     forward rate  = 4 * batch_heads * seq^2 * head_dim / fwd_s
     backward rate = 8 * batch_heads * seq^2 * head_dim / bwd_s
 
-FLOPs counted in full (as `cost_model.compute.attention_time_s` counts them), the causal mask's skipped
+FLOPs counted in full (as `cost_model.attention_cost.attention_time_s` counts them), the causal mask's skipped
 half included, so a rate prices a shape of its own kind directly. Each shape's forward is timed alone
 (no autograd), and forward + backward together, backward their difference; each the fastest window
 (`profiler.gemm.fastest_call_s`, one thread's CPU time under torchrun).

@@ -39,7 +39,7 @@ models), so that bytes / (copy * e_k) gives back the measured time (`cost_model.
 
 with N the elements of the op's activation (tokens x width), b its itemsize. RoPE has no node of its
 own: it runs inside the attention core, and a CPU prices torch's five passes over q and k at the copy's
-bandwidth (`cost_model.compute.rope_time_s`); it is not timed here.
+bandwidth (`cost_model.attention_cost.rope_time_s`); it is not timed here.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ from autoplan.capture.hf import capture_hf_for_planner  # noqa: E402
 from autoplan.capture.hf_attention import fused_widths, key_window  # noqa: E402
 from autoplan.capture.hf_rules import hf_registry  # noqa: E402
 from autoplan.cluster import preset  # noqa: E402
-from autoplan.cost_model.compute import Efficiency, attention_time_s  # noqa: E402
+from autoplan.cost_model.attention_cost import attention_time_s  # noqa: E402
+from autoplan.cost_model.compute import Efficiency  # noqa: E402
 from autoplan.mesh import MeshShape  # noqa: E402
 from autoplan.placement import Shard  # noqa: E402
 

@@ -116,7 +116,7 @@ def test_a_small_tp8_layer_pays_a_floor_per_kernel_and_a_fixed_cost_per_collecti
                            Efficiency(matmul=0.7, kernel_floor_s=floor, collective_call_s=call, host_kernel_s=0.0))
         priced[floor] = price_assignment(layer, strategies, ctx)
     floored, roofline = priced[7e-6], priced[0.0]
-    rope = 2  # the attention core's RoPE, a Triton kernel for q and one for k each way (`compute.ROPE_PASSES`)
+    rope = 2  # the attention core's RoPE, a Triton kernel for q and one for k each way (`attention_cost.ROPE_PASSES`)
     assert floored.fwd_compute_s == pytest.approx((fwd + rope) * 7e-6)
     assert floored.bwd_compute_s == pytest.approx((bwd + rope) * 7e-6)
     assert roofline.fwd_compute_s + roofline.bwd_compute_s < 0.02 * (fwd + bwd) * 7e-6

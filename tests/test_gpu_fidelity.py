@@ -77,7 +77,7 @@ def test_one_gpu_steps_are_priced_within_five_percent_at_the_median_by_the_shipp
 
 def test_the_flash_kernels_are_priced_pass_by_pass_from_what_cudnn_ran():
     """cuDNN's causal flash kernels of the 40 committed layers: each pass's median |error| within 10% with
-    `compute.GPU_FLASH_RATES` (the GEMM curve alone priced the forward 27.5% slow and the backward 14.4% fast,
+    `attention_cost.GPU_FLASH_RATES` (the GEMM curve alone priced the forward 27.5% slow and the backward 14.4% fast,
     at the median: the backward took about 3x the forward's time, not 2x)."""
     rows = gpu_layer_time.flash_rows(json.loads(MEASURED.read_text()), "h200")
     assert len(rows) == 40

@@ -220,11 +220,11 @@ def test_gpu_measures_every_kernel_into_the_profile():
 def test_rope_is_priced_inside_the_zoo_llamas_attention_core_and_not_the_gpts():
     """The zoo's Llama rotates q and k inside its attention core (`intra_op.attention_rope`), so its attention
     node costs the core plus RoPE's passes over q and k: Triton's kernel 2 bytes per byte in one kernel a tensor
-    each way, torch's 10 in 5 (`compute.ROPE_PASSES`); the GPT has no RoPE, and a measured `rope` efficiency
+    each way, torch's 10 in 5 (`attention_cost.ROPE_PASSES`); the GPT has no RoPE, and a measured `rope` efficiency
     scales the Triton pass."""
     from dataclasses import replace
 
-    from autoplan.cost_model.compute import attention_time_s, rope_time_s
+    from autoplan.cost_model.attention_cost import attention_time_s, rope_time_s
     from autoplan.cost_model.intra_op import attention_rope
 
     llama = capture_model(get_model_config("tiny-llama"), 16, "bfloat16")

@@ -115,7 +115,7 @@ def test_attention_is_priced_at_the_measured_sdpa_rates():
     batch_heads = 8 * 6  # 8 sequences x 6 heads, 256 tokens, head dim 64
     slow = (AttentionSample(batch_heads, 256, 64, "float32", 0.04, 0.12),)
     fast = (AttentionSample(batch_heads, 256, 64, "float32", 0.02, 0.06),)
-    # the core alone: the zoo's Llama rotates q and k inside it too (`compute.rope_time_s`, tests/test_kernel_costs.py)
+    # the core alone: the zoo's Llama rotates q and k inside it too (`attention_cost.rope_time_s`, tests/test_kernel_costs.py)
     times = {name: node_compute_s(attn, strategies[attn.name],
                                   dataclasses.replace(_ctx(graph, _cpu_profile(attention=a)), rope=False))
              for name, a in (("slow", slow), ("fast", fast))}
