@@ -178,6 +178,8 @@ def _branch_and_bound(ctx: SearchContext, keys: list, ranking: _Best, report: Pr
                 if ((spread is None or ctx.costs_no_less(spread)) and
                         ctx.steps.priced_above(block, cfg, ranking.threshold_s(), fewer)):
                     pruned += variant == VARIANT_ILP
+                    if fewer and variant == VARIANT_ILP:  # the floor is this assignment's: Megatron's leaner
+                        misfits.append((bound, cfg))  # layers may fit with fewer re-run, and run faster
                     continue
                 if spread is not None:
                     block = ctx.block(tp, microbatch, variant, mesh=cfg.mesh, etp=etp)

@@ -179,3 +179,25 @@ def test_interleaved_ranks_whose_counts_decide_are_checked_without_pricing(gpt3_
         assert cannot == (priced.peak_memory_bytes > ctx.cluster.device.memory_bytes * (1 + 1e-9)), cfg.describe()
         verdicts.append(cannot)
     assert verdicts.count(True) >= 5 and verdicts.count(False) >= 5  # both arise among them
+
+
+def test_a_full_configuration_pruned_by_the_ilps_floor_is_retried_with_megatrons_layers(gpt3_graphs, monkeypatch):
+    """Where "none" does not fit, "full" leads to the fewest "full:k" that fit (`_fewest_recomputed_layers`), and the
+    time floor that prunes it is the ILP assignment's own: Megatron's leaner layers may fit with fewer re-run, and
+    run faster. So a "full" configuration that floor prunes is retried under Megatron's assignment; it was not,
+    and which plans the search found then depended on the K-th best at the moment the floor was asked."""
+    config, graph = gpt3_graphs[96]
+    original, pruned, retried = StepModel.priced_above, [], []
+
+    def priced_above(self, block, cfg, limit_s, fewer_recomputed=0):
+        if block.variant == "ilp" and cfg.recompute == "full" and fewer_recomputed:
+            pruned.append(cfg)
+            return True  # as though the K-th best were already below every ILP "full:k"
+        if block.variant == "megatron-sp" and cfg in pruned:
+            retried.append(cfg)
+        return original(self, block, cfg, limit_s, fewer_recomputed)
+
+    monkeypatch.setattr(StepModel, "priced_above", priced_above)
+    search_plans(config, "16x8xh100", 128, 2048, graph=graph, info=config.rule_info(), top=3,
+                 options=SearchOptions(zero_stages=(0, 1, 2, 3)))
+    assert pruned and retried and set(retried) <= set(pruned)
