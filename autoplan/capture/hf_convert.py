@@ -22,7 +22,8 @@ from autoplan.capture import NodeInfo, TensorMeta
 from autoplan.capture.hf_moe import MoeBlock, moe_blocks, moe_forward_flops, moe_region
 from autoplan.capture.hf_attention import LATENT_ATTENTION, attention_flops, fused_widths, in_attention, key_window
 from autoplan.capture.graph import COMPOSITE
-from autoplan.capture.hf_ops import (ACTIVATION_CLASS, ATTENTION_TARGETS, COPIES, EXTRA_ELEMENTWISE, FLOAT_DTYPES, HfLayout, LOSS_TARGETS, MATMUL_TARGETS, NLL_TARGETS, NORM_CLASS, NORM_TARGETS, PERMUTES, RESHAPES, SKIPPED, SOFTMAX, SPLITS, VIEW_OTHERS, _canonical_perm, _costs, _elementwise_name, _first_getitem, _is_pointwise, _is_tuple, _meta, _module_path, _ordered_unique, _permutation, _readable_names, _swaps_last_two, _target_name, _zero_dead, layer_of)
+from autoplan.capture.hf_ops import (ACTIVATION_CLASS, ATTENTION_TARGETS, COPIES, EXTRA_ELEMENTWISE, FLOAT_DTYPES, HfLayout, LOSS_TARGETS, MATMUL_TARGETS, NLL_TARGETS, NORM_CLASS, NORM_TARGETS, PERMUTES, RESHAPES, SKIPPED, SOFTMAX, SPLITS, VIEW_OTHERS, _costs, _elementwise_name, _first_getitem, _is_pointwise, _is_tuple, _meta, _module_path, _ordered_unique, _readable_names, _swaps_last_two, _target_name, _zero_dead, layer_of, split_target,
+                                     view_target)
 
 
 @dataclass
@@ -480,47 +481,15 @@ class GraphConverter:
             return "other", target  # not fused: runs replicated (see the warning)
         if op_node is not n:  # getitem of a tuple op
             if target in SPLITS:
-                return "view", self._split_target(op_node, n)
+                return "view", split_target(op_node, n, self.layout)
             return "other", f"{target}[{n.args[1]}]"
         if target in RESHAPES | COPIES | PERMUTES | SPLITS | VIEW_OTHERS:
-            return "view", self._view_target(n, target)
+            return "view", view_target(n, target, self.layout)
         if target == "dropout" and len(n.args) > 1 and n.args[1] == 0:
             return "view", "copy"  # torch's dropout with p = 0 returns its input: nothing made, nothing kept
         if _is_pointwise(n) or target in EXTRA_ELEMENTWISE:
             return "elementwise", _elementwise_name(target)
         return "other", target
-
-    def _view_target(self, n: fx.Node, target: str) -> str:
-        """A view's rule-readable target: reshape, copy, expand, permute[p], slice[d], select[d], cat[d]."""
-        x = n.args[0] if not isinstance(n.args[0], (list, tuple)) else n.args[0][0]
-        val = x.meta.get("val") if isinstance(x, fx.Node) else None
-        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
-        if target in RESHAPES:
-            return "reshape"
-        if target in COPIES:
-            return "copy"
-        if target in ("expand", "expand_as"):
-            return "expand"
-        if target in PERMUTES:
-            perm = _permutation(n, len(shape))
-            canon = _canonical_perm(perm, shape, tuple(n.meta["val"].shape), self.layout) if perm else None
-            return f"permute[{','.join(map(str, canon))}]" if canon else "permute"
-        dim = n.args[1] if len(n.args) > 1 and isinstance(n.args[1], int) else n.kwargs.get("dim", 0)
-        if target in ("cat", "concat"):
-            dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
-        name = {"narrow": "slice", "concat": "cat"}.get(target, target)
-        canon = self.layout.dim(shape, dim) if shape else None
-        return f"{name}[{canon}]" if canon is not None else name
-
-    def _split_target(self, op_node: fx.Node, n: fx.Node) -> str:
-        x = op_node.args[0]
-        shape = tuple(x.meta["val"].shape)
-        target = _target_name(op_node)
-        dim = (op_node.args[2] if len(op_node.args) > 2 else op_node.kwargs.get("dim", 0)) if target != "unbind" \
-            else (op_node.args[1] if len(op_node.args) > 1 else 0)
-        canon = self.layout.dim(shape, dim)
-        name = "select" if target == "unbind" else "split"
-        return f"{name}[{canon}]" if canon is not None else name
 
 
 _NO_LAYOUT = HfLayout(batch=0, seq=0, top_k=0)

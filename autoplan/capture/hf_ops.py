@@ -242,3 +242,37 @@ def _zero_dead(nodes: list[NodeInfo]) -> tuple[NodeInfo, ...]:
     return tuple(n if n.name in live or n.op_kind == "placeholder" else
                  NodeInfo(n.name, n.op_kind, n.target, n.module_path, n.layer, n.inputs, n.input_metas,
                           n.output, n.params, 0.0, 0.0, 0.0, 0.0) for n in nodes)
+
+
+def view_target(n: fx.Node, target: str, layout: HfLayout) -> str:
+    """A view's rule-readable target: reshape, copy, expand, permute[p], slice[d], select[d], cat[d]."""
+    x = n.args[0] if not isinstance(n.args[0], (list, tuple)) else n.args[0][0]
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+    if target in RESHAPES:
+        return "reshape"
+    if target in COPIES:
+        return "copy"
+    if target in ("expand", "expand_as"):
+        return "expand"
+    if target in PERMUTES:
+        perm = _permutation(n, len(shape))
+        canon = _canonical_perm(perm, shape, tuple(n.meta["val"].shape), layout) if perm else None
+        return f"permute[{','.join(map(str, canon))}]" if canon else "permute"
+    dim = n.args[1] if len(n.args) > 1 and isinstance(n.args[1], int) else n.kwargs.get("dim", 0)
+    if target in ("cat", "concat"):
+        dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+    name = {"narrow": "slice", "concat": "cat"}.get(target, target)
+    canon = layout.dim(shape, dim) if shape else None
+    return f"{name}[{canon}]" if canon is not None else name
+
+def split_target(op_node: fx.Node, n: fx.Node, layout: HfLayout) -> str:
+    """A split's or unbind's piece (a getitem of it) as a rule-readable target: split[d] or select[d]."""
+    x = op_node.args[0]
+    shape = tuple(x.meta["val"].shape)
+    target = _target_name(op_node)
+    dim = (op_node.args[2] if len(op_node.args) > 2 else op_node.kwargs.get("dim", 0)) if target != "unbind" \
+        else (op_node.args[1] if len(op_node.args) > 1 else 0)
+    canon = layout.dim(shape, dim)
+    name = "select" if target == "unbind" else "split"
+    return f"{name}[{canon}]" if canon is not None else name
