@@ -88,7 +88,7 @@ from typing import TYPE_CHECKING
 from autoplan.cluster import ClusterSpec, DeviceSpec
 from autoplan.cost_model.comm import AxisGroup, group_collective_time_s
 from autoplan.cost_model.eager import AttentionRates, FreshCopyCurve
-from autoplan.cost_model.host import CPU_RECOMPUTE_S, GPU_RECOMPUTE_S, HOST_KERNEL_S
+from autoplan.cost_model.host import CPU_RECOMPUTE_S, GPU_OPTIMIZER_HOST_S, GPU_RECOMPUTE_S, HOST_KERNEL_S
 from autoplan.cost_model.calibration import CollectiveCalibration, GemmEfficiency, device_spec_from_profile
 from autoplan.cost_model.kernels import FusedKernels, fused_kernels, node_kernel
 from autoplan.errors import ConfigError
@@ -175,6 +175,9 @@ class Efficiency:
     # (forward, backward) host s per priced kernel of each pass (a CUDA profile's); None: host_kernel_s for both
     host_phase_kernel_s: tuple[float, float] | None = None
     adamw_bytes_per_s: float | None = None  # a CUDA profile's AdamW rate (`optimizer.adamw_time_s`); None: from the copy
+    # (per step, per tensor stepped) host seconds the optimizer exposes (`optimizer.optimizer_host_time_s`); None:
+    # the device's default (`resolved`)
+    optimizer_host_s: tuple[float, float] | None = None
     fresh_copies: FreshCopyCurve | None = None  # a CPU profile's (`cost_model.eager`); None: the flat copy
     attention_rates: AttentionRates | None = None  # a CPU profile's causal SDPA (`cost_model.eager`)
     _by_kernel: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
@@ -198,6 +201,10 @@ class Efficiency:
                                                      or not all(0 <= h < 1e-2 for h in self.host_phase_kernel_s)):
             raise ConfigError(f"efficiency host_phase_kernel_s={self.host_phase_kernel_s!r} must be (forward, backward) "
                               f"in [0, 0.01) seconds (the host's cost per priced kernel of each pass)")
+        if self.optimizer_host_s is not None and (len(self.optimizer_host_s) != 2
+                                                  or not all(0 <= h < 1 for h in self.optimizer_host_s)):
+            raise ConfigError(f"efficiency optimizer_host_s={self.optimizer_host_s!r} must be (per step, per tensor) in "
+                              f"[0, 1) seconds (the optimizer's exposed host work; (0, 0) turns it off)")
         if self.adamw_bytes_per_s is not None and not self.adamw_bytes_per_s > 0:
             raise ConfigError(f"efficiency adamw_bytes_per_s={self.adamw_bytes_per_s!r} must be > 0 (bytes per second "
                               f"of AdamW's passes; None prices them from the copy)")
@@ -251,6 +258,8 @@ class Efficiency:
             out = replace(out, host_recompute_s=CPU_RECOMPUTE_S if cpu else GPU_RECOMPUTE_S)
         if out.host_serial is None:
             out = replace(out, host_serial=cpu)
+        if out.optimizer_host_s is None:
+            out = replace(out, optimizer_host_s=(0.0, 0.0) if cpu else GPU_OPTIMIZER_HOST_S)
         if out.matmul is not None or out.gemm is not None:
             return out
         return replace(out, gemm=GemmEfficiency.from_device_default(device))
@@ -323,6 +332,8 @@ def calibrate(cluster: ClusterSpec, efficiency: Efficiency | None, profile: "Har
         calibrated = replace(calibrated, host_phase_kernel_s=tuple(profile.host_phase_kernel_s))
     if profile.adamw_bytes_per_s is not None:
         calibrated = replace(calibrated, adamw_bytes_per_s=profile.adamw_bytes_per_s)
+    if profile.optimizer_host_s is not None:
+        calibrated = replace(calibrated, optimizer_host_s=tuple(profile.optimizer_host_s))
     calibrated = replace(calibrated, fresh_copies=FreshCopyCurve.from_profile(profile),
                          attention_rates=AttentionRates.from_profile(profile))
     if profile.fsdp_unit_s is not None:

@@ -26,6 +26,10 @@ checkpointing's Python dispatch mode over every op) and r_b in backward (the re-
 mode's). `intra_op.layer_rerun_s` paces the first with the layer's forward and the second with the re-run's
 ops, by `host_paced_s`. On a CPU measured by `autoplan profile` (`profiler.dispatch.measure_recompute_host_s`),
 else CPU_RECOMPUTE_S; on a GPU GPU_RECOMPUTE_S, fitted to training steps (below), whatever a profile holds.
+
+The optimizer's host work (`cost_model.optimizer.optimizer_host_time_s`): zero_grad and AdamW's per-tensor
+bookkeeping run where the device has nothing queued (after the batch's blocking copy, after the loss is read), so
+they add a + b per tensor stepped; `autoplan profile` measures (a, b), else GPU_OPTIMIZER_HOST_S on a GPU.
 """
 
 from __future__ import annotations
@@ -51,6 +55,10 @@ CPU_RECOMPUTE_S = (("full", 10.7e-6, 32.6e-6), ("matmul-only", 58.2e-6, 80.0e-6)
 # steps 22-35% over, so a GPU profile's figures are not used. matmul-only runs the same dispatch modes: priced
 # as selective. full (plain checkpointing): the eighth session's profile, 116 us in all, split as the CPU splits it.
 GPU_RECOMPUTE_S = (("full", 29e-6, 87e-6), ("matmul-only", 120e-6, 40e-6), ("selective", 120e-6, 40e-6))
+# (seconds per step, seconds per tensor stepped) the optimizer's host work exposes on a GPU without a profile's figure
+# (`cost_model.optimizer.optimizer_host_time_s`): `autoplan profile` on the lent H100 (2026-11-26, its profile
+# autoplan/profiles/h100.json; `profiler.memory.measure_optimizer_host_s`)
+GPU_OPTIMIZER_HOST_S = (0.678e-3, 1.61e-6)
 
 
 def host_paced_s(ops: "Sequence[tuple[float, int]]", host_kernel_s: float, serial: bool = False) -> float:

@@ -26,6 +26,14 @@ representative tensor. Without the curve (GPUs, older profiles): every pass at t
 
 On CUDA a profile measures AdamW itself (`profiler.memory.measure_adamw_rate`: bytes per second of the passes
 `adamw_pass_bytes` counts), and the whole step is priced at that rate.
+
+The host's work per tensor (`optimizer_host_time_s`): the runtime clears the gradients right after the batch's
+blocking copy and steps right after it reads the loss and gradient norm, each time with nothing queued on the
+device, so what the host does per parameter tensor before the first kernel is exposed: a + b n for n tensors
+stepped, measured by `autoplan profile` (`profiler.memory.measure_optimizer_host_s`), else `host.GPU_OPTIMIZER_HOST_S` on
+a GPU and nothing on a CPU. The tensors stepped (`stepped_tensors`): the stage's parameter tensors, or, where
+the optimizer steps on the fp32 masters of the gradient buckets (ZeRO 1/2, bf16-master: `runtime.grad_sync`),
+the buckets, one per GRAD_BUCKET_BYTES of fp32 gradients and at most one per tensor.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from autoplan.cost_model.compute import memory_time_s
+from autoplan.grad_buckets import GRAD_BUCKET_BYTES, bucket_count
 
 if TYPE_CHECKING:
     from autoplan.cluster import DeviceSpec
@@ -73,3 +82,18 @@ def adamw_time_s(params: float, grad_bytes: float, weight_bytes: float, tensor_p
     temporaries = ADAMW_FRESH_BYTES * params
     seconds = (total - temporaries) / in_place + temporaries / fresh
     return efficiency.kernels_s(seconds / efficiency.memory)
+
+
+def stepped_tensors(tensors: float, params: float, masters: bool) -> float:
+    """The tensors AdamW steps over a stage's `tensors` parameter tensors of `params` local parameters (module
+    docstring): the tensors themselves, or under `masters` the fp32 master buckets."""
+    if not masters or tensors == 0:
+        return tensors
+    return min(tensors, bucket_count(params * ADAM_STATE_BYTES, GRAD_BUCKET_BYTES))
+
+
+def optimizer_host_time_s(tensors: float, efficiency: Efficiency) -> float:
+    """Seconds the optimizer's host work exposes per step over `tensors` stepped (module docstring): a + b n, none
+    without tensors."""
+    per_step, per_tensor = efficiency.optimizer_host_s or (0.0, 0.0)
+    return per_step + per_tensor * tensors if tensors else 0.0

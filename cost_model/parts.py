@@ -65,6 +65,7 @@ class PartCost:
     moe_layers: int = 0
     moe_token_share: float = 1.0  # of the rank's tokens its MoE dispatches (1 / tp when tokens are split)
     attention_s: tuple[float, float] = (0.0, 0.0)  # its attention core's (forward, backward) compute
+    tensors: int = 0  # parameter tensors (`Tally.tensors`)
 
     def compute_s(self, kind: str = "none") -> float:
         """Forward and backward compute, with the forward a recompute kind re-runs ("none": this part is
@@ -81,14 +82,16 @@ class PartCost:
 
 @dataclass
 class Tally:
-    """A part's parameters per tp rank (dense, expert, and of the dense those GEMMs read)."""
+    """A part's parameters per tp rank (dense, expert, and of the dense those GEMMs read) and its parameter
+    tensors (each rank holds a piece of every one)."""
 
     params: float = 0.0
     expert: float = 0.0
     cast: float = 0.0
+    tensors: int = 0
 
     def key(self) -> tuple:
-        return (self.params, self.expert, self.cast)
+        return (self.params, self.expert, self.cast, self.tensors)
 
     @staticmethod
     def at(pair, scale: float) -> float:
@@ -175,6 +178,7 @@ def _tallies(graph: "CapturedGraph", sol: "TpSolution", part_of: Mapping[str, ob
                     dense, expert = dense + (not is_expert) * count, expert + is_expert * count
             if fresh:
                 counted[key] = (dense, expert)
+        part.tensors += len({name for name, _ in node.params} - seen)
         seen.update(name for name, _ in node.params)
         part.params += dense
         part.expert += expert
@@ -270,7 +274,7 @@ def _part(graph: "CapturedGraph", nodes, sol: "TpSolution", ctx: CostContext, ta
                       cost.layer_fwd_compute_s - sum(saved.get(f, 0.0) for f in KINDS[kind]) for kind in KINDS)
     return PartCost(cost.fwd_compute_s, cost.bwd_compute_s, cost.fwd_comm_s, cost.bwd_comm_s, recompute,
                     cost.layer_fwd_comm_s if is_layer else 0.0, tally.params, tally.expert,
-                    is_layer, tally.cast, q_width, kv_width, len(moe), share, cost.attention_s)
+                    is_layer, tally.cast, q_width, kv_width, len(moe), share, cost.attention_s, tally.tensors)
 
 
 @dataclass(eq=False)
@@ -335,6 +339,7 @@ class BlockCosts:
                 "params": lambda g, kind: d[g].params,
                 "expert": lambda g, kind: d[g].expert_params,
                 "cast": lambda g, kind: d[g].cast_params,
+                "tensors": lambda g, kind: d[g].tensors,
             }
             self._arrays[recompute] = {k: self._per_layer(recompute, v) for k, v in per.items()}
         return self._arrays[recompute]

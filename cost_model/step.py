@@ -57,7 +57,7 @@ from autoplan.cluster import ClusterSpec
 from autoplan.validity import ulysses_kv_heads
 from autoplan.cost_model.comm import AxisGroup
 from autoplan.cost_model.compute import Efficiency
-from autoplan.cost_model.optimizer import adamw_time_s
+from autoplan.cost_model.optimizer import adamw_time_s, optimizer_host_time_s, stepped_tensors
 from autoplan.cost_model.dp_sync import DataParallelSync
 from autoplan.cost_model.memory import FP32_BYTES, model_state_bytes, state_bytes_for, temporary_bytes
 from autoplan.cost_model.parallel_dims import (axes_group, expert_all_to_all_s, expert_tp_exchange_s,
@@ -233,7 +233,8 @@ class StepModel(DataParallelSync):
                 ends_step.append(tuple(float(x) for x in self._step_phase(part.params, e, part.cast_params, cfg)))
             largest = float(np.max(dense + expert)) if dense.size else 0.0
             prefix = {"dense": prefix_sums(dense), "expert": prefix_sums(expert), "weights": prefix_sums(w), "grads": prefix_sums(g),
-                      "optimizer": prefix_sums(o), "cast": prefix_sums(cast), "step_temp": prefix_sums(temp)}
+                      "optimizer": prefix_sums(o), "cast": prefix_sums(cast), "step_temp": prefix_sums(temp),
+                      "tensors": prefix_sums(a["tensors"])}
             self._states[key] = LayerStates(w + o + (g if held else 0.0), prefix, ends[0], ends[1],
                                             temporary_bytes(block.comm_buffer_bytes, largest, cfg.zero_stage,
                                                             state_bytes_for(self.env.dtype, cfg.precision)),
@@ -261,15 +262,20 @@ class StepModel(DataParallelSync):
         asks before pricing."""
         return any(floor > limit_s for floor in rising_floors(self, block, cfg, fewer_recomputed))
 
-    def optimizer_s(self, cfg: Config, params: float) -> float:
+    def optimizer_s(self, cfg: Config, params: float, tensors: float = 0.0) -> float:
         """AdamW's step over a stage's `params` (ZeRO 1-3: this rank's 1 / data-ranks share of them), on the
         gradients the sync reduced (fp32 under every precision) and, where the parameters are narrower than the
-        fp32 masters it steps on (bf16-master, ZeRO 0-2; FSDP2's shards are the fp32 masters), their cast."""
+        fp32 masters it steps on (bf16-master, ZeRO 0-2; FSDP2's shards are the fp32 masters), their cast; and
+        the host's work it exposes over the stage's `tensors` parameter tensors (`optimizer_host_time_s`: the
+        tensors themselves, or the fp32 master buckets where the optimizer steps on those)."""
         shard = cfg.data_ranks if cfg.zero_stage >= 1 else 1
         tensor = self.env.model.hidden ** 2 / (cfg.mesh.tp * shard)  # the representative tensor (module docstring)
         state = state_bytes_for(self.env.dtype, cfg.precision)
         weight = FP32_BYTES if cfg.zero_stage == 3 else state.held_weight
-        return adamw_time_s(params / shard, state.held_grad, weight, tensor, self.env.cluster.device, self.env.efficiency)
+        efficiency = self.env.efficiency
+        masters = cfg.zero_stage in (1, 2) or (cfg.zero_stage == 0 and cfg.precision == "bf16-master")
+        host = optimizer_host_time_s(stepped_tensors(tensors, params / shard, masters), efficiency)
+        return adamw_time_s(params / shard, state.held_grad, weight, tensor, self.env.cluster.device, efficiency) + host
 
     def memory_floor_bytes(self, block: BlockCosts, cfg: Config) -> float:
         """A floor under the busiest pipeline rank's memory, whatever the partition (given or searched, ranks
@@ -419,6 +425,7 @@ class StepModel(DataParallelSync):
             sums["step_temp"] += step[1]
             sums["dense"] += e[0]
             sums["expert"] += e[1]
+            sums["tensors"] += p.tensors
             sums["weights"] += e[2]
             sums["grads"] += e[3]
             sums["optimizer"] += e[4]
@@ -437,6 +444,6 @@ class StepModel(DataParallelSync):
             "time": time + float(problem.overhead_s[stage]), "compute": sums["compute"], "forward": sums["forward"],
             "backward": sums["backward"], "dense": sums["dense"], "expert": sums["expert"],
             "buckets": sum(b - a for a, b in ranges) + 1, **peak,
-            "optimizer": self.optimizer_s(cfg, sums["dense"] + sums["expert"]),
+            "optimizer": self.optimizer_s(cfg, sums["dense"] + sums["expert"], sums["tensors"]),
         }
 

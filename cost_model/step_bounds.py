@@ -14,7 +14,9 @@ stage's exposed data-parallel sync and opt_s its optimizer step. Each term is bo
   and >= the least slowest rank of any split of the layers, each at the fastest layer's time
   (`slowest_rank_floor_s`).
 - optimizer: AdamW's step over the mean stage's parameters, 1 / pp of all (the busiest holds at least that,
-  and the step's time only grows with its bytes, `compute.op_time_s`).
+  and the step's time only grows with its bytes, `compute.op_time_s`), and the host's work over every tensor
+  under pp = 1, over one tensor under pp > 1 (each stage steps one at least; the tensors stepped, under master
+  buckets, are not convex in the stage's share: `optimizer.stepped_tensors`).
 - data-parallel sync (`dp_sync_floor_s`): pp = 1 has one stage, every layer and both ends, so its sync is
   known exactly. Under pp > 1 (ZeRO 0/1 only, `validity.zero_problem`) every part of the sync is at least
   (traffic - window) and at least 0, so the largest is at least the mean over stages; the stages' traffic
@@ -81,7 +83,8 @@ def optimizer_and_sync_floor_s(steps: "StepModel", block: BlockCosts, cfg: Confi
     key = ("sync", id(t), id(st), cfg.pp, cfg.num_microbatches, cfg.zero_stage, cfg.mesh, cfg.precision)
     if key not in steps.floor_memo:
         whole = whole_model_sums(block, t, st)
-        steps.floor_memo[key] = (steps.optimizer_s(cfg, (whole["dense"] + whole["expert"]) / cfg.pp)
+        tensors = whole["tensors"] if cfg.pp == 1 else 1.0
+        steps.floor_memo[key] = (steps.optimizer_s(cfg, (whole["dense"] + whole["expert"]) / cfg.pp, tensors)
                                  + dp_sync_floor_s(steps, cfg, whole))
     return steps.floor_memo[key]
 
@@ -165,6 +168,7 @@ def whole_model_sums(block: BlockCosts, t: LayerTimes, st: LayerStates) -> dict[
     ends = (block.pre, block.post)
     return {"dense": float(st.prefix["dense"][-1]) + st.pre[0] + st.post[0],
             "expert": float(st.prefix["expert"][-1]) + st.pre[1] + st.post[1],
+            "tensors": float(st.prefix["tensors"][-1]) + block.pre.tensors + block.post.tensors,
             "buckets": block.num_layers + 1,
             "forward": float(t.prefix["forward"][-1]) + sum(p.fwd_compute_s for p in ends),
             "backward": float(t.prefix["backward"][-1]) + sum(p.backward_s() for p in ends)}

@@ -56,7 +56,7 @@ class LayerStates:
     the optimizer step) and AdamW's fp32 temporary (4 B per parameter it steps), for the optimizer step's peak."""
 
     static: np.ndarray
-    prefix: dict[str, np.ndarray]  # dense, expert, weights, grads, optimizer, cast, step_temp
+    prefix: dict[str, np.ndarray]  # dense, expert, weights, grads, optimizer, cast, step_temp, tensors
     pre: tuple[float, float, float, float, float]  # dense, expert, weights, grads, optimizer
     post: tuple[float, float, float, float, float]
     temporary: float

@@ -159,6 +159,20 @@ def optimizer_rate(device: "torch.device", quick: bool) -> float | None:
     return rate
 
 
+def optimizer_host_s(device: "torch.device", quick: bool) -> list[float] | None:
+    """[a, b]: the optimizer's exposed host seconds per step, a + b per tensor stepped
+    (`profiler.memory.measure_optimizer_host_s`); None, saying why, where it cannot run."""
+    from autoplan.profiler.memory import measure_optimizer_host_s
+
+    try:
+        per_step, per_tensor = measure_optimizer_host_s(device, quick)
+    except Exception as exc:  # an optional measurement: report it, keep the rest of the profile
+        print(f"optimizer host cost skipped: {type(exc).__name__}: {exc}; the cost model keeps its default")
+        return None
+    print(f"optimizer host cost exposed per step: {per_step * 1e3:.3f} ms + {per_tensor * 1e6:.2f} us per tensor")
+    return [per_step, per_tensor]
+
+
 def recompute_host_s(device: "torch.device", quick: bool) -> dict[str, list[float]] | None:
     """The host's [forward, re-run] seconds per forward kernel of a recomputed layer, per recompute kind
     (`profiler.dispatch`), on a CPU; None on a GPU (priced from `cost_model.host.GPU_RECOMPUTE_S`) or, saying
@@ -196,6 +210,7 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
     host, host_phases = (host_dispatch_s(device, quick) if rank == 0 else (None, None)) if own["host"] is None \
         else (own["host"], None)
     adamw = optimizer_rate(device, quick) if rank == 0 else None
+    optimizer_host = optimizer_host_s(device, quick) if rank == 0 else None
     rerun = recompute_host_s(device, quick) if rank == 0 else None
     fused, why = kernel_samples(device, quick, dtype) if rank == 0 and kernels else ((), None)
     if own["eager_kernels"]:  # a CPU: the torch fallbacks, timed on every rank at once
@@ -228,6 +243,7 @@ def run_profile(device: "torch.device", quick: bool = False, dtype: str | None =
         host_kernel_s=host,
         host_phase_kernel_s=host_phases,
         adamw_bytes_per_s=adamw,
+        optimizer_host_s=optimizer_host,
         host_recompute_s=rerun,
         fsdp_unit_s=fsdp_unit_s,
         collective_sync_s=sync_s,
@@ -316,6 +332,10 @@ def render_profile(profile: HardwareProfile, console=None) -> None:
     if profile.adamw_bytes_per_s is not None:
         table.add_row("AdamW step", f"{profile.adamw_bytes_per_s / 1e9:,.1f} GB/s of the bytes it moves "
                       f"(`profiler.memory.measure_adamw_rate`)")
+    if profile.optimizer_host_s is not None:
+        per_step, per_tensor = profile.optimizer_host_s
+        table.add_row("optimizer host", f"{per_step * 1e3:,.3f} ms + {per_tensor * 1e6:,.2f} us per tensor exposed per "
+                      f"step (`profiler.memory.measure_optimizer_host_s`)")
     if profile.host_recompute_s:
         table.add_row("recompute host", ", ".join(f"{k} {f * 1e6:,.1f} + {r * 1e6:,.1f} us"
                                                   for k, (f, r) in profile.host_recompute_s.items())

@@ -29,11 +29,26 @@ per second of the passes the cost model counts for it (`cost_model.optimizer.ada
 multi-tensor kernels read and write the weights, gradients and both moments in a few passes each, and run
 at their own fraction of the copy above (on the lent H200: 3.6-3.8 TB/s in steps, against the copy's 4.2).
 `cost_model.optimizer.adamw_time_s` prices the optimizer step at this rate where a profile measured it.
+
+The optimizer's host work per tensor (`measure_optimizer_host_s`): a step's gradients are cleared
+(`zero_grad`) right after the batch's blocking copy to the device, and AdamW's step starts right after the
+loss and gradient norm are read on the host; both times the device has nothing queued, so the Python the host
+runs per parameter tensor before the first kernel (AdamW's per-parameter bookkeeping, the tensor lists of its
+foreach kernels, zero_grad's loop) is exposed. The profile times one window of [zero_grad, the gradients
+attached again, AdamW's step] from an idle device, against the marginal window when such steps run back to back
+(the host then runs ahead), at two tensor counts over the same parameters, and fits
+
+    exposed(n) = U_n - (k U'_n - U_n) / (k - 1) = a + b n          (U: one window, U': k windows, per step)
+
+On a CPU the host is the device: the same window over `n` one-element tensors, whose kernels take next to nothing,
+is the host's work, a + b n. `cost_model.optimizer.optimizer_host_time_s` adds a + b (tensors stepped) to the
+optimizer step.
 """
 
 from __future__ import annotations
 
 import statistics
+from typing import Callable
 
 import torch
 
@@ -88,6 +103,51 @@ def measure_adamw_rate(device: torch.device, quick: bool = False, shape: tuple[i
     seconds = statistics.median(timed_windows_s(optimizer.step, device, repeats=3 if quick else 7, inner=3))
     total = count * size
     return adamw_pass_bytes(4.0) * total / seconds, total, seconds
+
+
+OPTIMIZER_HOST_COUNTS = (16, 128)  # tensors of the two windows (`measure_optimizer_host_s`)
+OPTIMIZER_HOST_PARAMS = 1 << 28  # CUDA: parameters over those tensors (4 GiB of fp32 state): the device's step outlasts
+# the host's work on them, so back-to-back steps are device-bound
+
+
+def optimizer_host_window(count: int, size: int, device: torch.device) -> Callable[[], None]:
+    """A step as the runtime's boundaries see it, over `count` fp32 tensors of `size` parameters with
+    gradients: `zero_grad`, the gradients attached again (as backward does), AdamW's step (torch's default
+    implementation for the device, foreach on CUDA, as `RankProgram.make_optimizer` makes it); its states made."""
+    params = [torch.zeros(size, device=device, requires_grad=True) for _ in range(count)]
+    grads = [torch.full((size,), 1e-3, device=device) for _ in range(count)]
+    optimizer = torch.optim.AdamW(params, lr=1e-5)
+
+    def window() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for p, g in zip(params, grads):
+            p.grad = g
+        optimizer.step()
+
+    for _ in range(3):
+        window()
+    return window
+
+
+def measure_optimizer_host_s(device: torch.device, quick: bool = False, counts: tuple[int, int] = OPTIMIZER_HOST_COUNTS,
+                             total_params: int = OPTIMIZER_HOST_PARAMS) -> tuple[float, float]:
+    """(a, b): seconds the optimizer's host work per step exposes, a + b per tensor stepped (module docstring),
+    from the median windows at `counts` tensors; each >= 0."""
+    from autoplan.profiler.gemm import timed_windows_s
+
+    repeats, burst = (3, 3) if quick else (7, 5)
+    exposed = []
+    for count in counts:
+        size = max(1, total_params // count) if device.type == "cuda" else 1
+        window = optimizer_host_window(count, size, device)
+        one = statistics.median(timed_windows_s(window, device, repeats=repeats, inner=1))
+        if device.type == "cuda":
+            back_to_back = statistics.median(timed_windows_s(window, device, repeats=repeats, inner=burst))
+            one -= (burst * back_to_back - one) / (burst - 1)  # less the device's own time per step
+        exposed.append(max(0.0, one))
+        del window
+    per_tensor = max(0.0, (exposed[1] - exposed[0]) / (counts[1] - counts[0]))
+    return max(0.0, exposed[0] - per_tensor * counts[0]), per_tensor
 
 
 def measure_fresh_copies(device: torch.device, quick: bool = False, budget_s: float | None = None

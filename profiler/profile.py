@@ -270,6 +270,8 @@ class HardwareProfile:
     host_kernel_s: float | None = None  # `profiler.dispatch`; None: not measured
     host_phase_kernel_s: list[float] | None = None  # [forward, backward] (`profiler.dispatch`, CUDA); None: not measured
     adamw_bytes_per_s: float | None = None  # `profiler.memory.measure_adamw_rate` (CUDA); None: not measured
+    # [a, b]: the optimizer's exposed host seconds per step, a + b per tensor (`profiler.memory.measure_optimizer_host_s`)
+    optimizer_host_s: list[float] | None = None
     fsdp_unit_s: float | None = None  # `profiler.fsdp`; None: not measured
     collective_sync_s: float | None = None  # `profiler.collectives.collective_sync_s` (CPU); None: not measured
     collective_skew: float | None = None  # s^0.5, the same fit's skew term (CPU); None: not measured
@@ -307,6 +309,12 @@ class HardwareProfile:
                                    f"{self.host_phase_kernel_s!r}; re-run `autoplan profile`")
             for seconds in self.host_phase_kernel_s:
                 _positive("host_phase_kernel_s", seconds, allow_zero=True)
+        if self.optimizer_host_s is not None:
+            if not isinstance(self.optimizer_host_s, (list, tuple)) or len(self.optimizer_host_s) != 2:
+                raise ProfileError(f"optimizer_host_s must be [seconds per step, seconds per tensor], got "
+                                   f"{self.optimizer_host_s!r}; re-run `autoplan profile`")
+            for seconds in self.optimizer_host_s:
+                _positive("optimizer_host_s", seconds, allow_zero=True)
         if self.host_recompute_s is not None:
             if not isinstance(self.host_recompute_s, dict):
                 raise ProfileError(f"host_recompute_s must be a JSON object of recompute kind -> [forward, re-run] "
@@ -335,7 +343,7 @@ class HardwareProfile:
         if isinstance(data, dict) and version != PROFILE_VERSION:  # first: other versions have other keys
             raise ProfileError(f"profile version {version!r} is not supported; this autoplan reads version {PROFILE_VERSION}. Re-run `autoplan profile`.")
         older = {"kernels": [], "kernel_floor_s": None, "host_kernel_s": None, "fsdp_unit_s": None,
-                 "collective_sync_s": None, "collective_skew": None, "overlap_cost": None, "host_recompute_s": None, "host_phase_kernel_s": None, "adamw_bytes_per_s": None, "fresh_copies": [], "attention": []}  # fields that older files lack
+                 "collective_sync_s": None, "collective_skew": None, "overlap_cost": None, "host_recompute_s": None, "host_phase_kernel_s": None, "adamw_bytes_per_s": None, "optimizer_host_s": None, "fresh_copies": [], "attention": []}  # fields that older files lack
         data = _fields_from_json(cls, "profile", {**older, **data} if isinstance(data, dict) else data)
         for key in ("gemm", "collectives", "fits", "kernels", "fresh_copies", "attention"):
             if not isinstance(data[key], list):

@@ -123,17 +123,83 @@ def test_bf16_master_optimizer_is_adamw_on_the_masters_and_their_cast(dp, zero_s
     """Under bf16-master (ZeRO 0-2) the optimizer part is AdamW on the fp32 masters and their cast into the bf16
     weights (`adamw_step_bytes`: 90 bytes per parameter against autocast's 84), on a GPU as on a CPU: the
     runtime keeps no host op per parameter tensor (one foreach copy per bucket, the gradient norm on the
-    device). Under ZeRO 3 FSDP2's policy keeps the masters: autocast's step."""
+    device). Under ZeRO 3 FSDP2's policy keeps the masters: autocast's step. The host's work per tensor stepped
+    is off here (its own test below: the masters are fewer tensors)."""
     from autoplan.cost_model.optimizer import adamw_step_bytes
 
     config = dataclasses.replace(get_model_config("tiny-llama"), hidden=1024, ffn_hidden=4096)  # AdamW above the kernel floor
 
     def optimizer_s(cluster: str, precision: str) -> float:
         plan = estimate(config, cluster, 8, 64, mesh=MeshShape(dp=dp), microbatch_size=4 // dp, zero_stage=zero_stage,
-                        recompute="none", precision=precision)
+                        recompute="none", precision=precision, efficiency=Efficiency(optimizer_host_s=(0.0, 0.0)))
         return plan.predicted.time.optimizer_s
 
     cast = adamw_step_bytes(4, 2) / adamw_step_bytes(4, 4) if zero_stage < 3 else 1.0
     for device in ("h100", "cpu"):
         assert optimizer_s(f"1x{dp}x{device}", "bf16-master") == pytest.approx(
             cast * optimizer_s(f"1x{dp}x{device}", "autocast"), rel=0.01), device
+
+
+def test_each_parameter_tensor_is_counted_once_in_the_part_that_holds_it():
+    """`Tally.tensors`: the layers', the embedding's and the head's parameter tensors sum to the model's own
+    (a tied embedding and head count once), whatever tp splits them, and a layer holds its module's."""
+    from autoplan.cost_model.parts import solution_parts
+    from autoplan.api import search_context
+
+    for name in ("tiny-llama", "tiny-gpt"):
+        config = get_model_config(name)
+        model = build_model(config, "meta", torch.bfloat16)
+        ctx = search_context(config, parse_cluster("1x8xh100"), 8, 64)
+        for tp in (1, 2):
+            parts = solution_parts(ctx.graph, ctx.solution(tp, 1).solution)
+            layers = [parts.groups[g][1].tensors for g in parts.index]
+            assert sum(layers) + parts.pre_tally.tensors + parts.post_tally.tensors == len(list(model.parameters()))
+            assert layers[0] == len(list(model.layers[0].parameters())), (name, tp)
+
+
+@pytest.mark.parametrize("precision, zero_stage", [("autocast", 0), ("bf16-master", 0), ("autocast", 1)])
+def test_the_optimizer_pays_the_hosts_work_per_tensor_it_steps(precision, zero_stage):
+    """`optimizer.optimizer_host_time_s`: a + b n added to the optimizer part, n the parameter tensors, or the fp32
+    master buckets where the optimizer steps on those (bf16-master, ZeRO 1/2: one per 25 MiB, at most one per
+    tensor); (0, 0) turns it off."""
+    from autoplan.cost_model.optimizer import stepped_tensors
+
+    config = get_model_config("tiny-llama")
+    tensors = len(list(build_model(config, "meta").parameters()))
+    dp = 2 if zero_stage else 1
+
+    def optimizer_s(host: tuple[float, float]) -> float:
+        plan = estimate(config, f"1x{dp}xh100", 8, 64, mesh=MeshShape(dp=dp), microbatch_size=4 // dp,
+                        zero_stage=zero_stage, recompute="none", precision=precision,
+                        efficiency=Efficiency(optimizer_host_s=host))
+        return plan.predicted.time.optimizer_s
+
+    masters = precision == "bf16-master" or zero_stage == 1
+    stepped = stepped_tensors(tensors, config.num_parameters() / dp, masters)
+    assert stepped == (1 if masters else tensors)  # a tiny model's fp32 masters fill one bucket
+    assert optimizer_s((2e-3, 1e-4)) - optimizer_s((0.0, 0.0)) == pytest.approx(2e-3 + 1e-4 * stepped, rel=1e-6)
+    with pytest.raises(ConfigError, match=r"optimizer_host_s=\(0.0, 2.0\) must be"):
+        Efficiency(optimizer_host_s=(0.0, 2.0))
+
+
+def test_a_profiles_optimizer_host_cost_is_what_the_model_prices_and_a_bad_one_is_refused():
+    from autoplan.profiler.profile import HardwareProfile, ProfileError
+
+    profile = dataclasses.replace(_h100_profile(0.5), optimizer_host_s=[1e-3, 2e-5])
+    cluster, calibrated = calibrate(parse_cluster("1x8xh100"), None, profile)
+    assert calibrated.resolved(cluster.device).optimizer_host_s == (1e-3, 2e-5)
+    assert HardwareProfile.from_json(profile.to_json()).optimizer_host_s == [1e-3, 2e-5]
+    _, bare = calibrate(parse_cluster("1x8xcpu"), None, None)
+    assert bare.optimizer_host_s == (0.0, 0.0)  # a CPU without a profile: its ops' times hold no such figure
+    with pytest.raises(ProfileError, match="optimizer_host_s must be"):
+        dataclasses.replace(profile, optimizer_host_s=[1e-3])
+
+
+def test_the_profiler_measures_the_optimizers_host_work_per_tensor():
+    """`profiler.memory.measure_optimizer_host_s` on this CPU: a step over one-element tensors is the host's work,
+    which grows with the tensors (tens of microseconds each on the development machine)."""
+    from autoplan.profiler.memory import measure_optimizer_host_s
+
+    per_step, per_tensor = measure_optimizer_host_s(torch.device("cpu"), quick=True)
+    assert per_step >= 0.0
+    assert 1e-7 < per_tensor < 1e-3
