@@ -87,12 +87,14 @@ def test_the_flash_kernels_are_priced_pass_by_pass_from_what_cudnn_ran():
     assert all(2.5 < r["bwd_s"] / r["fwd_s"] < 3.5 for r in rows)
 
 
-def test_one_gpu_steps_on_an_h100_are_priced_by_its_own_profile_held_out():
-    """The same 15 cases run on a lent H100 (the twelfth session, each in its own process, the profile measured
-    in the same call and shipped as `h100`): no constant of the cost model was fitted to these steps. Median step
-    |error| within 6% (5.9% measured; issue 20's 5% goal is held on the H200's steps above), every peak within 5%."""
+@pytest.mark.parametrize("steps", ["h100_steps_isolated.json", "h100_steps_isolated_second.json"])
+def test_one_gpu_steps_on_an_h100_are_priced_by_its_own_profile_held_out(steps):
+    """The same 15 cases run on a lent H100 in two sessions (each case in its own process; the thirteenth
+    session's steps measured in the same call as the profile shipped as `h100`, the twelfth's on an earlier
+    start of the machine): no constant of the cost model was fitted to these steps. Median step |error| within 6%
+    (4.8% and 5.3% measured; issue 20's 5% goal is held on the H200's steps above), every peak within 5%."""
     assert "h100" in shipped_profiles()
-    data = json.loads((BENCHMARKS / "data" / "h100_steps_isolated.json").read_text())
+    data = json.loads((BENCHMARKS / "data" / steps).read_text())
     assert "H100" in data["device"]
     rows = gpu_steps.comparison(data, HardwareProfile.load("h100"))
     assert len(rows) == 15 and all("error" not in r for r in rows)
