@@ -236,8 +236,12 @@ class Efficiency:
         host = (f"; the host's dispatch {self.host_kernel_s * 1e6:.1f} us per kernel, which paces ops too small to "
                 f"hide it ({'measured by `autoplan profile`' if self.host_kernel_s != HOST_KERNEL_S else 'measured on a lent H200'})"
                 if self.host_kernel_s else "")
+        per_step, per_tensor = self.optimizer_host_s or (0.0, 0.0)
+        optimizer = (f"; the optimizer's host work {per_step * 1e3:.2f} ms + {per_tensor * 1e6:.2f} us per tensor it "
+                     f"steps ({'measured by `autoplan profile`' if self.optimizer_host_s != GPU_OPTIMIZER_HOST_S else 'measured on a lent H100'})"
+                     if per_step or per_tensor else "")
         return (f"fixed costs: {self.kernel_floor_s * 1e6:.1f} us per kernel, {self.collective_call_s * 1e6:.1f} us "
-                f"per collective call outside a profile's fits ({self.floor_source}){host}")
+                f"per collective call outside a profile's fits ({self.floor_source}){host}{optimizer}")
 
     def kernels_s(self, roofline_s: float, kernels: int = 1) -> float:
         """An op's time: its roofline, and at least `kernels` launches at the floor (module docstring)."""

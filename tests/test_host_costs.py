@@ -188,6 +188,8 @@ def test_a_profiles_optimizer_host_cost_is_what_the_model_prices_and_a_bad_one_i
     profile = dataclasses.replace(_h100_profile(0.5), optimizer_host_s=[1e-3, 2e-5])
     cluster, calibrated = calibrate(parse_cluster("1x8xh100"), None, profile)
     assert calibrated.resolved(cluster.device).optimizer_host_s == (1e-3, 2e-5)
+    assert "the optimizer's host work 1.00 ms + 20.00 us per tensor it steps (measured by `autoplan profile`)" in \
+        calibrated.floor_note()  # a plan's notes say what it priced
     assert HardwareProfile.from_json(profile.to_json()).optimizer_host_s == [1e-3, 2e-5]
     _, bare = calibrate(parse_cluster("1x8xcpu"), None, None)
     assert bare.optimizer_host_s == (0.0, 0.0)  # a CPU without a profile: its ops' times hold no such figure
