@@ -34,6 +34,11 @@ and the embedding), which is ready only when the backward ends:
               compute (`Efficiency.skew_s`) each, however well their bytes hide: the ranks meet there out of
               step (`cost_model.comm`, "Inside a step")
     ZeRO 0-2: + the skew after the step's forward + backward, where the ranks meet at the last bucket
+    ZeRO 0-2: + the buckets' copies on the compute stream (`_bucket_copies_s`): each bucket's gradients
+              flattened into one buffer (read and write gr per parameter) and its sum scaled in place by
+              1 / the data shards (read and write 4 B, of the 1 / g slice received under ZeRO 1/2); under
+              bf16-master a bucket without replicas (one data shard) is flattened into its master's
+              gradient all the same, and not scaled
     every stage: + f * (traffic - exposed), f = `Efficiency.overlap_cost`: the hidden traffic still costs the
               compute it overlaps f of its time where the collectives have no cores of their own (a CPU's
               gloo threads on the ranks' cores: `profiler.collectives.overlap_cost` measures f; 0 on a GPU)
@@ -51,7 +56,7 @@ from typing import TYPE_CHECKING, Callable
 
 from autoplan.cost_model.comm import AxisGroup
 from autoplan.cost_model.compute import memory_time_s
-from autoplan.cost_model.memory import dp_sync_bytes
+from autoplan.cost_model.memory import FP32_BYTES, dp_sync_bytes
 from autoplan.cost_model.step_config import Config
 from autoplan.grad_buckets import bucket_bytes_for, bucket_count
 
@@ -110,7 +115,22 @@ class DataParallelSync:
             parts[CORES_PART] = e.overlap_cost * (reduced[0] - exposed)
         if synced and e.collective_skew:  # the ranks meet at the last bucket out of step by the whole forward + backward
             parts["ranks out of step at the sync"] = e.skew_s(m * (sums["forward"] + sums["backward"]))
+        copies = self._bucket_copies_s(cfg, groups)
+        if copies:
+            parts["gradient bucket copies (flatten, scale)"] = copies
         return parts
+
+    def _bucket_copies_s(self, cfg: Config, groups) -> float:
+        """Seconds of the runtime's copies around ZeRO 0-2's buckets (module docstring; `runtime.grad_sync`)."""
+        gr = self.sync_bytes(cfg)[0]
+        masters = cfg.precision == "bf16-master"
+        nbytes = 0.0
+        for count, g in groups:
+            if count and g.size > 1:
+                nbytes += count * (2 * gr + 2 * FP32_BYTES / (g.size if cfg.zero_stage else 1))
+            elif count and masters:
+                nbytes += count * 2 * gr
+        return memory_time_s(nbytes, self.env.cluster.device, self.env.efficiency) if nbytes else 0.0
 
     def _fsdp_parts(self, cfg: Config, sums: dict[str, float], groups, ag, rs, hidden_behind, synced: bool
                     ) -> dict[str, float]:

@@ -296,7 +296,9 @@ class GradSync:
         """A bucket without replicas: its gradients scaled (into its master's gradient, fp32)."""
         if self.masters and bucket.master is not None:
             grads = [_local(self.grad_of(p)).reshape(-1).float() for p in bucket.params]
-            bucket.master.grad = torch.cat(grads).mul_(self.scale)
+            bucket.master.grad = torch.cat(grads)
+            if self.scale != 1.0:  # one data shard (one GPU under bf16-master): a pass over the gradients saved
+                bucket.master.grad.mul_(self.scale)
             if self.main is not None:
                 for p in bucket.params:
                     self.main.pop(id(p))

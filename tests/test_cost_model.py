@@ -10,7 +10,7 @@ import torch
 from autoplan.capture import capture
 from autoplan.cluster import ClusterSpec, LinkSpec, parse_cluster, preset
 from autoplan.cost_model import comm
-from autoplan.cost_model.compute import Efficiency, calibrate, linear_time_s, op_time_s
+from autoplan.cost_model.compute import Efficiency, calibrate, linear_time_s, memory_time_s, op_time_s
 from autoplan.cost_model.intra_op import InputSpec, make_context, price_assignment, reshard_collectives
 from autoplan.cost_model.intra_op_problem import assignment_from_choice, build_intra_op_problem, resolve_strategies
 from autoplan.cost_model.activations import RunShape, activations
@@ -369,14 +369,39 @@ def test_dp_sync_is_priced_per_bucket_as_the_runtime_runs_it():
 
     (after, group), (hidden, _) = parts(0, 0.0), parts(0, 10.0)
     one = eff.collective_s("all_reduce", 4 * params / n, cluster, group)
-    assert after == {"gradient all-reduce after backward": pytest.approx(n * one)}
-    assert hidden == {"gradient all-reduce after backward": pytest.approx(one)}  # the last bucket
+    copies = {"gradient bucket copies (flatten, scale)": pytest.approx(  # flattened and scaled: 8 + 8 B each
+        memory_time_s(16 * params, cluster.device, eff))}
+    assert after == {"gradient all-reduce after backward": pytest.approx(n * one), **copies}
+    assert hidden == {"gradient all-reduce after backward": pytest.approx(one), **copies}  # the last bucket
     zero1, zero2 = parts(1, 10.0)[0], parts(2, 10.0)[0]
     assert zero1 == zero2
     assert zero1["gradient reduce-scatter after backward"] == pytest.approx(
         eff.collective_s("reduce_scatter", 4 * params / n, cluster, group))
     assert zero1["parameter all-gather after the step"] == pytest.approx(  # autocast's fp32 parameters
         n * eff.collective_s("all_gather", 4 * params / n, cluster, group))
+    assert zero1["gradient bucket copies (flatten, scale)"] == pytest.approx(  # the 1 / 16 slice received is scaled
+        memory_time_s((8 + 8 / 16) * params, cluster.device, eff))
+
+
+def test_one_data_shard_under_bf16_master_pays_the_flatten_into_its_masters_gradient():
+    """`runtime.grad_sync`: a bucket without replicas under bf16-master is flattened into its fp32 master's
+    gradient (read and write 4 B per parameter), not scaled (one data shard); autocast's gradients stay as they
+    are."""
+    from autoplan.cost_model.step import StepEnv, StepModel
+    from autoplan.cost_model.step_config import Config
+
+    cluster, eff, params = parse_cluster("1xh100"), Efficiency(), 100e6
+    steps = StepModel(StepEnv(get_model_config("gpt2-small"), cluster, 1024, "bfloat16", eff), partition=None)
+    sums = dict(dense=params, expert=0.0, buckets=13, forward=0.0, backward=1.0)
+
+    def parts(precision: str) -> dict[str, float]:
+        cfg = Config.of(tp=1, cp=1, pp=1, ep=1, dp=1, microbatch_size=1, num_microbatches=1, zero_stage=0,
+                        recompute="none").replace(precision=precision)
+        return steps.dp_sync_parts(cfg, sums)
+
+    assert parts("bf16-master")["gradient bucket copies (flatten, scale)"] == pytest.approx(
+        memory_time_s(8 * params, cluster.device, eff))
+    assert "gradient bucket copies (flatten, scale)" not in parts("autocast")
 
 
 def test_megatron_core_buckets_are_priced_when_asked():
