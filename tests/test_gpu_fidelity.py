@@ -91,13 +91,26 @@ def test_the_flash_kernels_are_priced_pass_by_pass_from_what_cudnn_ran():
 def test_one_gpu_steps_on_an_h100_are_priced_by_its_own_profile_held_out(steps):
     """The same 15 cases run on a lent H100 in two sessions (each case in its own process; the thirteenth
     session's steps measured in the same call as the profile shipped as `h100`, the twelfth's on an earlier
-    start of the machine): no constant of the cost model was fitted to these steps. Median step |error| within 6%
-    (4.8% and 5.3% measured; issue 20's 5% goal is held on the H200's steps above), every peak within 5%."""
+    start of the machine): no constant of the cost model was fitted to these steps. Median step |error| within issue 20's 5%
+    (4.5% and 4.9% measured), every peak within 5%."""
     assert "h100" in shipped_profiles()
     data = json.loads((BENCHMARKS / "data" / steps).read_text())
     assert "H100" in data["device"]
     rows = gpu_steps.comparison(data, HardwareProfile.load("h100"))
     assert len(rows) == 15 and all("error" not in r for r in rows)
     errors = sorted(abs(r["step_error"]) for r in rows)
-    assert errors[len(errors) // 2] <= 0.06, errors
+    assert errors[len(errors) // 2] <= 0.05, errors
     assert max(abs(r["memory_error"]) for r in rows) <= 0.05
+
+
+@pytest.mark.parametrize("steps", ["h100_steps_isolated.json", "h100_steps_isolated_second.json"])
+def test_the_optimizer_phase_on_an_h100_is_priced_with_its_host_work(steps):
+    """Each step's gradient norm and optimizer step, timed by CUDA events (`gpu_steps.phase_rows`), against the
+    optimizer part priced with the shipped profile (its bytes at the AdamW rate measured, and the host's work per
+    tensor it exposes, `cost_model.optimizer.optimizer_host_time_s`): median |error| within 5% over the autocast
+    cases (2.5% and 3.9% measured; the bf16-master ones add their masters' copies)."""
+    data = json.loads((BENCHMARKS / "data" / steps).read_text())
+    rows = [r for r in gpu_steps.phase_rows(data, HardwareProfile.load("h100")) if not r["case"].startswith("bfm-")]
+    assert len(rows) == 10
+    errors = sorted(abs(r["optimizer_s"] / r["norm_optimizer_s"] - 1) for r in rows)
+    assert (errors[4] + errors[5]) / 2 <= 0.05, errors
