@@ -230,13 +230,17 @@ def comparison(data: dict, profile=None) -> list[dict]:
     return rows
 
 
+def _measured_and_profile(args) -> tuple[dict, object]:
+    """(the `run` file `args.measured`, the profile `args.profile` or None: the preset prices)."""
+    from autoplan.profiler.profile import HardwareProfile
+
+    return json.loads(Path(args.measured).read_text()), HardwareProfile.load(args.profile) if args.profile else None
+
+
 def cmd_compare(args) -> int:
     """Measured against the prediction of today's cost model (the plans re-priced, by the preset or
     `--profile`)."""
-    from autoplan.profiler.profile import HardwareProfile
-
-    data = json.loads(Path(args.measured).read_text())
-    profile = HardwareProfile.load(args.profile) if args.profile else None
+    data, profile = _measured_and_profile(args)
     print(f"{data['device']}, torch {data['torch']}: one-GPU training steps of the runtime's program, priced "
           f"{'with ' + args.profile if profile else 'by the device preset'}")
     print(f"{'case':26} {'step meas ms':>12} {'pred ms':>8} {'err':>7} {'peak meas GiB':>13} {'pred GiB':>8} {'err':>7}"
@@ -277,10 +281,7 @@ def phase_rows(data: dict, profile=None) -> list[dict]:
 
 def cmd_phases(args) -> int:
     """Each step's phases (`step_phases`: CUDA events, one step after the timed ones) against the parts priced."""
-    from autoplan.profiler.profile import HardwareProfile
-
-    data = json.loads(Path(args.measured).read_text())
-    profile = HardwareProfile.load(args.profile) if args.profile else None
+    data, profile = _measured_and_profile(args)
     print(f"{data['device']}: step phases measured / the plan's part, priced {'with ' + args.profile if profile else 'by the preset'}"
           f" (ms)")
     print(f"{'case':26} {'fwd+bwd / compute':>19} {'err':>7} {'setup':>6} {'sync':>6} {'norm+opt / optimizer':>21} "

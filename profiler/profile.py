@@ -67,6 +67,14 @@ def _positive(what: str, value, allow_zero: bool = False) -> float:
     return value
 
 
+def _seconds_pair(what: str, value, meaning: str) -> None:
+    """`value` as two finite seconds >= 0 (`meaning` says which), else a ProfileError naming `what`."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ProfileError(f"{what} must be {meaning}, got {value!r}; re-run `autoplan profile`")
+    for seconds in value:
+        _positive(what, seconds, allow_zero=True)
+
+
 def _count(what: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ProfileError(f"{what} must be a positive integer, got {value!r}")
@@ -304,17 +312,9 @@ class HardwareProfile:
         if self.overlap_cost is not None and _positive("overlap_cost", self.overlap_cost, allow_zero=True) > 1:
             raise ProfileError(f"overlap_cost must be a fraction in [0, 1], got {self.overlap_cost!r}; re-run `autoplan profile`")
         if self.host_phase_kernel_s is not None:
-            if not isinstance(self.host_phase_kernel_s, (list, tuple)) or len(self.host_phase_kernel_s) != 2:
-                raise ProfileError(f"host_phase_kernel_s must be [forward, backward] seconds per priced kernel, got "
-                                   f"{self.host_phase_kernel_s!r}; re-run `autoplan profile`")
-            for seconds in self.host_phase_kernel_s:
-                _positive("host_phase_kernel_s", seconds, allow_zero=True)
+            _seconds_pair("host_phase_kernel_s", self.host_phase_kernel_s, "[forward, backward] seconds per priced kernel")
         if self.optimizer_host_s is not None:
-            if not isinstance(self.optimizer_host_s, (list, tuple)) or len(self.optimizer_host_s) != 2:
-                raise ProfileError(f"optimizer_host_s must be [seconds per step, seconds per tensor], got "
-                                   f"{self.optimizer_host_s!r}; re-run `autoplan profile`")
-            for seconds in self.optimizer_host_s:
-                _positive("optimizer_host_s", seconds, allow_zero=True)
+            _seconds_pair("optimizer_host_s", self.optimizer_host_s, "[seconds per step, seconds per tensor]")
         if self.host_recompute_s is not None:
             if not isinstance(self.host_recompute_s, dict):
                 raise ProfileError(f"host_recompute_s must be a JSON object of recompute kind -> [forward, re-run] "
