@@ -193,6 +193,11 @@ def measure_collectives(device: torch.device, kinds: Sequence[str] = COLLECTIVE_
 SYNC_GEMMS = (320, 512, 768, 1024)  # about 0.3, 2.6, 9 and 20 ms of fp32 compute on one core
 SYNC_MESSAGES = (4 * KiB, 1 * MiB)  # an FSDP2 unit's or a tp activation's scale; the byte term is the fit's
 SYNC_WINDOW_S = 0.01  # a window runs at least this long: several calls in a row, as a step's layers run them
+# seconds of timed windows over the grid (`collective_sync_s`): each extra is the difference of two medians of windows
+# tens of ms long, so the long computes need tens of windows. On the 2-core development machine (2026-11-26, 2 gloo
+# ranks) four fits within a minute read c = 0.0074-0.0165 s^0.5 with 1.5 s (5 windows at 20 ms), 0.0112-0.0152
+# with 12 s (about 17 s a fit), 0.0081-0.0109 with 24 s; a step's tp calls meet 10-30 ms of compute, where c decides.
+SYNC_BUDGET_S = 12.0
 
 
 def gemm_compute(n: int, device: torch.device) -> Callable[[], object]:
@@ -247,13 +252,13 @@ def collective_sync_s(fits: Sequence[CollectiveFit], device: torch.device, quick
     if fit is None:
         raise ProfileError("collective_sync_s needs the all-reduce fit over the world (measure_collectives first)")
     computes = computes if computes is not None else [gemm_compute(n, device) for n in SYNC_GEMMS]
-    budget_s = budget_s if budget_s is not None else (0.3 if quick else 1.5)
+    budget_s = budget_s if budget_s is not None else (0.3 if quick else SYNC_BUDGET_S)
     world, samples = _World(device), []
     for compute in computes:
         for message in SYNC_MESSAGES:
             one_call_s = world.max(timed_windows_s(compute, device, 1, 1)[0])
             inner = max(3, math.ceil(SYNC_WINDOW_S / (one_call_s + fit.latency_s)))  # a run of calls, as a step
-            repeats = max(5, min(15, int(budget_s / len(computes) / len(SYNC_MESSAGES) / (2 * inner * one_call_s))))
+            repeats = max(5, min(100, int(budget_s / len(computes) / len(SYNC_MESSAGES) / (2 * inner * one_call_s))))
             alone_s, paired_s = in_step_windows_s(compute, message, world, repeats, inner)
             fitted = fit.latency_s + message * ring_byte_factor("all_reduce", fit.group_size) / fit.bandwidth_bytes_per_s
             samples.append((alone_s, message, paired_s - alone_s - fitted))
