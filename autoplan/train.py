@@ -64,6 +64,7 @@ from pathlib import Path
 
 import torch
 
+from autoplan.cli import exit_now
 from autoplan.cli.args import OneLineParser, existing_file, non_negative_int, positive_float, positive_int
 from autoplan.step_meter import StepMeter
 from autoplan.train_hf import add_hf_options, build_hf_program, check_hf_args, finish_hf
@@ -387,16 +388,6 @@ def _stop(args, run: Run, message: str, code: int, report: bool) -> int:
     if _rank() == 0 and run.losses:
         write_outputs(args, run, stopped=message)
     return code
-
-
-def exit_now(code: int) -> None:
-    """End the process with `code` once its output is flushed, skipping the interpreter's teardown: every rank
-    has destroyed its process groups (`main`), yet a thread torch's gloo groups leave behind can still abort the
-    teardown (std::terminate, SIGABRT: seen once on 2 CPU ranks after a finished fine-tuning run had written
-    its checkpoint), and torchrun then fails the whole job."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

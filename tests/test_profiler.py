@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from autoplan.cli import exit_now
 from autoplan.cluster import preset
 from autoplan.cost_model.calibration import E_MAX, GemmEfficiency, device_spec_from_profile, effective_link
 from autoplan.profiler.cli import add_profile_parser, cmd_profile, slowest_rank
@@ -275,6 +276,7 @@ def _gloo_worker(rank: int, port: int, out_dir: str) -> None:
         dist.barrier()  # both ranks done before either tears the group down
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # as `python -m autoplan` ends a torchrun rank: gloo's threads can abort the teardown (SIGABRT)
 
 
 @pytest.mark.gloo
