@@ -14,8 +14,6 @@ split each sequence with the cp ranks instead (`MeshShape.ep_as`).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -28,7 +26,7 @@ from autoplan.recompute_policy import check_recompute
 from autoplan.strategies import Strategy
 from autoplan.validity import SCHEDULES
 from autoplan.validate import (check_choice, check_int, check_keys, check_list, check_mapping, check_number, check_output_file,
-                               check_str, check_tokens, parse_mapping, read_text, record, shown)
+                               check_str, check_tokens, parse_mapping, read_text, record, shown, write_text_atomic)
 
 PLAN_VERSION = 3  # 3: `recompute` names a policy (autoplan.recompute_policy), no node list
 # 2: each op carries its resolved strategy and module path; a version 2 plan's recompute_nodes are
@@ -329,19 +327,10 @@ class Plan:
         """Write atomically: a crash mid-write never leaves a truncated plan at `path`. PlanError where no file
         can be written there (a folder, a parent that is a file, no permission)."""
         path = check_output_file(path, "plan output", PlanError)
-        text = self.dumps() + "\n"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+            write_text_atomic(path, self.dumps() + "\n")
         except OSError as exc:
             raise PlanError(f"cannot write the plan to {str(path)!r}: {exc.strerror or exc}; choose another path") from None
-        try:
-            with os.fdopen(fd, "w") as handle:
-                handle.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":

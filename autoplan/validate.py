@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import tempfile
 from pathlib import Path
 
 from autoplan.errors import AutoplanError, ConfigError, PlanError
@@ -177,6 +179,24 @@ def check_output_file(path: str | Path, what: str, error: type[AutoplanError] = 
                 raise error(f"{what} {str(path)!r}: {str(parent)!r} is not a folder; choose another path")
             break
     return path
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """`text` into `path` atomically: a temporary file in the same folder, then os.replace, so a crash never
+    leaves a truncated file at `path`; the file gets the mode a plain open() gives (0666 less the umask: mkstemp
+    makes its file 0600, which a teammate's tools could not read). OSError where it cannot be written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def check_keys(what: str, data: dict, allowed: set[str], required: set[str] = frozenset(),

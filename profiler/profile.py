@@ -37,14 +37,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
-import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from autoplan.errors import ConfigError
-from autoplan.validate import path_kind
+from autoplan.validate import path_kind, write_text_atomic
 
 PROFILE_VERSION = 1
 DEVICE_KINDS = ("cpu", "cuda")
@@ -365,16 +363,7 @@ class HardwareProfile:
 
     def save(self, path: str | Path) -> None:
         """Write atomically (temp file in the same folder, then os.replace): never a truncated file."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as handle:
-                handle.write(self.dumps() + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_text_atomic(Path(path), self.dumps() + "\n")
 
     @classmethod
     def load(cls, path: str | Path, expect_device: str | None = None) -> "HardwareProfile":

@@ -345,3 +345,20 @@ def test_cluster_spec_refuses_what_its_file_would():
     link = parse_cluster("1x1xcpu").intra_node
     with pytest.raises(ConfigError, match="num_nodes=1.5"):
         ClusterSpec(1.5, 2, device, link, link)
+
+
+def test_plans_and_profiles_are_written_with_the_mode_a_plain_open_gives(tmp_path):
+    """`validate.write_text_atomic` (plans, profiles, benchmark results): 0666 less the umask, as `open()` makes a file,
+    where the temporary file it renames was 0600; the text whole."""
+    import os
+
+    from autoplan.validate import write_text_atomic
+
+    old = os.umask(0o022)
+    try:
+        write_text_atomic(tmp_path / "sub" / "plan.json", "{}\n")
+    finally:
+        os.umask(old)
+    written = tmp_path / "sub" / "plan.json"
+    assert written.read_text() == "{}\n" and (written.stat().st_mode & 0o777) == 0o644
+    assert [p.name for p in written.parent.iterdir()] == ["plan.json"]  # no temporary left
