@@ -21,10 +21,12 @@ What a careful user would do, on 2 gloo ranks (issue 20):
                 (selective, full), tp 2 Megatron / with sequence parallelism / the solver's own assignment,
                 cp 2, pp 2 (1F1B), and the plan `autoplan search --profile` picks (`api.search_plans`)
     measured    every plan compiled by `autoplan.parallelize` in one pair of fresh processes per family
-                (gloo, one CPU thread each, as torchrun gives), AdamW; timed in `--rounds` rounds that
-                rotate the plans' order, each round one discarded step and `--steps` timed steps per plan,
-                each after a barrier; a step's time is the slowest rank's wall time; the measured step is
-                the median
+                (gloo, one CPU thread each, as torchrun gives), AdamW; `--warmup-rounds` discarded rounds of
+                one step per plan (the processes' heaps grow to hold every plan's temporaries, and a step
+                that grows them pays the new pages' faults, which a process training one plan pays once);
+                then timed in `--rounds` rounds that rotate the plans' order, each round one discarded step
+                and `--steps` timed steps per plan, each after a barrier; a step's time is the slowest
+                rank's wall time; the measured step is the median
     malloc      both the profile and the ranks under GLIBC_TUNABLES=KEPT_PAGES, as the README advises for
                 training on a CPU (glibc's default maps, unmaps and trims the steps' large temporaries, whose
                 pages are then faulted in again each step: a Llama layer ran 5.6% slower, and the profile's
@@ -32,7 +34,8 @@ What a careful user would do, on 2 gloo ranks (issue 20):
     breakdown   measured (medians, the slowest rank's steps): the CPU seconds of the step (the steadier
                 figure on a loaded machine: wall time there is CPU time stretched by the other jobs),
                 the main thread's share of them (the rest: gloo's threads), the wait for the gradient sync after backward (`GradSync.exposed_s`), the optimizer
-                step; predicted: the plan's compute / communication / bubble / optimizer
+                step, the process's minor page faults in thousands (a step far above 0 grew its heap);
+                predicted: the plan's compute / communication / bubble / optimizer
 
 Families: a small Llama (4 layers, hidden 384, 6 heads, 2 kv heads, SwiGLU 1024, vocabulary 4096) and a
 small GPT (4 layers, hidden 384, 6 heads, FFN 1536, vocabulary 4096); global batch 8 x 256 tokens. Per
@@ -50,6 +53,7 @@ import argparse
 import dataclasses
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -219,18 +223,41 @@ class TimedOptimizer:
         optimizer.step = step  # the instance's step, so the program's checks still see its class
 
 
+def _page_faults() -> int:
+    """This process's minor page faults so far (pages the kernel handed it on first touch)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _one_step(program, optimizer: TimedOptimizer, tokens, targets) -> dict[str, float]:
     dist.barrier()
-    start, start_cpu, start_thread = time.perf_counter(), time.process_time(), time.thread_time()
+    start, start_cpu, start_thread, faults = time.perf_counter(), time.process_time(), time.thread_time(), _page_faults()
     program.train_step(tokens, targets, optimizer.optimizer)
     wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     thread = time.thread_time() - start_thread  # the main thread's: cpu less gloo's threads
     sync = program.grad_sync.exposed_s() if program.grad_sync is not None else 0.0
-    return {"step_s": wall, "cpu_s": cpu, "thread_s": thread, "sync_wait_s": sync, "optimizer_s": optimizer.last_s}
+    return {"step_s": wall, "cpu_s": cpu, "thread_s": thread, "sync_wait_s": sync, "optimizer_s": optimizer.last_s,
+            "page_faults": _page_faults() - faults}
 
 
-def _rank(rank: int, port: int, config, plans: dict, rounds: int, steps: int, partial: str) -> None:
-    """One rank: every plan compiled, then rounds of (one discarded step + `steps` timed) per plan."""
+def _rotated(order: list[str], r: int) -> list[str]:
+    return order[r % len(order):] + order[:r % len(order)]
+
+
+def _warm_up(programs: dict, optimizers: dict, tokens, targets, rounds: int) -> None:
+    """`rounds` discarded rounds of one step per plan, in the timed rounds' rotated orders: with every plan
+    in one process, its heap grows as the plans' temporaries interleave in new orders, and each step that
+    grows it pays the new pages' first-touch faults (0.1-0.5 s of system time in a step; a process
+    training one plan reaches its steady heap in a step or two)."""
+    order = list(programs)
+    for r in range(rounds):
+        for name in _rotated(order, r):
+            _one_step(programs[name], optimizers[name], tokens, targets)
+
+
+def _rank(rank: int, port: int, config, plans: dict, rounds: int, steps: int, partial: str,
+          warmup: int) -> None:
+    """One rank: every plan compiled, `warmup` discarded rounds (`_warm_up`), then rounds of (one
+    discarded step + `steps` timed) per plan."""
     join_gloo(rank, WORLD, port)
     import autoplan
     from autoplan.models import build_model
@@ -242,10 +269,11 @@ def _rank(rank: int, port: int, config, plans: dict, rounds: int, steps: int, pa
     for name, plan in plans.items():
         programs[name] = autoplan.parallelize(build_model(config), plan.cluster, plan, config=config, seed=SEED)
         optimizers[name] = TimedOptimizer(programs[name].make_optimizer(torch.optim.AdamW, lr=LR))
+    _warm_up(programs, optimizers, tokens, targets, warmup)
     samples: dict[str, list[dict]] = {name: [] for name in plans}
     order = list(plans)
     for r in range(rounds):
-        for name in order[r % len(order):] + order[:r % len(order)]:
+        for name in _rotated(order, r):
             _one_step(programs[name], optimizers[name], tokens, targets)  # discarded
             samples[name] += [_one_step(programs[name], optimizers[name], tokens, targets) for _ in range(steps)]
         slowest = _slowest_rank(samples)
@@ -262,13 +290,13 @@ def _slowest_rank(samples: dict[str, list[dict]]) -> dict[str, list[dict]]:
             for name, rows in samples.items()}
 
 
-def measure(config, plans: dict, rounds: int, steps: int, partial: Path) -> dict[str, list[dict]]:
+def measure(config, plans: dict, rounds: int, steps: int, partial: Path, warmup: int = 0) -> dict[str, list[dict]]:
     """Per plan, its timed steps' figures (the slowest rank's), from fresh gloo processes. A rank that dies
     after every round was written (gloo's threads now and then abort a process at exit: "terminate called
     without an active exception") loses nothing: its figures are read back with a warning."""
     partial.unlink(missing_ok=True)  # this run's own rounds only
     try:
-        mp.start_processes(_rank, args=(_free_port(), config, plans, rounds, steps, str(partial)),
+        mp.start_processes(_rank, args=(_free_port(), config, plans, rounds, steps, str(partial), warmup),
                            nprocs=WORLD, start_method="spawn")
     except mp.ProcessExitedException as exc:
         done = json.loads(partial.read_text()).get("rounds_done", 0) if partial.exists() else 0
@@ -315,7 +343,7 @@ def summarize(plans: dict, samples: dict[str, list[dict]], search_name: str) -> 
                      "predicted_breakdown_s": {"compute": t.compute_s, "communication": t.communication_s,
                                                "bubble": t.bubble_s, "optimizer": t.optimizer_s},
                      "measured_breakdown_s": {k: statistics.median(s.get(k, float("nan")) for s in steps)
-                                              for k in ("cpu_s", "thread_s", "sync_wait_s", "optimizer_s")},
+                                              for k in ("cpu_s", "thread_s", "sync_wait_s", "optimizer_s", "page_faults")},
                      "steps": len(steps), "search": name == search_name})
     fastest = min(r["measured_s"] for r in rows)
     searched_s = next(r["measured_s"] for r in rows if r["search"])
@@ -333,14 +361,14 @@ def plan_text(plan) -> str:
 def print_family(family: str, result: dict) -> None:
     print(f"\n{family}: {result['model']['name']}  (load average {result['load_avg_before']} -> {result['load_avg_after']})")
     print(f"{'plan':26s} {'pred s':>7s} {'meas s':>7s} {'error':>7s}  {'compute':>7s} {'comm':>6s} {'bubble':>6s} "
-          f"{'optim':>6s}  {'cpu s':>6s} {'main':>6s} {'sync w':>6s} {'optim':>6s}")
+          f"{'optim':>6s}  {'cpu s':>6s} {'main':>6s} {'sync w':>6s} {'optim':>6s} {'flt k':>5s}")
     for r in sorted(result["rows"], key=lambda r: r["measured_s"]):
         p, m = r["predicted_breakdown_s"], r["measured_breakdown_s"]
         mark = " <- search" if r["search"] else ""
         print(f"{r['plan']:26s} {r['predicted_s']:7.3f} {r['measured_s']:7.3f} {r['error']:+7.1%}  "
               f"{p['compute']:7.3f} {p['communication']:6.3f} {p['bubble']:6.3f} {p['optimizer']:6.3f}  "
               f"{m['cpu_s']:6.3f} {m.get('thread_s', float('nan')):6.3f} {m['sync_wait_s']:6.3f} "
-              f"{m['optimizer_s']:6.3f}{mark}")
+              f"{m['optimizer_s']:6.3f} {m.get('page_faults', float('nan')) / 1e3:5.1f}{mark}")
     print(f"Spearman rho {result['spearman']:.3f}, median |error| {result['median_abs_error']:.1%}, search's plan "
           f"({result['search_plan']}) measured {result['search_rank']} of {len(result['rows'])}, regret "
           f"{result['search_regret']:+.1%}")
@@ -373,7 +401,7 @@ def draw(results: dict, path: Path) -> str:
 def run_family(family: str, config, profile, args, partial: Path) -> dict:
     load_before = [round(x, 2) for x in os.getloadavg()]
     plans, search_name = family_plans(config, profile, args.quick)
-    samples = measure(config, plans, args.rounds, args.steps, partial)
+    samples = measure(config, plans, args.rounds, args.steps, partial, args.warmup_rounds)
     result = summarize(plans, samples, search_name)
     return {"model": dataclasses.asdict(config), "load_avg_before": load_before,
             "load_avg_after": [round(x, 2) for x in os.getloadavg()], **result}
@@ -385,6 +413,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--families", nargs="+", choices=("llama", "gpt"), default=["llama", "gpt"])
     parser.add_argument("--rounds", type=int, help="rounds over the plans (default 3; 2 with --quick)")
     parser.add_argument("--steps", type=int, help="timed steps per plan and round (default 4; 2 with --quick)")
+    parser.add_argument("--warmup-rounds", type=int,
+                        help="discarded rounds of one step per plan before the timed rounds (default 3; 1 with --quick)")
     parser.add_argument("--profile", type=Path, help="price with this profile instead of measuring a fresh one")
     parser.add_argument("--out", type=Path, default=OUT / "step_fidelity.json")
     parser.add_argument("--from-json", type=Path, help="re-print a saved run")
@@ -399,6 +429,7 @@ def main(argv: list[str] | None = None) -> dict:
     malloc = keep_freed_pages(args.default_malloc)  # before the profile and the ranks start: they inherit it
     args.rounds = args.rounds or (2 if args.quick else 3)
     args.steps = args.steps or (2 if args.quick else 4)
+    args.warmup_rounds = (1 if args.quick else 3) if args.warmup_rounds is None else args.warmup_rounds
     from autoplan.profiler.profile import HardwareProfile
 
     profile_path = args.profile or args.out.with_name(args.out.stem + "_profile.json")
@@ -406,7 +437,7 @@ def main(argv: list[str] | None = None) -> dict:
         fresh_profile(profile_path, args.quick)
     profile = HardwareProfile.load(profile_path)
     saved = {"config": {"world": WORLD, "seq": SEQ, "batch": BATCH, "dtype": DTYPE, "rounds": args.rounds,
-                        "steps": args.steps, "quick": args.quick, "profile": str(profile_path),
+                        "warmup_rounds": args.warmup_rounds, "steps": args.steps, "quick": args.quick, "profile": str(profile_path),
                         "torch": torch.__version__, "cpus": os.cpu_count(), "malloc": malloc}, "families": {}}
     for family in args.families:
         partial = args.out.with_name(f"{args.out.stem}_{family}_partial.json")
