@@ -6,7 +6,8 @@ cp x ep under ep_as = "cp": `Config.context_parallel`; the expert all-to-alls th
 rank as with the ep ranks splitting the batch)
 (`parallel_dims`), a layer costs
 
-    t_layer = compute (+ recompute) + tp communication + Ulysses all-to-alls (attention layers, over the
+    t_layer = compute (+ recompute) + autocast's casts of its GEMM weights and their gradients (`cast_s`)
+              + tp communication + Ulysses all-to-alls (attention layers, over the
                 cp ranks, or the ep x cp ranks when the ep ranks are context-parallel ranks too, ep_as = "cp")
               + expert dispatch / combine all-to-alls (MoE layers whose experts are spread over more than
                 one rank: over ep, or over ep x tp / etp when etp < tp, `parallel_dims`)
@@ -56,7 +57,7 @@ import numpy as np
 from autoplan.cluster import ClusterSpec
 from autoplan.validity import ulysses_kv_heads
 from autoplan.cost_model.comm import AxisGroup
-from autoplan.cost_model.compute import Efficiency
+from autoplan.cost_model.compute import Efficiency, memory_time_s
 from autoplan.cost_model.optimizer import adamw_time_s, optimizer_host_time_s, stepped_tensors
 from autoplan.cost_model.dp_sync import DataParallelSync
 from autoplan.cost_model.memory import FP32_BYTES, model_state_bytes, state_bytes_for, temporary_bytes
@@ -186,7 +187,9 @@ class StepModel(DataParallelSync):
         return links
 
     def times(self, block: BlockCosts, cfg: Config) -> LayerTimes:
-        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg), cfg.precision)
+        piped = cfg.num_microbatches if cfg.pp > 1 and state_bytes_for(self.env.dtype, cfg.precision).cast else 0
+        key = (id(block), cfg.recompute, cfg.cp, cfg.ep, cfg.ep_as, cfg.microbatch_size, self._links(cfg), cfg.precision,
+               piped)
         if key not in self._times:
             a = block.arrays(cfg.recompute)
             spread, master = cfg.mesh.expert_parallel, cfg.precision == "bf16-master"  # spread: the expert group
@@ -199,15 +202,39 @@ class StepModel(DataParallelSync):
                 # a recomputed layer re-runs its forward all-to-alls (half of forward + backward) in
                 # backward: collectives are never cached, as its tp collectives (PartCost.full_comm_s)
                 comm = comm + extra * np.where(recomputed & (kind != "none"), 1.5, 1.0)
-            time = a["compute"] + comm
-            ends = [p.compute_s() + p.comm_s() for p in (block.pre, block.post)]  # never recomputed
-            prefix = {"time": prefix_sums(time), "compute": prefix_sums(a["compute"]), "forward": prefix_sums(a["forward"]),
-                      "backward": prefix_sums(a["backward"]), "activation": prefix_sums(held["activation"]),
+            kind, recomputed = block.recomputed(cfg.recompute)
+            cast = self.cast_s(cfg, a["cast"] + a["expert"] / cfg.ep)  # each way, per microbatch (`cast_s`)
+            first = cast / piped if piped else cast
+            recast = 0.0 if piped else np.where(recomputed & (kind == "full"), cast, 0.0)
+            forward, backward = a["forward"] + first, a["backward"] + cast + recast
+            compute = a["compute"] + first + cast + recast
+            time = compute + comm
+            # the ends (never recomputed): forward and backward with their casts
+            ends_cast = [self.cast_s(cfg, p.cast_params + p.expert_params / cfg.ep) for p in (block.pre, block.post)]
+            ends_f = tuple(p.fwd_compute_s + (c / piped if piped else c) for p, c in zip((block.pre, block.post), ends_cast))
+            ends_b = tuple(p.backward_s() + c for p, c in zip((block.pre, block.post), ends_cast))
+            ends = [f + b + p.comm_s() for p, f, b in zip((block.pre, block.post), ends_f, ends_b)]
+            prefix = {"time": prefix_sums(time), "compute": prefix_sums(compute), "forward": prefix_sums(forward),
+                      "backward": prefix_sums(backward), "activation": prefix_sums(held["activation"]),
                       "imbalance": prefix_sums(held["activation"] - mean["activation"])}
             self._times[key] = LayerTimes(time, prefix, ends[0], ends[1], float(time.sum()) + sum(ends),
-                                      held["transient"], (held["pre"], held["post"]), mean["transient"],
-                                      (flat_value(held["transient"]), flat_value(mean["transient"])))
+                                          held["transient"], (held["pre"], held["post"]), mean["transient"],
+                                          (flat_value(held["transient"]), flat_value(mean["transient"])),
+                                          ends_forward=ends_f, ends_backward=ends_b)
         return self._times[key]
+
+    def cast_s(self, cfg: Config, cast_params):
+        """Seconds of autocast's weight casts per microbatch, each way, over `cast_params` local parameters that
+        GEMMs read (a number or an array): forward casts each fp32 weight to the compute dtype as a GEMM reads
+        it (read 4, write c bytes), backward converts its gradient back to the fp32 parameter's (read c, write
+        4). As the runtime enters autocast (`times`): once per microbatch's forward without pp, so a fully
+        recomputed layer casts again in backward; around the whole pipelined step under pp, whose cache casts
+        each weight once per step (priced as 1 / m per microbatch) and a recomputed layer reuses. None
+        without autocast's copies (fp32, bf16-master: c = 0)."""
+        c = state_bytes_for(self.env.dtype, cfg.precision).cast
+        if not c:
+            return 0.0 * cast_params
+        return memory_time_s((FP32_BYTES + c) * cast_params, self.env.cluster.device, self.env.efficiency)
 
     def _split_states(self, dense, expert, cfg: Config, cast=0.0):
         """(weights, gradients, optimizer) bytes of `dense` and `expert` parameters per rank, `cast` of the
@@ -265,17 +292,19 @@ class StepModel(DataParallelSync):
     def optimizer_s(self, cfg: Config, params: float, tensors: float = 0.0) -> float:
         """AdamW's step over a stage's `params` (ZeRO 1-3: this rank's 1 / data-ranks share of them), on the
         gradients the sync reduced (fp32 under every precision) and, where the parameters are narrower than the
-        fp32 masters it steps on (bf16-master, ZeRO 0-2; FSDP2's shards are the fp32 masters), their cast; and
-        the host's work it exposes over the stage's `tensors` parameter tensors (`optimizer_host_time_s`: the
-        tensors themselves, or the fp32 master buckets where the optimizer steps on those)."""
+        fp32 masters it steps on (bf16-master, ZeRO 0-2; FSDP2's shards are the fp32 masters), their cast; the
+        host's work it exposes over the stage's `tensors` parameter tensors (`optimizer_host_time_s`: the
+        tensors themselves, or the fp32 master buckets where the optimizer steps on those); and where it steps
+        on masters (`Config.steps_on_masters`), the copy of each bucket's updated values, all-gathered or cast,
+        into the parameters (`GradSync.gather_parameters`: read and write w bytes per local parameter)."""
         shard = cfg.data_ranks if cfg.zero_stage >= 1 else 1
         tensor = self.env.model.hidden ** 2 / (cfg.mesh.tp * shard)  # the representative tensor (module docstring)
         state = state_bytes_for(self.env.dtype, cfg.precision)
         weight = FP32_BYTES if cfg.zero_stage == 3 else state.held_weight
-        efficiency = self.env.efficiency
-        masters = cfg.zero_stage in (1, 2) or (cfg.zero_stage == 0 and cfg.precision == "bf16-master")
+        device, efficiency, masters = self.env.cluster.device, self.env.efficiency, cfg.steps_on_masters
         host = optimizer_host_time_s(stepped_tensors(tensors, params / shard, masters), efficiency)
-        return adamw_time_s(params / shard, state.held_grad, weight, tensor, self.env.cluster.device, efficiency) + host
+        copy = memory_time_s(2 * state.held_weight * params, device, efficiency) if masters else 0.0
+        return adamw_time_s(params / shard, state.held_grad, weight, tensor, device, efficiency) + host + copy
 
     def memory_floor_bytes(self, block: BlockCosts, cfg: Config) -> float:
         """A floor under the busiest pipeline rank's memory, whatever the partition (given or searched, ranks
@@ -420,7 +449,7 @@ class StepModel(DataParallelSync):
             (block.pre, st.pre, t.ends_bytes[0], st.ends_step[0], stage == 0),
             (block.post, st.post, t.ends_bytes[1], st.ends_step[1], stage == cfg.pp - 1)) if here]
         sums = {k: float(sum(v[b] - v[a] for a, b in ranges)) for k, v in (*t.lists().items(), *st.lists().items())}
-        for p, e, held, step in ends:
+        for (p, e, held, step), (forward, backward) in zip(ends, t.ends_compute(stage == 0, stage == cfg.pp - 1)):
             sums["cast"] += step[0]
             sums["step_temp"] += step[1]
             sums["dense"] += e[0]
@@ -430,9 +459,9 @@ class StepModel(DataParallelSync):
             sums["grads"] += e[3]
             sums["optimizer"] += e[4]
             sums["activation"] += held
-            sums["compute"] += p.compute_s()
-            sums["forward"] += p.fwd_compute_s
-            sums["backward"] += p.backward_s()
+            sums["compute"] += forward + backward
+            sums["forward"] += forward
+            sums["backward"] += backward
         transient = range_peak(problem.layer_transient_bytes, ranges, t.flat[0])
         mean_transient = range_peak(t.mean_transient, ranges, t.flat[1])
         in_flight = float(problem.in_flight[stage])

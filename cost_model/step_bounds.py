@@ -165,13 +165,12 @@ def least_slowest_rank_s(tau: float, first_s: float, last_s: float, least: tuple
 
 def whole_model_sums(block: BlockCosts, t: LayerTimes, st: LayerStates) -> dict[str, float]:
     """What `StepModel.dp_sync_parts` reads of a stage, for one stage holding every layer and both ends."""
-    ends = (block.pre, block.post)
     return {"dense": float(st.prefix["dense"][-1]) + st.pre[0] + st.post[0],
             "expert": float(st.prefix["expert"][-1]) + st.pre[1] + st.post[1],
             "tensors": float(st.prefix["tensors"][-1]) + block.pre.tensors + block.post.tensors,
             "buckets": block.num_layers + 1,
-            "forward": float(t.prefix["forward"][-1]) + sum(p.fwd_compute_s for p in ends),
-            "backward": float(t.prefix["backward"][-1]) + sum(p.backward_s() for p in ends)}
+            "forward": float(t.prefix["forward"][-1]) + sum(t.ends_forward),
+            "backward": float(t.prefix["backward"][-1]) + sum(t.ends_backward)}
 
 
 def dp_sync_floor_s(steps: "StepModel", cfg: Config, whole: dict[str, float]) -> float:

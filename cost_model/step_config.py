@@ -65,6 +65,15 @@ class Config:
         whatever ep_as."""
         return self.dp * self.ep * self.cp
 
+    @property
+    def steps_on_masters(self) -> bool:
+        """Whether the optimizer steps on fp32 master slices of the gradient buckets (`runtime.grad_sync`): ZeRO
+        1/2 over more than one data rank, and bf16-master wherever FSDP2 does not hold the masters (ZeRO 3 over
+        more than one data rank)."""
+        sharded = self.zero_stage in (1, 2) and self.data_ranks > 1
+        fsdp = self.zero_stage == 3 and self.data_ranks > 1
+        return sharded or (self.precision == "bf16-master" and not fsdp)
+
     @cached_property
     def rank_microbatch(self) -> Fraction:
         """Sequences' worth of tokens one rank processes per microbatch: mbs / cp (mbs / (cp ep) under

@@ -38,7 +38,13 @@ class LayerTimes:
     ends_bytes: tuple[float, float]  # activations of the parts before and after the layers
     mean_transient: np.ndarray  # `transient` with MoE routed rows at the ep group's mean (no imbalance margin)
     flat: tuple[float | None, float | None] = (None, None)  # the value all of transient / mean_transient share
+    ends_forward: tuple[float, float] = (0.0, 0.0)  # the ends' forward compute, autocast's casts included
+    ends_backward: tuple[float, float] = (0.0, 0.0)  # and their backward
     _lists: dict | None = None
+
+    def ends_compute(self, first: bool, last: bool) -> list[tuple[float, float]]:
+        """(forward, backward) seconds of the ends a stage holds: the embedding's if `first`, the head's if `last`."""
+        return [(f, b) for f, b, here in zip(self.ends_forward, self.ends_backward, (first, last)) if here]
 
     def lists(self) -> dict[str, list[float]]:
         """`prefix` as Python floats, the same doubles: a stage's sums over a few ranges read them faster."""

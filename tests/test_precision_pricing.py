@@ -85,15 +85,18 @@ def _config():
                      recompute="none")
 
 
-@pytest.mark.parametrize("precision, zero, per_param", [
-    ("autocast", 0, 84),     # fp32 weights and gradients: no cast
-    ("bf16-master", 0, 90),  # fp32 main gradients (84), and the masters cast into the bf16 weights (4 + 2)
-    ("bf16-master", 1, 90),
-    ("bf16-master", 3, 84),  # FSDP2's fp32 shards are the masters: nothing to cast
+@pytest.mark.parametrize("precision, zero, per_param, copied", [
+    ("autocast", 0, 84, 0),     # fp32 weights and gradients: no cast, the step is on the parameters themselves
+    ("autocast", 1, 84, 8),     # the updated slices all-gathered, then copied into the fp32 parameters
+    ("bf16-master", 0, 90, 4),  # fp32 main gradients (84), the masters cast into bf16 (4 + 2), then copied in (2 + 2)
+    ("bf16-master", 1, 90, 4),
+    ("bf16-master", 3, 84, 0),  # FSDP2's fp32 shards are the masters: nothing to cast or copy
 ])
-def test_optimizer_step_reads_fp32_gradients(precision, zero, per_param):
+def test_optimizer_step_reads_fp32_gradients(precision, zero, per_param, copied):
+    """The step on this rank's share, and the copy of every local parameter out of the buckets
+    (`GradSync.gather_parameters`) where it steps on master slices."""
     steps = _steps()
     cfg = _config().replace(zero_stage=zero, precision=precision)
     shard = 16 if zero else 1
     assert steps.optimizer_s(cfg, PARAMS) == pytest.approx(
-        memory_time_s(per_param * PARAMS / shard, steps.env.cluster.device, Efficiency()))
+        memory_time_s((per_param / shard + copied) * PARAMS, steps.env.cluster.device, Efficiency()))

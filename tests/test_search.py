@@ -6,6 +6,7 @@ import dataclasses
 import random
 from fractions import Fraction
 
+import numpy as np
 import pytest
 
 from autoplan.cluster import ClusterSpec, parse_cluster
@@ -189,14 +190,18 @@ def test_context_parallel_splits_the_sequence_and_pays_all_to_alls():
     assert group == AxisGroup(2, 1, 2)
     per_layer = ulysses_all_to_all_s(8192, 1024 / 2, max(256 / 2, 2 * 64), 2, ctx.cluster, group)
     block = ctx.block(2, Fraction(1, 2))
-    extra = ctx.steps.times(block, two).time - (block.arrays("none")["compute"] + block.arrays("none")["comm"])
+    # beside autocast's weight casts, each way per microbatch (`StepModel.cast_s`), and again in a full re-run
+    cast = ctx.steps.cast_s(two, block.arrays("none")["cast"])
+    assert cast.min() > 0
+    extra = ctx.steps.times(block, two).time - (block.arrays("none")["compute"] + block.arrays("none")["comm"] + 2 * cast)
     assert extra == pytest.approx([per_layer] * MID.num_layers)
     # a recomputed layer re-runs its forward all-to-alls in backward (tests/test_runtime_modules_cp.py counts
     # 12 per layer and microbatch under full recompute): the first k layers of full:k pay half as much again
     for recompute, layers in (("full", MID.num_layers), ("full:2", 2), ("selective", MID.num_layers)):
         policy = two.replace(recompute=recompute)
         arrays = block.arrays(recompute)
-        extra = ctx.steps.times(block, policy).time - (arrays["compute"] + arrays["comm"])
+        recast = np.where(np.arange(MID.num_layers) < layers, cast, 0.0) if recompute != "selective" else 0.0
+        extra = ctx.steps.times(block, policy).time - (arrays["compute"] + arrays["comm"] + 2 * cast + recast)
         assert extra == pytest.approx([1.5 * per_layer] * layers + [per_layer] * (MID.num_layers - layers))
 
 
@@ -253,7 +258,8 @@ def test_expert_tp_1_drops_the_experts_tp_all_reduces_and_widens_the_dispatch():
         group = axes_group(cfg.mesh, axes, 8)
         assert group.size == cfg.mesh.expert_parallel == (2 if cfg is base else 4)
         block = blocks[cfg.mesh.etp]
-        extra = ctx.steps.times(block, cfg).time - (block.arrays("none")["compute"] + block.arrays("none")["comm"])
+        t = ctx.steps.times(block, cfg)  # its compute: the block's, with autocast's casts
+        extra = t.time - (np.diff(t.prefix["compute"]) + block.arrays("none")["comm"])
         dispatch = expert_all_to_all_s(tokens, MID_MOE.hidden, MID_MOE.top_k, 2, ctx.cluster, group)
         assert extra == pytest.approx([dispatch] * MID_MOE.num_layers)
     # expert weights per rank: E / (ep tp) whole experts or E / ep experts of f / tp, the same count

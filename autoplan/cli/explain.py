@@ -220,12 +220,15 @@ def _ops_text(plan: Plan, config, graph, max_ops: int, profile=None, registry=No
 
 def _beyond_kernels_text(plan: Plan, kernels_s: float) -> list[str]:
     """A line saying how much of the plan's compute per microbatch is not its kernels' own time: the host's
-    dispatch of small kernels (`cost_model.host`) and what recompute re-runs."""
+    dispatch of small kernels (`cost_model.host`), what recompute re-runs, and autocast's weight casts
+    (`StepModel.cast_s`)."""
     per_microbatch = plan.predicted.time.compute_s / max(plan.num_microbatches, 1)
     if per_microbatch <= kernels_s * 1.001:
         return []
+    casts = ", autocast's casts of the weights and their gradients" if plan.precision == "autocast" and \
+        plan.dtype != "float32" else ""
     return [f"  the plan's compute is {_s(per_microbatch)} per microbatch, {_s(per_microbatch - kernels_s)} more than "
-            f"the kernels above: the host's dispatch of kernels too short to hide it, and what recompute re-runs"]
+            f"the kernels above: the host's dispatch of kernels too short to hide it, what recompute re-runs{casts}"]
 
 
 def activation_families(plan: Plan, graph, config) -> tuple[list[tuple[str, float]], float]:
