@@ -100,3 +100,41 @@ def test_optimizer_step_reads_fp32_gradients(precision, zero, per_param, copied)
     shard = 16 if zero else 1
     assert steps.optimizer_s(cfg, PARAMS) == pytest.approx(
         memory_time_s((per_param / shard + copied) * PARAMS, steps.env.cluster.device, Efficiency()))
+
+
+def test_autocast_prices_its_weight_casts_as_the_runtime_enters_autocast():
+    """`StepModel.cast_s`: autocast casts each GEMM weight read 4 + written 2 bytes in every microbatch's forward
+    and its gradient read 2 + written 4 in backward; bf16-master's bf16 weights and float32 plans cast nothing.
+    Without pp the forward's autocast region is one microbatch's, so a fully recomputed layer casts again in
+    backward; under pp one region spans the pipelined step, whose cache casts each weight once per step (1 / m
+    per microbatch) and the re-run reuses."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    from autoplan.api import search_context
+    from autoplan.cost_model.step_config import Config
+    from autoplan.solver.context import VARIANT_MEGATRON
+
+    ctx = search_context(get_model_config("gpt2-small"), parse_cluster("1x8xh100"), 16, 1024)
+    block = ctx.block(1, Fraction(1), VARIANT_MEGATRON)
+    weights = block.arrays("none")["cast"]
+    assert weights.min() > 0  # every layer's linears
+
+    def added(cfg):  # the layers' compute beyond the kernels' own
+        t = ctx.steps.times(block, cfg)
+        return np.diff(t.prefix["compute"]) - block.arrays(cfg.recompute)["compute"]
+
+    base = Config.of(tp=1, cp=1, pp=1, ep=1, dp=8, microbatch_size=1, num_microbatches=2, zero_stage=0,
+                     recompute="none")
+    one_way = memory_time_s(6 * weights, ctx.cluster.device, Efficiency())
+    assert added(base) == pytest.approx(2 * one_way)
+    assert added(base.replace(recompute="full")) == pytest.approx(3 * one_way)
+    assert added(base.replace(recompute="selective")) == pytest.approx(2 * one_way)  # no GEMM re-run
+    piped = base.replace(pp=2, dp=4, num_microbatches=8)
+    assert added(piped) == pytest.approx((1 + 1 / 8) * one_way)
+    assert added(piped.replace(recompute="full")) == pytest.approx((1 + 1 / 8) * one_way)
+    assert added(base.replace(precision="bf16-master")) == pytest.approx(0 * one_way)
+    fp32 = search_context(get_model_config("gpt2-small"), parse_cluster("1x8xh100"), 16, 1024, dtype="float32")
+    t = fp32.steps.times(fp32.block(1, Fraction(1), VARIANT_MEGATRON), base)
+    assert np.diff(t.prefix["compute"]) == pytest.approx(fp32.block(1, Fraction(1), VARIANT_MEGATRON).arrays("none")["compute"])
