@@ -196,24 +196,23 @@ class StepModel(DataParallelSync):
             held = block.activations(cfg.recompute, cfg.context_parallel, spread, True, master)  # the busiest rank's
             mean = block.activations(cfg.recompute, cfg.context_parallel, spread, False, master)  # the ep margin's share
             comm = a["comm"]
+            kind, recomputed = block.recomputed(cfg.recompute)
             if cfg.context_parallel > 1 or cfg.mesh.expert_parallel > 1:
                 extra = np.array([self._extra_comm_s(block, cfg, p) for p in block.distinct])[block.index]
-                kind, recomputed = block.recomputed(cfg.recompute)
                 # a recomputed layer re-runs its forward all-to-alls (half of forward + backward) in
                 # backward: collectives are never cached, as its tp collectives (PartCost.full_comm_s)
                 comm = comm + extra * np.where(recomputed & (kind != "none"), 1.5, 1.0)
-            kind, recomputed = block.recomputed(cfg.recompute)
-            cast = self.cast_s(cfg, a["cast"] + a["expert"] / cfg.ep)  # each way, per microbatch (`cast_s`)
-            first = cast / piped if piped else cast
-            recast = 0.0 if piped else np.where(recomputed & (kind == "full"), cast, 0.0)
-            forward, backward = a["forward"] + first, a["backward"] + cast + recast
-            compute = a["compute"] + first + cast + recast
+            cast_f, cast_b = self._cast_phases(cfg, a["cast"] + a["expert"] / cfg.ep, piped)
+            if not piped:  # a fully re-run forward casts again in backward (`cast_s`)
+                cast_b = cast_b + np.where(recomputed & (kind == "full"), cast_f, 0.0)
+            forward, backward = a["forward"] + cast_f, a["backward"] + cast_b
+            compute = a["compute"] + cast_f + cast_b
             time = compute + comm
-            # the ends (never recomputed): forward and backward with their casts
-            ends_cast = [self.cast_s(cfg, p.cast_params + p.expert_params / cfg.ep) for p in (block.pre, block.post)]
-            ends_f = tuple(p.fwd_compute_s + (c / piped if piped else c) for p, c in zip((block.pre, block.post), ends_cast))
-            ends_b = tuple(p.backward_s() + c for p, c in zip((block.pre, block.post), ends_cast))
-            ends = [f + b + p.comm_s() for p, f, b in zip((block.pre, block.post), ends_f, ends_b)]
+            ends = (block.pre, block.post)  # never recomputed
+            casts = [self._cast_phases(cfg, p.cast_params + p.expert_params / cfg.ep, piped) for p in ends]
+            ends_f = tuple(p.fwd_compute_s + f for p, (f, _) in zip(ends, casts))
+            ends_b = tuple(p.backward_s() + b for p, (_, b) in zip(ends, casts))
+            ends = [f + b + p.comm_s() for p, f, b in zip(ends, ends_f, ends_b)]
             prefix = {"time": prefix_sums(time), "compute": prefix_sums(compute), "forward": prefix_sums(forward),
                       "backward": prefix_sums(backward), "activation": prefix_sums(held["activation"]),
                       "imbalance": prefix_sums(held["activation"] - mean["activation"])}
@@ -232,9 +231,14 @@ class StepModel(DataParallelSync):
         each weight once per step (priced as 1 / m per microbatch) and a recomputed layer reuses. None
         without autocast's copies (fp32, bf16-master: c = 0)."""
         c = state_bytes_for(self.env.dtype, cfg.precision).cast
-        if not c:
-            return 0.0 * cast_params
-        return memory_time_s((FP32_BYTES + c) * cast_params, self.env.cluster.device, self.env.efficiency)
+        return memory_time_s((FP32_BYTES + c) * cast_params, self.env.cluster.device, self.env.efficiency) if c \
+            else 0.0 * cast_params  # zeros of the parameters' shape
+
+    def _cast_phases(self, cfg: Config, cast_params, piped: int):
+        """(forward, backward) seconds of autocast's casts per microbatch over `cast_params` (`cast_s`); `piped`:
+        the microbatches of a pipelined step, whose forward casts once (0 without pp)."""
+        each = self.cast_s(cfg, cast_params)
+        return (each / piped if piped else each), each
 
     def _split_states(self, dense, expert, cfg: Config, cast=0.0):
         """(weights, gradients, optimizer) bytes of `dense` and `expert` parameters per rank, `cast` of the

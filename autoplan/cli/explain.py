@@ -225,8 +225,10 @@ def _beyond_kernels_text(plan: Plan, kernels_s: float) -> list[str]:
     per_microbatch = plan.predicted.time.compute_s / max(plan.num_microbatches, 1)
     if per_microbatch <= kernels_s * 1.001:
         return []
-    casts = ", autocast's casts of the weights and their gradients" if plan.precision == "autocast" and \
-        plan.dtype != "float32" else ""
+    from autoplan.cost_model.memory import state_bytes_for
+
+    casts = ", autocast's casts of the weights and their gradients" if state_bytes_for(plan.dtype, plan.precision).cast \
+        else ""
     return [f"  the plan's compute is {_s(per_microbatch)} per microbatch, {_s(per_microbatch - kernels_s)} more than "
             f"the kernels above: the host's dispatch of kernels too short to hide it, what recompute re-runs{casts}"]
 
